@@ -1,0 +1,1 @@
+"""Decode service: the public Generation API; generates tokens from transferred or local KV."""

@@ -1,0 +1,74 @@
+"""`expect` and `enabled`: the call sites' API. At OFF nothing is launched and nothing is evaluated."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from invariants.checker import Checker
+from invariants.levels import Level, crashes, level_of
+from invariants.predicates import Predicate, is_true
+from invariants.registry import Invariant, InvariantError
+
+__all__ = ["checker", "enabled", "expect", "reset_checkers"]
+
+PredicateLike = Predicate | torch.Tensor | Callable[[], "Predicate | torch.Tensor"]
+
+_checkers: dict[torch.device, Checker] = {}
+_lock = threading.Lock()
+
+
+def _key(device: torch.device | str | None) -> torch.device:
+    dev = torch.device("cuda" if device is None and torch.cuda.is_available() else device or "cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def checker(device: torch.device | str | None = None, **options: object) -> Checker:
+    """The process's Checker for `device` (created on first use; options apply then only).
+
+    Create it before capturing a CUDA graph: its slab must exist before capture.
+    """
+    dev = _key(device)
+    found = _checkers.get(dev)
+    if found is not None:
+        return found
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise InvariantError(f"no Checker for {dev} yet: call invariants.checker({str(dev)!r}) before graph capture")
+    with _lock:
+        if dev not in _checkers:
+            _checkers[dev] = Checker(dev, **options)  # type: ignore[arg-type]
+        return _checkers[dev]
+
+
+def reset_checkers() -> None:
+    """Forget every Checker (tests)."""
+    with _lock:
+        _checkers.clear()
+
+
+def enabled(inv: Invariant) -> bool:
+    """False at OFF: guard any preparation a check needs so that OFF costs nothing."""
+    return level_of(inv) is not Level.OFF
+
+
+def expect(inv: Invariant, predicate: PredicateLike, *, rows: torch.Tensor | None = None) -> None:
+    """Check `predicate` under `inv`'s level without ever waiting for the device.
+
+    `predicate` is a built-in Predicate, a bool tensor (every element must be true), or a callable
+    returning either; at OFF the callable is never called. `rows` (int tensor, one id per leading
+    row of the predicate) attributes failing rows to requests: pass stable request slots.
+    """
+    level = level_of(inv)
+    if level is Level.OFF:
+        return
+    if callable(predicate) and not isinstance(predicate, torch.Tensor | Predicate):
+        predicate = predicate()
+    if isinstance(predicate, torch.Tensor):
+        predicate = is_true(predicate)
+    if not isinstance(predicate, Predicate):
+        raise InvariantError(f"{inv.name}: expect() needs a Predicate or a bool tensor, got {type(predicate).__name__}")
+    checker(predicate.device).check(inv, predicate, rows, crash=crashes(inv.severity, level))

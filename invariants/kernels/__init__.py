@@ -1,0 +1,1 @@
+"""Triton kernels of the invariants library (one kernel per file)."""

@@ -1,0 +1,96 @@
+"""One fused kernel for every built-in predicate: evaluate, reduce per row, then count or assert.
+
+Counting mode adds the number of failing rows to `counts[slot]` and sets the failing rows' bits in
+`bits[slot]` (atomics, no host involvement). Assert mode compiles with debug=True so that
+`tl.device_assert` survives, with the invariant's STRICT message baked in as a constexpr.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from invariants.predicates import Op, Predicate
+
+
+def _check_rows(
+    a_ptr, b_ptr, rows_ptr, counts_ptr, bits_ptr,
+    R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words_per_slot,
+    OP: tl.constexpr, HAS_ROWS: tl.constexpr, ASSERT: tl.constexpr, MSG: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < R
+    r64 = r.to(tl.int64)
+    bad = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for c0 in range(0, C, BLOCK_C):
+        c = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
+        m = rmask[:, None] & (c < C)[None, :]
+        a = tl.load(a_ptr + r64[:, None] * sa_r + c[None, :] * sa_c, mask=m, other=0)
+        if OP == 0:
+            b = tl.load(b_ptr + r64[:, None] * sb_r + c[None, :] * sb_c, mask=m, other=0)
+            ok = a == b
+        elif OP == 1:
+            ok = (a >= lo) & (a < hi)
+        elif OP == 2:
+            ok = (a - a) == 0  # NaN - NaN and inf - inf are NaN
+        elif OP == 3:
+            ok = a != 0
+        elif OP == 4:
+            ok = (a % lo) == 0
+        else:
+            # Ring index c must hold L-1 - ((L-1-c) mod C) when that is >= 0, else -1 (C = window).
+            L = tl.load(b_ptr + r64 * sb_r, mask=rmask, other=0).to(tl.int64)
+            e = (L[:, None] - 1) - ((L[:, None] - 1 - c[None, :] + C) % C)
+            ok = a == tl.where(e >= 0, e, -1)
+        bad = tl.maximum(bad, tl.max((m & (ok == 0)).to(tl.int32), axis=1))
+    if ASSERT:
+        tl.device_assert(bad == 0, MSG)
+    else:
+        n = tl.sum(bad, axis=0).to(tl.int64)
+        tl.atomic_add(counts_ptr + slot, n, mask=n > 0)
+        if HAS_ROWS:
+            hit = rmask & (bad > 0)
+            rid = tl.load(rows_ptr + r, mask=hit, other=0).to(tl.int32)
+            hit = hit & (rid >= 0) & (rid < words_per_slot * 32)
+            word = tl.where(hit, rid // 32, 0)
+            bit = tl.full([BLOCK_R], 1, tl.int32) << (rid % 32)
+            tl.atomic_or(bits_ptr + slot * words_per_slot + word, bit, mask=hit)
+
+
+_NO_SPECIALIZE = ["R", "C", "lo", "hi", "slot"]
+_count_kernel = triton.jit(do_not_specialize=_NO_SPECIALIZE)(_check_rows)
+_assert_kernel = triton.jit(debug=True, do_not_specialize=_NO_SPECIALIZE)(_check_rows)
+
+
+def _blocks(rows: int, cols: int) -> tuple[int, int]:
+    block_c = min(triton.next_power_of_2(max(cols, 1)), 512)
+    block_r = min(max(2048 // block_c, 1), triton.next_power_of_2(max(rows, 1)), 64)
+    return block_r, block_c
+
+
+def launch(
+    pred: Predicate,
+    *,
+    counts: torch.Tensor,
+    bits: torch.Tensor,
+    slot: int,
+    rows: torch.Tensor | None,
+    assert_message: str | None,
+) -> None:
+    """Enqueue the check on the current stream. `assert_message` set = STRICT-style assert."""
+    a, b = pred.as_2d()
+    R, C = a.shape
+    if R == 0 or C == 0 or (pred.op is Op.FINITE and not a.is_floating_point()):
+        return
+    bb = a if b is None else b
+    block_r, block_c = _blocks(R, C)
+    kernel = _count_kernel if assert_message is None else _assert_kernel
+    lo, hi = pred.lo, pred.hi
+    kernel[(triton.cdiv(R, block_r),)](
+        a, bb, a if rows is None else rows, counts, bits,
+        R, C, a.stride(0), a.stride(1), bb.stride(0), bb.stride(1), lo, hi, slot, bits.shape[1],
+        OP=int(pred.op), HAS_ROWS=rows is not None, ASSERT=assert_message is not None,
+        MSG=assert_message or "", BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,1 @@
+"""Prefill service: turns prompts into KV cache and hands it to decode."""
