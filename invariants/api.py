@@ -37,7 +37,9 @@ def checker(device: torch.device | str | None = None, **options: object) -> Chec
     if found is not None:
         return found
     if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise InvariantError(f"no Checker for {dev} yet: call invariants.checker({str(dev)!r}) before graph capture")
+        raise InvariantError(
+            f"no Checker for {dev} yet: call invariants.checker({str(dev)!r}) before graph capture"
+        )
     with _lock:
         if dev not in _checkers:
             _checkers[dev] = Checker(dev, **options)  # type: ignore[arg-type]
@@ -70,5 +72,7 @@ def expect(inv: Invariant, predicate: PredicateLike, *, rows: torch.Tensor | Non
     if isinstance(predicate, torch.Tensor):
         predicate = is_true(predicate)
     if not isinstance(predicate, Predicate):
-        raise InvariantError(f"{inv.name}: expect() needs a Predicate or a bool tensor, got {type(predicate).__name__}")
+        raise InvariantError(
+            f"{inv.name}: expect() needs a Predicate or a bool tensor, got {type(predicate).__name__}"
+        )
     checker(predicate.device).check(inv, predicate, rows, crash=crashes(inv.severity, level))

@@ -17,7 +17,14 @@ import numpy as np
 import torch
 
 from invariants.predicates import Predicate
-from invariants.registry import Invariant, InvariantError, InvariantViolation, Severity, Violation, strict_message
+from invariants.registry import (
+    Invariant,
+    InvariantError,
+    InvariantViolation,
+    Severity,
+    Violation,
+    strict_message,
+)
 
 __all__ = ["Checker", "Listener"]
 
@@ -88,7 +95,9 @@ class Checker:
                 if slot is None:
                     slot = len(self._invariants)
                     if slot >= self.counts.shape[0]:
-                        raise InvariantError(f"Checker on {self.device}: more than {slot} invariants; raise max_invariants")
+                        raise InvariantError(
+                            f"Checker on {self.device}: more than {slot} invariants; raise max_invariants"
+                        )
                     self._invariants.append(inv)
                     self._throttle.append(_Throttle())
                     self._slots[inv.name] = slot
@@ -203,7 +212,9 @@ class Checker:
                 recover(violation)
         return found
 
-    def _log(self, slot: int, inv: Invariant, new: int, total: int, now: float, rows: tuple[int, ...]) -> None:
+    def _log(
+        self, slot: int, inv: Invariant, new: int, total: int, now: float, rows: tuple[int, ...]
+    ) -> None:
         th = self._throttle[slot]
         th.unlogged += new
         if th.unlogged == 0:
@@ -212,7 +223,9 @@ class Checker:
             log.log(_LOG_LEVEL[inv.severity], "invariant %s violated: %d hits, rows %s (%s)",
                     inv.name, th.unlogged, list(rows), inv.description)  # fmt: skip
         elif now - th.last >= self.log_interval_s:
-            log.log(_LOG_LEVEL[inv.severity], "invariant %s: +%d hits, %d total", inv.name, th.unlogged, total)
+            log.log(
+                _LOG_LEVEL[inv.severity], "invariant %s: +%d hits, %d total", inv.name, th.unlogged, total
+            )
         else:
             return
         th.last, th.unlogged = now, 0

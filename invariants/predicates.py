@@ -83,7 +83,9 @@ def equal(a: torch.Tensor, b: torch.Tensor) -> Predicate:
     """Rowwise equality: row i holds when a[i] == b[i] everywhere (NaN never equals)."""
     a, b = _tensor(a, "a"), _tensor(b, "b")
     if a.shape != b.shape or a.device != b.device:
-        raise InvariantError(f"equal(): shapes/devices differ: {tuple(a.shape)}@{a.device} vs {tuple(b.shape)}@{b.device}")
+        raise InvariantError(
+            f"equal(): shapes/devices differ: {tuple(a.shape)}@{a.device} vs {tuple(b.shape)}@{b.device}"
+        )
     if a.dtype != b.dtype:
         raise InvariantError(f"equal(): dtypes differ: {a.dtype} vs {b.dtype}")
     return Predicate(Op.EQUAL, a, b)

@@ -28,7 +28,7 @@ class InvariantError(ValueError):
     """A misuse of the invariants API (bad name, duplicate registration, bad configuration)."""
 
 
-class InvariantViolation(AssertionError):  # noqa: N818 - the name the design uses
+class InvariantViolation(AssertionError):
     """Raised on CPU where a CUDA device would trip a device-side assert."""
 
 
@@ -81,10 +81,13 @@ class Invariant:
 
     def __post_init__(self) -> None:
         if not isinstance(self.severity, Severity):
-            raise InvariantError(f"invariant {self.name!r}: severity must be a Severity, got {self.severity!r}")
+            raise InvariantError(
+                f"invariant {self.name!r}: severity must be a Severity, got {self.severity!r}"
+            )
         if not _NAME.match(self.name):
             raise InvariantError(
-                f"invariant name {self.name!r} must be dotted lowercase identifiers, e.g. 'swa.history_present'"
+                f"invariant name {self.name!r} must be dotted lowercase identifiers, "
+                "e.g. 'swa.history_present'"
             )
         if len(strict_message(self.name)) > _MAX_MESSAGE:
             raise InvariantError(f"invariant name {self.name!r} is too long for a device-side assert message")

@@ -25,7 +25,7 @@ import torch
 __all__ = ["HostSyncError", "no_host_sync"]
 
 
-class HostSyncError(AssertionError):  # noqa: N818 - reads as what the test found
+class HostSyncError(AssertionError):
     """The guarded block made the host wait for the device."""
 
 

@@ -1,1 +1,1 @@
-"""Common package of pdserve: config, model engine, KV cache, transfer, telemetry (shared by both services)."""
+"""Common package of pdserve: config, model engine, KV cache, transfer, telemetry (both services use it)."""

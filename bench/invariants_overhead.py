@@ -1,0 +1,215 @@
+"""What an SWA history check costs a decode step: none / naive / deferred flag / invariants OFF|WARN|STRICT.
+
+A synthetic step of 40 layers; each layer does an MLP-sized matmul pair and checks its sliding-window
+ring (positions [batch, W]) against the request lengths. The loop runs ahead like a real scheduler:
+it enqueues step N+1, then waits for step N's event. Reported per variant: step time, host enqueue
+time per step, and host syncs per step (PyTorch's sync debug mode, counted over one step).
+
+    python bench/invariants_overhead.py            # on a CUDA machine; writes a table to stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import invariants
+from invariants import expect, predicates
+from invariants.predicates import window_expected
+from shared.kv.invariants import SWA_HISTORY_PRESENT
+
+LAYERS = 40
+WINDOW = 1024
+
+
+@dataclass
+class Setup:
+    batch: int
+    hidden: int
+    x: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    pos: torch.Tensor  # [layers, batch, W]
+    lens: torch.Tensor
+    slots: torch.Tensor
+    flag: torch.Tensor
+
+
+def make_setup(batch: int, hidden: int) -> Setup:
+    dev = "cuda"
+    lens = torch.randint(WINDOW, 4 * WINDOW, (batch,), device=dev)
+    ring = window_expected(lens, WINDOW).to(torch.int32)
+    return Setup(
+        batch, hidden,
+        x=torch.randn(batch, hidden, device=dev, dtype=torch.bfloat16),
+        w1=torch.randn(hidden, 4 * hidden, device=dev, dtype=torch.bfloat16) / hidden**0.5,
+        w2=torch.randn(4 * hidden, hidden, device=dev, dtype=torch.bfloat16) / (4 * hidden) ** 0.5,
+        pos=ring.expand(LAYERS, -1, -1).contiguous(),
+        lens=lens, slots=torch.arange(batch, device=dev, dtype=torch.int32),
+        flag=torch.zeros((), dtype=torch.bool, device=dev),
+    )  # fmt: skip
+
+
+def layer_work(s: Setup, h: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(h @ s.w1) @ s.w2
+
+
+def step_none(s: Setup) -> torch.Tensor:
+    h = s.x
+    for _ in range(LAYERS):
+        h = layer_work(s, h)
+    return h
+
+
+def step_naive(s: Setup) -> torch.Tensor:
+    # The original: boolean-mask indexing and torch.equal, three host syncs per layer.
+    h = s.x
+    expected = window_expected(s.lens, WINDOW)
+    for layer in range(LAYERS):
+        present = s.pos[layer] >= 0
+        if not torch.equal(s.pos[layer][present].long(), expected[present]):
+            raise AssertionError("swa history missing")
+        h = layer_work(s, h)
+    return h
+
+
+def step_deferred(s: Setup) -> torch.Tensor:
+    # The usual fix: a device flag per layer (several small torch kernels), read once per step.
+    h = s.x
+    expected = window_expected(s.lens, WINDOW)
+    for layer in range(LAYERS):
+        s.flag |= (s.pos[layer] != expected).any()
+        h = layer_work(s, h)
+    return h
+
+
+def step_invariants(s: Setup) -> torch.Tensor:
+    h = s.x
+    for layer in range(LAYERS):
+        pos = s.pos[layer]
+        expect(SWA_HISTORY_PRESENT, lambda pos=pos: predicates.window_positions(pos, s.lens), rows=s.slots)
+        h = layer_work(s, h)
+    return h
+
+
+VARIANTS: dict[str, tuple[Callable[[Setup], torch.Tensor], str | None]] = {
+    "none": (step_none, None),
+    "naive": (step_naive, None),
+    "deferred": (step_deferred, None),
+    "inv_off": (step_invariants, "off"),
+    "inv_warn": (step_invariants, "warn"),
+    "inv_strict": (step_invariants, "strict"),
+}
+
+
+def count_syncs(fn: Callable[[], object]) -> int:
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def run_loop(step: Callable[[], object], after: Callable[[], object], steps: int) -> tuple[float, float]:
+    """Run ahead by one step; returns (ms per step, host enqueue ms per step)."""
+    events: list[torch.cuda.Event] = []
+    enqueue = 0.0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        e0 = time.perf_counter()
+        step()
+        ev = torch.cuda.Event()
+        ev.record()
+        enqueue += time.perf_counter() - e0
+        events.append(ev)
+        if len(events) > 1:
+            events.pop(0).synchronize()  # the scheduler waits for step N's output here
+            after()
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    return 1e3 * total / steps, 1e3 * enqueue / steps
+
+
+def measure(s: Setup, name: str, graph: bool, steps: int, repeats: int) -> dict[str, object] | None:
+    fn, level = VARIANTS[name]
+    checker = invariants.checker("cuda")
+    if name == "naive" and graph:
+        return None  # a host sync cannot be captured
+    with invariants.levels(level or "off"):
+        step = lambda: fn(s)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        syncs = count_syncs(step)
+        if name == "deferred":
+            after = lambda: bool(s.flag)
+            syncs += 1
+        else:
+            after = checker.poll
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                step()
+            step = g.replay
+            syncs = 0 if name != "deferred" else 1
+        times = [run_loop(step, after, steps) for _ in range(repeats)]
+        checker.drain()
+    ms = statistics.median(t[0] for t in times)
+    spread = max(t[0] for t in times) - min(t[0] for t in times)
+    enq = statistics.median(t[1] for t in times)
+    return {"variant": name, "graph": graph, "batch": s.batch, "step_ms": ms, "spread_ms": spread,
+            "enqueue_ms": enq, "syncs_per_step": syncs}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="8,4096", help="a CPU-bound and a GPU-bound batch")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    invariants.checker("cuda")
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        s = make_setup(batch, args.hidden)
+        for graph in (False, True):
+            base = None
+            # Interleave variants in one run so that drift hits all of them alike.
+            for name in VARIANTS:
+                r = measure(s, name, graph, args.steps, args.repeats)
+                if r is None:
+                    continue
+                base = base or r["step_ms"]
+                r["vs_none"] = r["step_ms"] / base
+                rows.append(r)
+                mode = "graph" if graph else "eager"
+                print(
+                    f"batch {batch:5d} {mode} {name:10s} step {r['step_ms']:8.3f} ms "
+                    f"(±{r['spread_ms']:.3f})  enqueue {r['enqueue_ms']:8.3f} ms  "
+                    f"syncs/step {r['syncs_per_step']:4d}  x{r['vs_none']:.4f}",
+                    flush=True,
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Built-in predicates: the torch reference, and the fused Triton kernel agreeing with it row for row.
+
+On CPU the kernel runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from invariants import Checker, Invariant, InvariantError, Severity, predicates
+from invariants.predicates import window_expected
+
+INV = Invariant("test_predicates.kernel", Severity.SOFTEN, "kernel vs reference")
+
+
+def bad_rows(pred) -> list[int]:
+    return torch.nonzero(~pred.row_ok()).flatten().tolist()
+
+
+def test_equal_is_rowwise():
+    a = torch.arange(12).reshape(3, 2, 2)
+    b = a.clone()
+    b[1, 1, 0] = -1
+    assert bad_rows(predicates.equal(a, b)) == [1]
+
+
+def test_equal_treats_nan_as_unequal():
+    a = torch.tensor([[1.0, float("nan")], [2.0, 3.0]])
+    assert bad_rows(predicates.equal(a, a.clone())) == [0]
+
+
+def test_in_range_is_half_open():
+    ids = torch.tensor([[0, 5], [9, 10], [-1, 3]])
+    assert bad_rows(predicates.in_range(ids, 0, 10)) == [1, 2]
+
+
+def test_finite_catches_nan_and_inf_only_in_floats():
+    x = torch.tensor([[1.0, 2.0], [float("inf"), 0.0], [float("nan"), 1.0]])
+    assert bad_rows(predicates.finite(x)) == [1, 2]
+    assert bad_rows(predicates.finite(torch.tensor([1, 2]))) == []
+
+
+def test_is_true_and_page_aligned():
+    assert bad_rows(predicates.is_true(torch.tensor([[True, True], [True, False]]))) == [1]
+    assert bad_rows(predicates.page_aligned(torch.tensor([0, 16, 17, 32]), 16)) == [2]
+
+
+def test_window_expected_follows_the_ring_layout():
+    # W=4: L=2 holds positions 0,1 at indices 0,1; L=6 holds 4,5,2,3 (p at p % 4).
+    assert window_expected(torch.tensor([0, 2, 6]), 4).tolist() == [
+        [-1, -1, -1, -1],
+        [0, 1, -1, -1],
+        [4, 5, 2, 3],
+    ]
+
+
+def test_window_positions_flags_missing_and_stale_rows():
+    lens = torch.tensor([2, 6, 6, 6])
+    pos = window_expected(lens, 4)
+    pos[2] = -1  # history missing
+    pos[3, 0] = 0  # stale: position 0 where 4 belongs
+    assert bad_rows(predicates.window_positions(pos, lens)) == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "make,error",
+    [
+        (lambda: predicates.equal(torch.zeros(2), torch.zeros(3)), "shapes"),
+        (lambda: predicates.equal(torch.zeros(2), torch.zeros(2, dtype=torch.int64)), "dtypes"),
+        (lambda: predicates.in_range(torch.zeros(2, dtype=torch.int64), 0, 1.5), "integer bounds"),
+        (lambda: predicates.page_aligned(torch.zeros(2, dtype=torch.int64), 0), "positive integer page"),
+        (
+            lambda: predicates.window_positions(torch.zeros(2, 4, dtype=torch.int64), torch.zeros(3)),
+            "pos must be",
+        ),
+        (lambda: predicates.is_true([True]), "must be a torch.Tensor"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(make, error):
+    with pytest.raises(InvariantError, match=error):
+        make()
+
+
+def _random_cases(gen: torch.Generator):
+    """Each built-in predicate on random data where roughly a third of the rows fail."""
+    rows = 37
+    a = torch.randint(0, 50, (rows, 3, 70), generator=gen)
+    b = a.clone()
+    flip = torch.rand(rows, generator=gen) < 0.3
+    b[flip, 1, 5] += 1
+    yield predicates.equal(a, b)
+    ids = torch.randint(-2, 100, (rows, 9), generator=gen)
+    yield predicates.in_range(ids, 0, 98)
+    x = torch.randn(rows, 600, generator=gen)
+    x[flip, 599] = float("nan")
+    x[3, 0] = float("-inf")
+    yield predicates.finite(x.to(torch.float16))
+    yield predicates.is_true(torch.rand(rows, 5, generator=gen) > 0.08)
+    yield predicates.page_aligned(torch.randint(0, 40, (rows,), generator=gen) * 8 + (flip * 3), 8)
+    lens = torch.randint(0, 40, (rows,), generator=gen)
+    pos = window_expected(lens, 16).to(torch.int32)
+    pos[flip, 0] = -7
+    yield predicates.window_positions(pos, lens)
+    yield predicates.is_true(torch.tensor(False))  # a 0-d tensor is one row
+    yield predicates.finite(x[:, ::3])  # strided columns
+
+
+def test_the_fused_kernel_agrees_with_the_torch_reference():
+    gen = torch.Generator().manual_seed(0)
+    for pred in _random_cases(gen):
+        ids = torch.randperm(4096, generator=gen)[: pred.num_rows]
+        ref = Checker("cpu", use_triton=False)
+        fused = Checker("cpu", use_triton=True)
+        for chk in (ref, fused):
+            chk.check(INV, pred, ids, crash=False)
+            chk.check(INV, pred, None, crash=False)
+        [want], [got] = ref.poll(), fused.poll()
+        expected_rows = sorted(ids[~pred.row_ok()].tolist())
+        assert want.total == 2 * len(expected_rows) and list(want.rows) == expected_rows, pred.op
+        assert (got.total, got.rows) == (want.total, want.rows), pred.op
