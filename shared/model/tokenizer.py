@@ -1,0 +1,236 @@
+"""Text <-> token ids, chat templates and streaming detokenization, on top of the `tokenizers` library.
+
+Built from a Hugging Face tokenizer.json, or rebuilt from a GGUF file's `tokenizer.ggml.*` metadata the
+way transformers' GGUF integration does it, so that both give the same ids as transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+# llama.cpp's token types (gguf's TokenType): which vocabulary entries are added tokens.
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Split regexes for the `tokenizer.ggml.pre` names transformers knows; any other name (SmolLM2's
+# "smollm" included) gets GPT-2's own regex inside the ByteLevel pre-tokenizer, as in transformers.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+}
+
+
+def _byte_spelling() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, that byte-level BPE vocabularies are written in."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _gguf_backend(meta: Mapping[str, Any]) -> HFTokenizer:
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE)"
+        )
+    spelling = _byte_spelling()
+    alphabet = set(spelling.values())
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    # Tokens written with characters outside the byte alphabet are respelled byte by byte.
+    vocab = {
+        (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+        for i, t in enumerate(tokens)
+    }
+    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
+    split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tok.decoder = decoders.ByteLevel()
+    types = list(meta.get("tokenizer.ggml.token_type") or [])
+    # A control token spelled outside the byte alphabet is a llama.cpp mislabel: adding it would grow the
+    # vocabulary past the model's, so (like transformers) it is skipped.
+    tok.add_special_tokens(
+        [
+            AddedToken(t, normalized=False, special=True)
+            for t, k in zip(tokens, types, strict=False)
+            if k == _CONTROL and set(t) <= alphabet
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, normalized=False, special=False)
+            for t, k in zip(tokens, types, strict=False)
+            if k == _USER_DEFINED and t in vocab
+        ]
+    )
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
+        )
+    return tok
+
+
+def _token_text(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        ids = list(eos_token_ids)
+        eos_id = backend.token_to_id(eos_token) if eos_token else None
+        if eos_id is not None and eos_id not in ids:
+            ids.append(eos_id)
+        self.eos_token_ids: tuple[int, ...] = tuple(ids)
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+        path = Path(path)
+        backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        conf_file = path / "tokenizer_config.json"
+        conf = json.loads(conf_file.read_text()) if conf_file.exists() else {}
+        template = conf.get("chat_template")
+        if isinstance(template, list):  # named templates: the "default" one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        return cls(
+            backend,
+            chat_template=template,
+            bos_token=_token_text(conf.get("bos_token")),
+            eos_token=_token_text(conf.get("eos_token")),
+            eos_token_ids=eos_token_ids,
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        """meta: GGUF key -> value (strings decoded, arrays as lists), at least the tokenizer.* keys."""
+        tokens = meta["tokenizer.ggml.tokens"]
+        bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            _gguf_backend(meta),
+            chat_template=meta.get("tokenizer.chat_template"),
+            bos_token=tokens[bos] if bos is not None else None,
+            eos_token=tokens[eos] if eos is not None else None,
+            eos_token_ids=() if eos is None else (int(eos),),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render the model's chat template (same Jinja settings as transformers). Encode the result with
+        add_special_tokens=False: the template already writes the special tokens it wants."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        if self._template is None:
+            self._template = _jinja_env().from_string(self.chat_template)
+        return self._template.render(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Feed generated ids one by one; get text deltas whose concatenation is the full decode.
+
+    A token that ends inside a multi-byte UTF-8 character yields "" until the character completes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._backend = tokenizer.backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._backend, int(token_id)) or ""
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters, which chat templates do not want.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _jinja_env() -> jinja2.Environment:
+    # Templates come from checkpoints, i.e. untrusted: sandboxed, with transformers' settings and helpers.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

@@ -1,0 +1,170 @@
+"""Decoder-only transformer (Llama / Mistral / Ministral / Qwen2 / Qwen3) over a flattened token batch.
+
+The model never does attention itself: each layer hands RoPE'd q, k and v to an `AttentionFn`, which
+owns KV storage and masking (paged caches in the engine, a dense mask in `reference.py`). That keeps
+this file free of batch structure, and its forward free of host syncs, so it can be graph-captured.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from shared.model.config import ModelConfig
+from shared.model.layers import RMSNorm, Rotary, SwiGLU
+
+
+class AttentionFn(Protocol):
+    """Attention of one layer over the flattened batch.
+
+    q: [T, Hq, D], k and v: [T, Hkv, D], RoPE (and Qwen3's q/k norm) already applied. Returns [T, Hq, D].
+    Scores are scaled by 1/sqrt(D). Which keys each query sees (causality, sequence boundaries, the
+    sliding window of `layer`) is the function's business.
+    """
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # One matmul for q, k and v; the loader stacks the checkpoint's three matrices into it.
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias or cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionFn
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = attn(self.layer, q, k, v)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionFn
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Checkpoint (Hugging Face) names -> (our parameter, shard index in a fused parameter or None).
+_LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with lm_head when the checkpoint ties them (again after `to_empty`, which
+        materializes each module's parameters separately)."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        """input_ids, positions: [T] (the batch's sequences, concatenated). Returns normed hidden [T, H]."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] (rows the caller picked, e.g. each sequence's last). Returns float32 [N, V]."""
+        return self.lm_head(hidden).float()
+
+    # -- weights -------------------------------------------------------------------------------------------
+
+    def _shards(self, name: str) -> list[int] | None:
+        """Row sizes of the checkpoint tensors stacked into parameter `name`, None if it is not fused."""
+        c = self.cfg
+        if ".self_attn.qkv_proj." in name:
+            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        if ".mlp.gate_up_proj." in name:
+            return [c.intermediate_size, c.intermediate_size]
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the model; every parameter must be covered."""
+        params = dict(self.named_parameters())
+        expected = set()
+        for name in params:
+            shards = self._shards(name)
+            expected.update([name] if shards is None else [f"{name}#{i}" for i in range(len(shards))])
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = self._target(hf_name)
+            if target is None:
+                continue
+            name, shard = target
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}")
+            dst = params[name].data
+            shards = self._shards(name)
+            if shard is not None and shards is not None:
+                dst = dst.narrow(0, sum(shards[:shard]), shards[shard])
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _target(self, hf_name: str) -> tuple[str, int | None] | None:
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            return None
+        if hf_name == "lm_head.weight":
+            # A tied checkpoint may still carry a copy of the embedding as lm_head: the embedding wins.
+            return None if self.cfg.tie_word_embeddings else ("lm_head.weight", None)
+        m = _LAYER_RE.match(hf_name)
+        if m is None:
+            return (hf_name.removeprefix("model."), None)
+        layer, rest = m.groups()
+        module, _, kind = rest.rpartition(".")
+        if module in _FUSED:
+            fused, shard = _FUSED[module]
+            return (f"layers.{layer}.{fused}.{kind}", shard)
+        return (f"layers.{layer}.{rest}", None)
