@@ -172,6 +172,31 @@ def measure(s: Setup, name: str, graph: bool, steps: int, repeats: int) -> dict[
             "enqueue_ms": enq, "syncs_per_step": syncs}  # fmt: skip
 
 
+def profile_enqueue(calls: int = 2000) -> None:
+    """Where the host time of one WARN check goes (cProfile over many expect() calls)."""
+    import cProfile
+    import pstats
+
+    s = make_setup(8, 256)
+    pos = s.pos[0]
+    with invariants.levels("warn"):
+        for _ in range(10):
+            expect(SWA_HISTORY_PRESENT, lambda: predicates.window_positions(pos, s.lens), rows=s.slots)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            expect(SWA_HISTORY_PRESENT, lambda: predicates.window_positions(pos, s.lens), rows=s.slots)
+        per_call = (time.perf_counter() - t0) / calls
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            expect(SWA_HISTORY_PRESENT, lambda: predicates.window_positions(pos, s.lens), rows=s.slots)
+        prof.disable()
+        torch.cuda.synchronize()
+    print(f"host time per WARN expect(): {1e6 * per_call:.1f} us")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="8,4096", help="a CPU-bound and a GPU-bound batch")
@@ -179,9 +204,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--profile", action="store_true", help="profile the host side of one check and exit")
     args = ap.parse_args()
     torch.manual_seed(0)
     invariants.checker("cuda")
+    if args.profile:
+        profile_enqueue()
+        return
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         s = make_setup(batch, args.hidden)

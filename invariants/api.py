@@ -75,4 +75,6 @@ def expect(inv: Invariant, predicate: PredicateLike, *, rows: torch.Tensor | Non
         raise InvariantError(
             f"{inv.name}: expect() needs a Predicate or a bool tensor, got {type(predicate).__name__}"
         )
-    checker(predicate.device).check(inv, predicate, rows, crash=crashes(inv.severity, level))
+    device = predicate.device
+    found = _checkers.get(device)  # fast path: a tensor's device carries its index
+    (found or checker(device)).check(inv, predicate, rows, crash=crashes(inv.severity, level))

@@ -66,6 +66,8 @@ class Predicate:
 
 
 def _rows_view(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 2 and x.dtype != torch.bool:
+        return x
     if x.dim() == 0:
         return x.reshape(1, 1)
     if x.dtype == torch.bool:

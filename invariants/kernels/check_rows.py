@@ -24,6 +24,9 @@ def _check_rows(
     rmask = r < R
     r64 = r.to(tl.int64)
     bad = tl.zeros([BLOCK_R], dtype=tl.int32)
+    if OP == 5:
+        L = tl.load(b_ptr + r64 * sb_r, mask=rmask, other=0).to(tl.int32)
+        k = (L - 1 + C) % C
     for c0 in range(0, C, BLOCK_C):
         c = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
         m = rmask[:, None] & (c < C)[None, :]
@@ -40,9 +43,10 @@ def _check_rows(
         elif OP == 4:
             ok = (a % lo) == 0
         else:
-            # Ring index c must hold L-1 - ((L-1-c) mod C) when that is >= 0, else -1 (C = window).
-            L = tl.load(b_ptr + r64 * sb_r, mask=rmask, other=0).to(tl.int64)
-            e = (L[:, None] - 1) - ((L[:, None] - 1 - c[None, :] + C) % C)
+            # Ring index c holds e = (L-1) - ((L-1-c) mod C), or -1 where e < 0 (C = the window).
+            # k = (L-1) mod C is computed once per row, so the per-element work has no division.
+            m_c = k[:, None] - c[None, :].to(tl.int32)
+            e = (L[:, None] - 1) - tl.where(m_c < 0, m_c + C, m_c)
             ok = a == tl.where(e >= 0, e, -1)
         bad = tl.maximum(bad, tl.max((m & (ok == 0)).to(tl.int32), axis=1))
     if ASSERT:
@@ -65,9 +69,12 @@ _assert_kernel = triton.jit(debug=True, do_not_specialize=_NO_SPECIALIZE)(_check
 
 
 def _blocks(rows: int, cols: int) -> tuple[int, int]:
-    block_c = min(triton.next_power_of_2(max(cols, 1)), 512)
-    block_r = min(max(2048 // block_c, 1), triton.next_power_of_2(max(rows, 1)), 64)
-    return block_r, block_c
+    """A tile of up to 2048 elements, but at least ~256 programs while rows allow: small batches are
+    latency-bound, so spread their rows over SMs rather than loop inside one program."""
+    block_c = min(triton.next_power_of_2(max(cols, 1)), 1024)
+    by_tile = max(2048 // block_c, 1)
+    by_spread = triton.next_power_of_2(max(rows // 256, 1))
+    return min(by_tile, by_spread, 64), block_c
 
 
 def launch(
