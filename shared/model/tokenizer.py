@@ -70,7 +70,7 @@ def _gguf_backend(meta: Mapping[str, Any]) -> HFTokenizer:
         (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
         for i, t in enumerate(tokens)
     }
-    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges") or []]
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
     split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
     if split is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # The hub is unreachable from CI: transformers must never try it.
@@ -56,3 +57,50 @@ def save_hf_model(path: Path, config_cls: str, **overrides: object) -> torch.nn.
     model.eval()
     model.save_pretrained(path)
     return model
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's converter does to llama-arch q/k rows (its `LlamaModel.permute`)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path: Path, model: torch.nn.Module, arch: str) -> None:
+    """Convert a HF model to an F32 GGUF file the way llama.cpp would (metadata, names, q/k permutation),
+    with a toy byte-level vocabulary of single characters."""
+    import gguf
+
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([chr(ord("!") + i) for i in range(c.vocab_size)])
+    writer.add_token_types([1] * c.vocab_size)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
+    for hf_name, t in model.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        module, _, kind = hf_name.rpartition(".")
+        w = t.float().numpy()
+        if arch == "llama" and module.endswith("q_proj"):
+            w = _llama_cpp_permute(w, c.num_attention_heads)
+        elif arch == "llama" and module.endswith("k_proj"):
+            w = _llama_cpp_permute(w, c.num_key_value_heads)
+        writer.add_tensor(f"{names.get_name(module)}.{kind}", np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
