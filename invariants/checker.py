@@ -73,6 +73,9 @@ class Checker:
         words = (max_rows + 31) // 32
         self.counts = torch.zeros(max_invariants, dtype=torch.int64, device=self.device)
         self.bits = torch.zeros(max_invariants, words, dtype=torch.int32, device=self.device)
+        # Per-row verdicts of column-split launches and their ticket counter (see kernels/check_rows).
+        self.scratch = torch.zeros(max_rows, dtype=torch.int32, device=self.device)
+        self.ticket = torch.zeros(1, dtype=torch.int32, device=self.device)
         if self._on_cuda:
             self._counts_host = torch.zeros_like(self.counts, device="cpu").pin_memory()
             self._bits_host = torch.zeros_like(self.bits, device="cpu").pin_memory()
@@ -125,7 +128,8 @@ class Checker:
             from invariants.kernels import check_rows
 
             check_rows.launch(
-                pred, counts=self.counts, bits=self.bits, slot=slot, rows=rows,
+                pred, counts=self.counts, bits=self.bits, scratch=self.scratch, ticket=self.ticket,
+                slot=slot, rows=rows,
                 assert_message=strict_message(inv.name) if crash else None,
             )  # fmt: skip
             return

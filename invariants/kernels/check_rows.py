@@ -3,6 +3,10 @@
 Counting mode adds the number of failing rows to `counts[slot]` and sets the failing rows' bits in
 `bits[slot]` (atomics, no host involvement). Assert mode compiles with debug=True so that
 `tl.device_assert` survives, with the invariant's STRICT message baked in as a constexpr.
+
+Wide rows with few of them (logits [8, 128k]) split their columns over a second grid axis. A row
+must still count once, so split programs OR their per-row verdicts into a scratch vector and the
+last program to finish (a ticket counter) counts the rows, records them and clears the scratch.
 """
 
 from __future__ import annotations
@@ -14,11 +18,23 @@ import triton.language as tl
 from invariants.predicates import Op, Predicate
 
 
+@triton.jit
+def _record(rows_ptr, counts_ptr, bits_ptr, r, rbad, slot, words_per_slot, HAS_ROWS: tl.constexpr):
+    n = tl.sum(rbad.to(tl.int32), axis=0).to(tl.int64)
+    tl.atomic_add(counts_ptr + slot, n, mask=n > 0)
+    if HAS_ROWS:
+        rid = tl.load(rows_ptr + r, mask=rbad, other=0).to(tl.int32)
+        hit = rbad & (rid >= 0) & (rid < words_per_slot * 32)
+        word = tl.where(hit, rid // 32, 0)
+        bit = tl.full(r.shape, 1, tl.int32) << (rid % 32)
+        tl.atomic_or(bits_ptr + slot * words_per_slot + word, bit, mask=hit)
+
+
 def _check_rows(
-    a_ptr, b_ptr, rows_ptr, counts_ptr, bits_ptr,
-    R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words_per_slot,
+    a_ptr, b_ptr, rows_ptr, counts_ptr, bits_ptr, scratch_ptr, done_ptr,
+    R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words_per_slot, chunk,
     OP: tl.constexpr, HAS_ROWS: tl.constexpr, ASSERT: tl.constexpr, MSG: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < R
@@ -27,7 +43,9 @@ def _check_rows(
     if OP == 5:
         L = tl.load(b_ptr + r64 * sb_r, mask=rmask, other=0).to(tl.int32)
         k = (L - 1 + C) % C
-    for c0 in range(0, C, BLOCK_C):
+    # `chunk` is a multiple of BLOCK_C, so `c < C` is the only column mask (and stays vectorizable).
+    c_start = tl.program_id(1) * chunk
+    for c0 in range(c_start, c_start + chunk, BLOCK_C):
         c = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
         m = rmask[:, None] & (c < C)[None, :]
         a = tl.load(a_ptr + r64[:, None] * sa_r + c[None, :] * sa_c, mask=m, other=0)
@@ -50,17 +68,20 @@ def _check_rows(
             ok = a == tl.where(e >= 0, e, -1)
         bad = tl.maximum(bad, tl.max((m & (ok == 0)).to(tl.int32), axis=1))
     if ASSERT:
-        tl.device_assert(bad == 0, MSG)
+        tl.device_assert(bad == 0, MSG)  # asserting needs no per-row dedupe, split or not
+    elif SPLIT:
+        tl.atomic_or(scratch_ptr + r, bad, mask=rmask & (bad > 0))
+        tl.debug_barrier()  # every thread's OR is issued before the ticket releases them
+        ticket = tl.atomic_add(done_ptr, 1)
+        if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
+            for r0 in range(0, R, 1024):
+                rr = r0 + tl.arange(0, 1024)
+                flags = tl.atomic_xchg(scratch_ptr + rr, tl.zeros([1024], tl.int32), mask=rr < R)
+                rbad = (rr < R) & (flags > 0)
+                _record(rows_ptr, counts_ptr, bits_ptr, rr, rbad, slot, words_per_slot, HAS_ROWS)
+            tl.atomic_xchg(done_ptr, 0)
     else:
-        n = tl.sum(bad, axis=0).to(tl.int64)
-        tl.atomic_add(counts_ptr + slot, n, mask=n > 0)
-        if HAS_ROWS:
-            hit = rmask & (bad > 0)
-            rid = tl.load(rows_ptr + r, mask=hit, other=0).to(tl.int32)
-            hit = hit & (rid >= 0) & (rid < words_per_slot * 32)
-            word = tl.where(hit, rid // 32, 0)
-            bit = tl.full([BLOCK_R], 1, tl.int32) << (rid % 32)
-            tl.atomic_or(bits_ptr + slot * words_per_slot + word, bit, mask=hit)
+        _record(rows_ptr, counts_ptr, bits_ptr, r, rmask & (bad > 0), slot, words_per_slot, HAS_ROWS)
 
 
 # C stays specialized: knowing C % 16 == 0 lets the masked column loads vectorize.
@@ -73,13 +94,22 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _blocks(rows: int, cols: int) -> tuple[int, int]:
-    """A tile of up to 2048 elements, but at least ~256 programs while rows allow: small batches are
-    latency-bound, so spread their rows over SMs rather than loop inside one program."""
-    block_c = min(_pow2(max(cols, 1)), 1024)
-    by_tile = max(2048 // block_c, 1)
-    by_spread = _pow2(max(rows // 256, 1))
-    return min(by_tile, by_spread, 64), block_c
+_PROGRAMS = 1024  # enough to fill 132 SMs several times over
+
+
+def plan(rows: int, cols: int, scratch_rows: int) -> tuple[int, int, int, int, int]:
+    """(block_r, block_c, num_warps, column splits, chunk): tiles of up to 4096 elements; rows
+    spread over programs first (small batches are latency-bound), then wide rows split."""
+    block_c = min(_pow2(max(cols, 1)), 4096)
+    block_r = min(max(2048 // block_c, 1), _pow2(max(rows // 256, 1)), 64)
+    row_programs = (rows + block_r - 1) // block_r
+    col_blocks = (cols + block_c - 1) // block_c
+    splits = 1
+    if rows <= scratch_rows and col_blocks > 1:
+        splits = min(col_blocks, max(_PROGRAMS // row_programs, 1))
+    chunk = ((col_blocks + splits - 1) // splits) * block_c
+    splits = (cols + chunk - 1) // chunk
+    return block_r, block_c, 8 if block_c >= 4096 else 4, splits, chunk
 
 
 # Compiled kernels by everything Triton specializes on, so that a repeat launch skips Triton's
@@ -96,43 +126,52 @@ def launch(
     *,
     counts: torch.Tensor,
     bits: torch.Tensor,
+    scratch: torch.Tensor,
+    ticket: torch.Tensor,
     slot: int,
     rows: torch.Tensor | None,
     assert_message: str | None,
 ) -> None:
-    """Enqueue the check on the current stream. `assert_message` set = STRICT-style assert."""
+    """Enqueue the check on the current stream. `assert_message` set = STRICT-style assert.
+
+    `scratch` (int32 [max rows], zeroed) and `ticket` (int32 [1], zeroed) serve split launches;
+    launches sharing them must be stream-ordered, as one Checker per device and stream is.
+    """
     a, b = pred.as_2d()
     R, C = a.shape
     if R == 0 or C == 0 or (pred.op is Op.FINITE and not a.is_floating_point()):
         return
     bb = a if b is None else b
     rr = a if rows is None else rows
-    block_r, block_c = _blocks(R, C)
+    block_r, block_c, warps, splits, chunk = plan(R, C, scratch.shape[0])
     kernel = _count_kernel if assert_message is None else _assert_kernel
     msg = assert_message or ""
     sa_r, sa_c, sb_r, sb_c, words = a.stride(0), a.stride(1), bb.stride(0), bb.stride(1), bits.shape[1]
-    args = (a, bb, rr, counts, bits, R, C, sa_r, sa_c, sb_r, sb_c, pred.lo, pred.hi, slot, words)
+    lo, hi = pred.lo, pred.hi
+    tensors = (a, bb, rr, counts, bits, scratch, ticket)
+    args = (*tensors, R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words, chunk)
     ptrs = (a.data_ptr(), bb.data_ptr(), rr.data_ptr(), counts.data_ptr(), bits.data_ptr())
-    consts = (int(pred.op), rows is not None, assert_message is not None, msg, block_r, block_c)
-    grid = (R + block_r - 1) // block_r
+    split = splits > 1
+    consts = (int(pred.op), rows is not None, assert_message is not None, msg, split, block_r, block_c)
+    grid = ((R + block_r - 1) // block_r, splits, 1)
     key = (
         kernel is _assert_kernel, a.device.index, a.dtype, bb.dtype, rr.dtype, type(pred.lo), type(pred.hi),
-        tuple(p % 16 == 0 for p in ptrs), _spec((C, sa_r, sa_c, sb_r, sb_c, words)), consts,
+        tuple(p % 16 == 0 for p in ptrs), _spec((C, sa_r, sa_c, sb_r, sb_c, words, chunk)), consts, warps,
     )  # fmt: skip
     compiled = _compiled.get(key)
     if compiled is not None:
         # What JITFunction.run does once it has found the compiled kernel, hooks included.
         stream = torch._C._cuda_getCurrentRawStream(a.device.index)
         hooks = triton.knobs.runtime
-        meta = compiled.launch_metadata((grid, 1, 1), stream, *args, *consts)
+        meta = compiled.launch_metadata(grid, stream, *args, *consts)
         compiled.run(
-            grid, 1, 1, stream, compiled.function, compiled.packed_metadata, meta,
+            *grid, stream, compiled.function, compiled.packed_metadata, meta,
             hooks.launch_enter_hook, hooks.launch_exit_hook, *args, *consts,
         )  # fmt: skip
         return
-    launched = kernel[(grid,)](
-        *args, OP=consts[0], HAS_ROWS=consts[1], ASSERT=consts[2], MSG=msg, BLOCK_R=block_r, BLOCK_C=block_c,
-        num_warps=4,
+    launched = kernel[grid](
+        *args, OP=consts[0], HAS_ROWS=consts[1], ASSERT=consts[2], MSG=msg, SPLIT=split,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
     )  # fmt: skip
     if a.is_cuda:  # Triton's interpreter (CPU tests) has no compiled kernel to keep
         _compiled[key] = launched

@@ -103,6 +103,10 @@ def _random_cases(gen: torch.Generator):
     pos = window_expected(lens, 16).to(torch.int32)
     pos[flip, 0] = -7
     yield predicates.window_positions(pos, lens)
+    wide = torch.randn(5, 9000, generator=gen)
+    wide[1, [0, 4500, 8999]] = float("nan")  # one row failing in every column split counts once
+    wide[3, 8999] = float("inf")
+    yield predicates.finite(wide)
     yield predicates.is_true(torch.tensor(False))  # a 0-d tensor is one row
     yield predicates.finite(x[:, ::3])  # strided columns
 
@@ -125,3 +129,13 @@ def test_the_fused_kernel_agrees_with_the_torch_reference():
         expected_rows = sorted(ids[~cpu_pred.row_ok()].tolist())
         assert want.total == 2 * len(expected_rows) and list(want.rows) == expected_rows, pred.op
         assert (got.total, got.rows) == (want.total, want.rows), pred.op
+        assert int(fused.scratch.abs().sum()) == 0 and int(fused.ticket) == 0, "split scratch left dirty"
+
+
+def test_wide_rows_split_their_columns_and_narrow_ones_do_not():
+    from invariants.kernels.check_rows import plan
+
+    assert plan(5, 9000, 4096)[3] == 3  # three 4096-column chunks, counted once per row
+    assert plan(8, 131072, 4096)[3] == 32
+    assert plan(4096, 1024, 4096)[3] == 1
+    assert plan(5000, 9000, 4096)[3] == 1  # more rows than scratch: one program per row block
