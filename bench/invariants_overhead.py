@@ -1,7 +1,10 @@
 """What an SWA history check costs a decode step: none / naive / deferred flag / invariants OFF|WARN|STRICT.
 
 A synthetic step of 40 layers; each layer does an MLP-sized matmul pair and checks its sliding-window
-ring (positions [batch, W]) against the request lengths. The loop runs ahead like a real scheduler:
+ring (positions [batch, W]) against the request lengths. Scenarios: `cpu-bound` (batch 8),
+`gpu-bound` (batch 4096, MLP only: the check's 16 MB per layer is at its costliest relative to the
+step) and `swa-decode` (batch 512, each layer also attends over its window's K/V, as a sliding
+layer does: the history the check guards is read by the step anyway). The loop runs ahead like a real scheduler:
 it enqueues step N+1, then waits for step N's event. Reported per variant: step time, host enqueue
 time per step, and host syncs per step (PyTorch's sync debug mode, counted over one step).
 
@@ -36,13 +39,14 @@ class Setup:
     x: torch.Tensor
     w1: torch.Tensor
     w2: torch.Tensor
-    pos: torch.Tensor  # [layers, batch, W]
+    pos: list[torch.Tensor]  # per layer [batch, W]
     lens: torch.Tensor
+    kv: tuple[torch.Tensor, torch.Tensor] | None  # window K/V [batch, heads, W, head_dim], shared by layers
     slots: torch.Tensor
     flag: torch.Tensor
 
 
-def make_setup(batch: int, hidden: int) -> Setup:
+def make_setup(batch: int, hidden: int, attention: bool = False) -> Setup:
     dev = "cuda"
     lens = torch.randint(WINDOW, 4 * WINDOW, (batch,), device=dev)
     ring = window_expected(lens, WINDOW).to(torch.int32)
@@ -51,13 +55,19 @@ def make_setup(batch: int, hidden: int) -> Setup:
         x=torch.randn(batch, hidden, device=dev, dtype=torch.bfloat16),
         w1=torch.randn(hidden, 4 * hidden, device=dev, dtype=torch.bfloat16) / hidden**0.5,
         w2=torch.randn(4 * hidden, hidden, device=dev, dtype=torch.bfloat16) / (4 * hidden) ** 0.5,
-        pos=ring.expand(LAYERS, -1, -1).contiguous(),
+        pos=list(ring.expand(LAYERS, -1, -1).contiguous().unbind(0)),
+        kv=tuple(torch.randn(batch, 8, WINDOW, 128, device=dev, dtype=torch.bfloat16) for _ in "kv")
+        if attention else None,
         lens=lens, slots=torch.arange(batch, device=dev, dtype=torch.int32),
         flag=torch.zeros((), dtype=torch.bool, device=dev),
     )  # fmt: skip
 
 
 def layer_work(s: Setup, h: torch.Tensor) -> torch.Tensor:
+    if s.kv is not None:  # decode attention of one query per request over its window
+        q = h[:, : 8 * 128].reshape(s.batch, 8, 1, 128)
+        o = torch.nn.functional.scaled_dot_product_attention(q, *s.kv)
+        h = h + o.reshape(s.batch, -1).repeat(1, s.hidden // (8 * 128))
     return torch.nn.functional.silu(h @ s.w1) @ s.w2
 
 
@@ -197,9 +207,12 @@ def profile_enqueue(calls: int = 2000) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
+SCENARIOS = {"cpu-bound": (8, False), "gpu-bound": (4096, False), "swa-decode": (512, True)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", default="8,4096", help="a CPU-bound and a GPU-bound batch")
+    ap.add_argument("--scenarios", default="cpu-bound,gpu-bound,swa-decode", help=", ".join(SCENARIOS))
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=5)
@@ -212,8 +225,9 @@ def main() -> None:
         profile_enqueue()
         return
     rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        s = make_setup(batch, args.hidden)
+    for scenario in args.scenarios.split(","):
+        batch, attention = SCENARIOS[scenario]
+        s = make_setup(batch, args.hidden, attention)
         for graph in (False, True):
             base = None
             # Interleave variants in one run so that drift hits all of them alike.
@@ -223,10 +237,11 @@ def main() -> None:
                     continue
                 base = base or r["step_ms"]
                 r["vs_none"] = r["step_ms"] / base
+                r["scenario"] = scenario
                 rows.append(r)
                 mode = "graph" if graph else "eager"
                 print(
-                    f"batch {batch:5d} {mode} {name:10s} step {r['step_ms']:8.3f} ms "
+                    f"{scenario:10s} {mode} {name:10s} step {r['step_ms']:8.3f} ms "
                     f"(±{r['spread_ms']:.3f})  enqueue {r['enqueue_ms']:8.3f} ms  "
                     f"syncs/step {r['syncs_per_step']:4d}  x{r['vs_none']:.4f}",
                     flush=True,
