@@ -4,9 +4,9 @@ A synthetic step of 40 layers; each layer does an MLP-sized matmul pair and chec
 ring (positions [batch, W]) against the request lengths. Scenarios: `cpu-bound` (batch 8),
 `gpu-bound` (batch 4096, MLP only: the check's 16 MB per layer is at its costliest relative to the
 step) and `swa-decode` (batch 512, each layer also attends over its window's K/V, as a sliding
-layer does: the history the check guards is read by the step anyway). The loop runs ahead like a real scheduler:
-it enqueues step N+1, then waits for step N's event. Reported per variant: step time, host enqueue
-time per step, and host syncs per step (PyTorch's sync debug mode, counted over one step).
+layer does: the history the check guards is read by the step anyway). The loop runs ahead like a
+real scheduler: it enqueues step N+1, then waits for step N's event. Reported per variant: step
+time, host enqueue time per step, and host syncs per step (PyTorch's sync debug mode, counted over one step).
 
     python bench/invariants_overhead.py            # on a CUDA machine; writes a table to stdout
 """
