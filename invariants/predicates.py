@@ -34,6 +34,9 @@ class Predicate:
     b: torch.Tensor | None = None
     lo: int | float = 0
     hi: int | float = 0
+    # Row r of the check reads row index[r] of `a` (a table indexed by request slot), fused into
+    # the kernel instead of a gather.
+    index: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -41,6 +44,8 @@ class Predicate:
 
     @property
     def num_rows(self) -> int:
+        if self.index is not None:
+            return self.index.shape[0]
         return self.a.shape[0] if self.a.dim() else 1
 
     def as_2d(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -50,6 +55,8 @@ class Predicate:
     def row_ok(self) -> torch.Tensor:
         """The torch reference: a bool tensor [rows], True where the row holds."""
         a, b = self.as_2d()
+        if self.index is not None:
+            a = a[self.index]
         if self.op is Op.EQUAL:
             ok = a == b
         elif self.op is Op.IN_RANGE:
@@ -121,22 +128,29 @@ def page_aligned(x: torch.Tensor, page: int) -> Predicate:
     return Predicate(Op.PAGE_ALIGNED, x, lo=page)
 
 
-def window_positions(pos: torch.Tensor, seq_lens: torch.Tensor) -> Predicate:
+def window_positions(
+    pos: torch.Tensor, seq_lens: torch.Tensor, index: torch.Tensor | None = None
+) -> Predicate:
     """A sliding-window ring holds exactly the last W positions of each row.
 
     `pos[r, i]` is the absolute position whose K/V sits at ring index i (W = pos.shape[1]; -1 =
     empty); a row with `seq_lens[r]` = L tokens must hold position p at index p % W for every p in
-    [max(0, L - W), L) and -1 elsewhere. Missing or stale history fails its row.
+    [max(0, L - W), L) and -1 elsewhere. Missing or stale history fails its row. With `index`,
+    row r checks `pos[index[r]]` (pos is then the whole per-slot table).
     """
     pos, seq_lens = _tensor(pos, "pos"), _tensor(seq_lens, "seq_lens")
-    if pos.dim() != 2 or seq_lens.shape != pos.shape[:1] or pos.device != seq_lens.device:
+    rows = pos.shape[:1] if index is None else _tensor(index, "index").shape
+    if pos.dim() != 2 or seq_lens.shape != rows or pos.device != seq_lens.device:
         raise InvariantError(
-            f"window_positions(): pos must be [rows, W] and seq_lens [rows] on one device, "
-            f"got {tuple(pos.shape)}@{pos.device} and {tuple(seq_lens.shape)}@{seq_lens.device}"
+            f"window_positions(): pos must be [rows, W] (or a table with index [rows]) and seq_lens "
+            f"[rows] on one device, got {tuple(pos.shape)}@{pos.device} and "
+            f"{tuple(seq_lens.shape)}@{seq_lens.device}"
         )
     if pos.is_floating_point() or seq_lens.is_floating_point():
         raise InvariantError("window_positions(): pos and seq_lens must be integer tensors")
-    return Predicate(Op.WINDOW, pos, seq_lens.reshape(-1, 1))
+    if index is not None and (index.dim() != 1 or index.is_floating_point() or index.device != pos.device):
+        raise InvariantError("window_positions(): index must be a 1-D integer tensor on pos's device")
+    return Predicate(Op.WINDOW, pos, seq_lens.reshape(-1, 1), index=index)
 
 
 def window_expected(seq_lens: torch.Tensor, window: int) -> torch.Tensor:

@@ -31,14 +31,17 @@ def _record(rows_ptr, counts_ptr, bits_ptr, r, rbad, slot, words_per_slot, HAS_R
 
 
 def _check_rows(
-    a_ptr, b_ptr, rows_ptr, counts_ptr, bits_ptr, scratch_ptr, done_ptr,
+    a_ptr, b_ptr, index_ptr, rows_ptr, counts_ptr, bits_ptr, scratch_ptr, done_ptr,
     R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words_per_slot, chunk,
     OP: tl.constexpr, HAS_ROWS: tl.constexpr, ASSERT: tl.constexpr, MSG: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < R
     r64 = r.to(tl.int64)
+    ra = r64  # the row of `a` this check row reads
+    if HAS_INDEX:
+        ra = tl.load(index_ptr + r, mask=rmask, other=0).to(tl.int64)
     bad = tl.zeros([BLOCK_R], dtype=tl.int32)
     if OP == 5:
         L = tl.load(b_ptr + r64 * sb_r, mask=rmask, other=0).to(tl.int32)
@@ -48,7 +51,7 @@ def _check_rows(
     for c0 in range(c_start, c_start + chunk, BLOCK_C):
         c = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
         m = rmask[:, None] & (c < C)[None, :]
-        a = tl.load(a_ptr + r64[:, None] * sa_r + c[None, :] * sa_c, mask=m, other=0)
+        a = tl.load(a_ptr + ra[:, None] * sa_r + c[None, :] * sa_c, mask=m, other=0)
         if OP == 0:
             b = tl.load(b_ptr + r64[:, None] * sb_r + c[None, :] * sb_c, mask=m, other=0)
             ok = a == b
@@ -138,24 +141,28 @@ def launch(
     launches sharing them must be stream-ordered, as one Checker per device and stream is.
     """
     a, b = pred.as_2d()
-    R, C = a.shape
+    R, C = pred.num_rows, a.shape[1]
     if R == 0 or C == 0 or (pred.op is Op.FINITE and not a.is_floating_point()):
         return
     bb = a if b is None else b
     rr = a if rows is None else rows
+    ii = a if pred.index is None else pred.index
     block_r, block_c, warps, splits, chunk = plan(R, C, scratch.shape[0])
     kernel = _count_kernel if assert_message is None else _assert_kernel
     msg = assert_message or ""
     sa_r, sa_c, sb_r, sb_c, words = a.stride(0), a.stride(1), bb.stride(0), bb.stride(1), bits.shape[1]
     lo, hi = pred.lo, pred.hi
-    tensors = (a, bb, rr, counts, bits, scratch, ticket)
+    tensors = (a, bb, ii, rr, counts, bits, scratch, ticket)
     args = (*tensors, R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words, chunk)
     ptrs = (a.data_ptr(), bb.data_ptr(), rr.data_ptr(), counts.data_ptr(), bits.data_ptr())
     split = splits > 1
-    consts = (int(pred.op), rows is not None, assert_message is not None, msg, split, block_r, block_c)
+    has_index = pred.index is not None
+    consts = (int(pred.op), rows is not None, assert_message is not None, msg, split, has_index)
+    consts += (block_r, block_c)
     grid = ((R + block_r - 1) // block_r, splits, 1)
     key = (
-        kernel is _assert_kernel, a.device.index, a.dtype, bb.dtype, rr.dtype, type(pred.lo), type(pred.hi),
+        kernel is _assert_kernel, a.device.index, a.dtype, bb.dtype, rr.dtype, ii.dtype,
+        type(pred.lo), type(pred.hi),
         tuple(p % 16 == 0 for p in ptrs), _spec((C, sa_r, sa_c, sb_r, sb_c, words, chunk)), consts, warps,
     )  # fmt: skip
     compiled = _compiled.get(key)
@@ -171,7 +178,7 @@ def launch(
         return
     launched = kernel[grid](
         *args, OP=consts[0], HAS_ROWS=consts[1], ASSERT=consts[2], MSG=msg, SPLIT=split,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        HAS_INDEX=has_index, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
     )  # fmt: skip
     if a.is_cuda:  # Triton's interpreter (CPU tests) has no compiled kernel to keep
         _compiled[key] = launched

@@ -56,6 +56,15 @@ def test_window_expected_follows_the_ring_layout():
     ]
 
 
+def test_window_positions_can_read_rows_of_a_slot_table():
+    lens = torch.tensor([3, 9])
+    table = torch.full((10, 4), -1)
+    table[7] = window_expected(lens[1:], 4)[0]
+    table[2] = window_expected(lens[:1], 4)[0]
+    assert bad_rows(predicates.window_positions(table, lens, index=torch.tensor([2, 7]))) == []
+    assert bad_rows(predicates.window_positions(table, lens, index=torch.tensor([7, 2]))) == [0, 1]
+
+
 def test_window_positions_flags_missing_and_stale_rows():
     lens = torch.tensor([2, 6, 6, 6])
     pos = window_expected(lens, 4)
@@ -103,6 +112,10 @@ def _random_cases(gen: torch.Generator):
     pos = window_expected(lens, 16).to(torch.int32)
     pos[flip, 0] = -7
     yield predicates.window_positions(pos, lens)
+    table = torch.full((64, 16), -1, dtype=torch.int32)
+    slots = torch.randperm(64, generator=gen)[:rows]
+    table[slots] = pos
+    yield predicates.window_positions(table, lens, index=slots)  # rows gathered in the kernel
     wide = torch.randn(5, 9000, generator=gen)
     wide[1, [0, 4500, 8999]] = float("nan")  # one row failing in every column split counts once
     wide[3, 8999] = float("inf")
