@@ -1,0 +1,114 @@
+"""ForwardBatch: everything one forward needs, built on the host by the scheduler, copied once.
+
+Tokens of B sequences are flattened ([T], varlen). Each item is a chunk: `count` tokens of one
+request starting at position `start`, its KV pages and its window slot.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from shared.kv.cache import KVCache
+from shared.kv.window import ring_store_index
+
+__all__ = ["ChunkItem", "ForwardBatch", "Mode"]
+
+
+class Mode(enum.Enum):
+    EXTEND = "extend"  # prefill chunks (any length), KV stored
+    DECODE = "decode"  # one token per sequence
+    REPLAY = "replay"  # rebuild sliding rings: full layers read their pages only, rings start empty
+
+
+@dataclass(frozen=True)
+class ChunkItem:
+    slot: int  # the request's window slot: a stable id for attribution
+    start: int  # position of the chunk's first token (= tokens already in the cache)
+    token_ids: list[int]
+    pages: list[int]
+
+
+@dataclass
+class ForwardBatch:
+    mode: Mode
+    num_seqs: int
+    num_tokens: int
+    max_q: int
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    token_slots: torch.Tensor  # [T] int32: the slot of each token's sequence
+    cu_q: torch.Tensor  # [B+1] int32
+    q_start: torch.Tensor  # [B] int32
+    ring_context: torch.Tensor  # [B] int32: tokens each ring must already hold (0 in replay)
+    slots: torch.Tensor  # [B] int32
+    block_table: torch.Tensor  # [B, max_pages] int32
+    full_store: torch.Tensor  # [T] int64 flat page index, -1 = don't store
+    ring_store: torch.Tensor  # [T] int64 flat ring index, -1 = not among the chunk's last W
+    ring_dst: torch.Tensor  # [N] int64 flat ring indices written this step
+    ring_pos: torch.Tensor  # [N] int32 the positions they now hold
+    last_index: torch.Tensor  # [B] int64 index in T of each sequence's last token
+    sample_positions: torch.Tensor  # [B] int64 position of the token each sequence samples next
+
+    @classmethod
+    def build(cls, items: list[ChunkItem], mode: Mode, cache: KVCache) -> ForwardBatch:
+        ps, w = cache.page_size, max(cache.window, 1)
+        ids: list[int] = []
+        pos: list[int] = []
+        tok_slot: list[int] = []
+        cu = [0]
+        full_store: list[int] = []
+        ring_store: list[int] = []
+        ring_dst: list[int] = []
+        ring_vals: list[int] = []
+        max_pages = max(len(it.pages) for it in items)
+        table = [it.pages + [0] * (max_pages - len(it.pages)) for it in items]
+        for it in items:
+            n = len(it.token_ids)
+            base = len(ids)
+            ids += it.token_ids
+            pos += range(it.start, it.start + n)
+            tok_slot += [it.slot] * n
+            if mode is Mode.REPLAY:
+                full_store += [-1] * n
+            else:
+                full_store += [it.pages[p // ps] * ps + p % ps for p in range(it.start, it.start + n)]
+            offsets, flat = ring_store_index(it.slot, it.start, n, w)
+            row = [-1] * n
+            for off, dst in zip(offsets, flat, strict=True):
+                row[off] = dst
+            ring_store += row
+            ring_dst += flat
+            ring_vals += [it.start + off for off in offsets]
+            cu.append(base + n)
+        dev = cache.device
+
+        def put(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+            t = torch.tensor(values, dtype=dtype)
+            if dev.type == "cuda":
+                return t.pin_memory().to(dev, non_blocking=True)
+            return t
+
+        starts = [it.start for it in items]
+        return cls(
+            mode=mode,
+            num_seqs=len(items),
+            num_tokens=len(ids),
+            max_q=max(len(it.token_ids) for it in items),
+            input_ids=put(ids, torch.int64),
+            positions=put(pos, torch.int64),
+            token_slots=put(tok_slot, torch.int32),
+            cu_q=put(cu, torch.int32),
+            q_start=put(starts, torch.int32),
+            ring_context=put([0] * len(items) if mode is Mode.REPLAY else starts, torch.int32),
+            slots=put([it.slot for it in items], torch.int32),
+            block_table=put(table, torch.int32),
+            full_store=put(full_store, torch.int64),
+            ring_store=put(ring_store, torch.int64),
+            ring_dst=put(ring_dst, torch.int64),
+            ring_pos=put(ring_vals, torch.int32),
+            last_index=put([c - 1 for c in cu[1:]], torch.int64),
+            sample_positions=put([it.start + len(it.token_ids) for it in items], torch.int64),
+        )

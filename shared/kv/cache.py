@@ -1,0 +1,83 @@
+"""Device memory for KV: a paged pool for full-attention layers, per-request rings for sliding ones.
+
+Full layers: `k_pages/v_pages [n_full, num_pages, page_size, Hkv, D]`; a request owns pages for its
+whole sequence. Sliding layers: `k_ring/v_ring [n_sliding, num_slots, W, Hkv, D]` plus `ring_pos
+[n_sliding, num_slots, W]` (the position stored at each ring index, -1 = empty); a request owns one
+slot, so its sliding-layer memory is W tokens whatever its length. Everything is preallocated once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.kv.allocator import UnitAllocator
+from shared.model.config import ModelConfig
+
+__all__ = ["KVCache", "KVConfig"]
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    page_size: int = 16
+    num_pages: int = 512
+    max_requests: int = 32  # window slots; also bounds the running batch
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "num_pages", "max_requests"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVConfig.{name} must be positive, got {getattr(self, name)}")
+
+
+class KVCache:
+    def __init__(self, model: ModelConfig, cfg: KVConfig) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.page_size = cfg.page_size
+        self.full_layers = tuple(i for i in range(model.num_layers) if not model.is_sliding(i))
+        self.sliding_layers = tuple(i for i in range(model.num_layers) if model.is_sliding(i))
+        self.window = model.sliding_window if self.sliding_layers else 0
+        # layer -> index among its kind, so attention finds its tensors in O(1)
+        self.kind_index = {layer: i for i, layer in enumerate(self.full_layers)}
+        self.kind_index.update({layer: i for i, layer in enumerate(self.sliding_layers)})
+        dev, dt, h, d = torch.device(cfg.device), cfg.dtype, model.num_kv_heads, model.head_dim
+        full_shape = (len(self.full_layers), cfg.num_pages, cfg.page_size, h, d)
+        ring_shape = (len(self.sliding_layers), cfg.max_requests, max(self.window, 1), h, d)
+        self.k_pages = torch.zeros(full_shape, dtype=dt, device=dev)
+        self.v_pages = torch.zeros(full_shape, dtype=dt, device=dev)
+        self.k_ring = torch.zeros(ring_shape, dtype=dt, device=dev)
+        self.v_ring = torch.zeros(ring_shape, dtype=dt, device=dev)
+        self.ring_pos = torch.full(ring_shape[:3], -1, dtype=torch.int32, device=dev)
+        # Per-layer views made once: attention runs every layer every step, views cost host time.
+        self.k_pages_flat = [t.view(-1, h, d) for t in self.k_pages.unbind(0)]
+        self.v_pages_flat = [t.view(-1, h, d) for t in self.v_pages.unbind(0)]
+        self.k_ring_flat = [t.view(-1, h, d) for t in self.k_ring.unbind(0)]
+        self.v_ring_flat = [t.view(-1, h, d) for t in self.v_ring.unbind(0)]
+        self.ring_pos_flat = [t.view(-1) for t in self.ring_pos.unbind(0)]
+        self.pages = UnitAllocator(cfg.num_pages, "page")
+        self.slots = UnitAllocator(cfg.max_requests, "window slot")
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_pages.device
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.model.is_sliding(layer)
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def window_bytes_per_request(self) -> int:
+        """Sliding-layer memory one request holds: fixed by W, not by its length."""
+        per_token = 2 * self.model.num_kv_heads * self.model.head_dim * self.k_ring.element_size() + 4
+        return len(self.sliding_layers) * self.window * per_token
+
+    def page_bytes(self) -> int:
+        return 2 * self.k_pages[:, 0].numel() * self.k_pages.element_size()
+
+    def usage(self) -> float:
+        """Share of pages in use (the KV usage gauge)."""
+        return self.pages.num_used / self.pages.capacity

@@ -1,0 +1,44 @@
+"""A request as the schedulers see it: plain data with an explicit phase."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.kv.window import RequestWindow
+from shared.sampling import SamplingParams
+
+__all__ = ["Phase", "Request"]
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # queued, owns nothing
+    PREFILL = "prefill"  # owns pages and a window, prompt partly computed
+    DECODE = "decode"
+    FINISHED = "finished"  # owns nothing again
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    pages: list[int] = field(default_factory=list)
+    window: RequestWindow | None = None
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None  # stop | length | abort
+
+    @property
+    def slot(self) -> int:
+        assert self.window is not None, "slot of a request that owns no window"
+        return self.window.slot
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED

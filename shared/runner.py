@@ -1,0 +1,96 @@
+"""ModelRunner: one forward of a ForwardBatch through the model, the KV cache and the sampler.
+
+`forward` only enqueues device work: no host sync inside. It returns the sampled tokens on device
+and an event the scheduler waits on (the one wait per step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from invariants import Invariant, Severity, expect, predicates
+from shared.attention import AttentionOps, ops_for
+from shared.batch import ForwardBatch, Mode
+from shared.kv.cache import KVCache
+from shared.kv.window import window_buffer
+from shared.model.transformer import Transformer
+from shared.sampling import SamplingBatch, sample
+
+__all__ = ["BatchAttention", "ForwardOutput", "ModelRunner"]
+
+TOKENS_IN_VOCAB = Invariant(
+    "engine.token_ids_in_vocab", Severity.FATAL_CONTAINABLE, "input token ids are within the vocabulary"
+)
+PAGE_IDS_IN_RANGE = Invariant(
+    "kv.page_ids_in_range", Severity.FATAL_UNCONTAINABLE, "block tables name pages of the pool"
+)
+LOGITS_FINITE = Invariant("engine.logits_finite", Severity.FATAL_CONTAINABLE, "sampled logits are finite")
+
+
+class BatchAttention:
+    """The model's AttentionFn for one ForwardBatch: stores K/V and attends, layer by layer."""
+
+    def __init__(self, cache: KVCache, batch: ForwardBatch, ops: AttentionOps, scale: float) -> None:
+        self.cache, self.batch, self.ops, self.scale = cache, batch, ops, scale
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        c, b, i = self.cache, self.batch, self.cache.kind_index[layer]
+        if not c.is_sliding(layer):
+            if b.mode is not Mode.REPLAY:  # replay reads the pages the prompt already filled
+                self.ops.store_kv(k, v, c.k_pages_flat[i], c.v_pages_flat[i], b.full_store)
+            return self.ops.paged_attention(
+                q, c.k_pages[i], c.v_pages[i], b.block_table, b.cu_q, b.q_start,
+                max_q=b.max_q, scale=self.scale, window=None,
+            )  # fmt: skip
+        k_ring, v_ring = window_buffer(c, layer, b.slots, b.ring_context)
+        out = self.ops.ring_attention(
+            q, k, v, k_ring, v_ring, b.slots, b.cu_q, b.ring_context,
+            max_q=b.max_q, scale=self.scale, window=c.window,
+        )  # fmt: skip
+        # Only after attention: the chunk's tokens overwrite history its earlier queries still read.
+        self.ops.store_kv(k, v, c.k_ring_flat[i], c.v_ring_flat[i], b.ring_store)
+        c.ring_pos_flat[i].index_copy_(0, b.ring_dst, b.ring_pos)
+        return out
+
+
+@dataclass
+class ForwardOutput:
+    tokens: torch.Tensor  # [B] int64 on device
+    logits: torch.Tensor | None  # [B, V] float32, when asked for
+    ready: torch.cuda.Event | None  # recorded after sampling (None on CPU: already done)
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, cache: KVCache, ops: AttentionOps | None = None) -> None:
+        self.model = model
+        self.cache = cache
+        self.ops = ops or ops_for(cache.device)
+        self.scale = 1.0 / math.sqrt(model.cfg.head_dim)
+        self.vocab_size = model.cfg.vocab_size
+        self.num_pages = cache.cfg.num_pages
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, sampling: SamplingBatch | None, *, return_logits: bool = False
+    ) -> ForwardOutput:
+        expect(TOKENS_IN_VOCAB, lambda: predicates.in_range(batch.input_ids, 0, self.vocab_size),
+               rows=batch.token_slots)  # fmt: skip
+        expect(PAGE_IDS_IN_RANGE, lambda: predicates.in_range(batch.block_table, 0, self.num_pages))
+        attn = BatchAttention(self.cache, batch, self.ops, self.scale)
+        hidden = self.model(batch.input_ids, batch.positions, attn)
+        if batch.mode is Mode.REPLAY:
+            return ForwardOutput(torch.empty(0, dtype=torch.int64, device=hidden.device), None, None)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.last_index))
+        expect(LOGITS_FINITE, lambda: predicates.finite(logits), rows=batch.slots)
+        if sampling is None:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = sample(logits, sampling, batch.sample_positions)
+        ready = None
+        if tokens.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return ForwardOutput(tokens, logits if return_logits else None, ready)
