@@ -53,7 +53,8 @@ class Engine:
             raise ValueError(f"prompt: token ids must be in [0, {self.model_cfg.vocab_size})")
         if len(prompt) + params.max_tokens > limit:
             raise ValueError(
-                f"max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context {limit}"
+                f"max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
+                f"exceeds the context {limit}"
             )
         req = Request(self._next_rid, list(prompt), params)
         self._next_rid += 1

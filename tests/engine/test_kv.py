@@ -1,0 +1,98 @@
+"""KV memory: pages owned exactly once, windows bounded by W, history checked before it is read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from invariants import InvariantViolation, levels
+from shared.kv.allocator import IntegrityError, OutOfCapacity, UnitAllocator
+from shared.kv.cache import KVCache, KVConfig
+from shared.kv.window import RequestWindow, replay_start, ring_store_index
+from tests.engine.engine_testutil import W, tiny_config
+
+
+def test_units_are_owned_exactly_once():
+    pool = UnitAllocator(8)
+    a = pool.alloc(owner=1, n=3)
+    b = pool.alloc(owner=2, n=5)
+    assert sorted(a + b) == list(range(8)) and pool.num_free == 0
+    with pytest.raises(OutOfCapacity):
+        pool.alloc(owner=3, n=1)
+    with pytest.raises(IntegrityError, match="held by 1"):
+        pool.free(owner=2, units=a)  # not the owner
+    pool.free(owner=1, units=a)
+    with pytest.raises(IntegrityError, match="freed by 1"):
+        pool.free(owner=1, units=a)  # twice
+    pool.check_integrity()
+    assert pool.owned_by(2) == sorted(b)
+
+
+def test_a_failed_allocation_takes_nothing():
+    pool = UnitAllocator(4)
+    pool.alloc(owner=0, n=3)
+    with pytest.raises(OutOfCapacity):
+        pool.alloc(owner=1, n=2)
+    assert pool.num_free == 1
+    pool.check_integrity()
+
+
+def test_sliding_memory_per_request_does_not_grow_with_the_sequence():
+    cfg = tiny_config("SSFS")
+    cache = KVCache(cfg, KVConfig(page_size=4, num_pages=64, max_requests=4))
+    ring_bytes = cache.window_bytes_per_request()
+    # A request of any length holds one ring per sliding layer: W tokens each.
+    assert ring_bytes == 3 * W * (2 * cfg.num_kv_heads * cfg.head_dim * 4 + 4)
+    short, long = RequestWindow(cache, owner=1), RequestWindow(cache, owner=2)
+    k_short, _ = short.buffer(0, context_len=0)
+    k_long, _ = long.buffer(0, context_len=0)
+    assert k_short.shape == k_long.shape == (W, cfg.num_kv_heads, cfg.head_dim)
+    # Full layers page their whole sequence; an all-sliding model owns no page memory at all.
+    all_sliding = KVCache(tiny_config("SSSS"), KVConfig(page_size=4, num_pages=64, max_requests=4))
+    assert all_sliding.k_pages.numel() == 0 and all_sliding.page_bytes() == 0
+
+
+def test_a_chunk_stores_only_its_last_w_tokens_in_the_ring():
+    offsets, flat = ring_store_index(slot=2, start=5, count=12, window=W)
+    assert offsets == list(range(4, 12))
+    assert flat == [2 * W + p % W for p in range(9, 17)]
+    assert ring_store_index(slot=0, start=0, count=3, window=W) == ([0, 1, 2], [0, 1, 2])
+
+
+def test_reading_a_missing_history_trips_swa_history_present():
+    cache = KVCache(tiny_config("SSFS"), KVConfig(page_size=4, num_pages=16, max_requests=2))
+    window = RequestWindow(cache, owner=7)
+    with levels("strict"):
+        window.buffer(0, context_len=0)  # nothing stored, nothing expected
+        with pytest.raises(InvariantViolation, match=r"invariant-check FAILED \[swa.history_present\]"):
+            window.buffer(0, context_len=3)  # three tokens should be there, none are
+        cache.ring_pos[0, window.slot, :3] = torch.arange(3, dtype=torch.int32)
+        window.buffer(0, context_len=3)
+        with pytest.raises(InvariantViolation):
+            window.buffer(1, context_len=3)  # layer 1 of the same request is still empty
+
+
+def test_freeing_a_window_clears_it_and_returns_the_slot():
+    cache = KVCache(tiny_config("SSFS"), KVConfig(page_size=4, num_pages=16, max_requests=1))
+    window = RequestWindow(cache, owner=1)
+    cache.ring_pos[:, window.slot] = 3
+    window.free()
+    window.free()  # idempotent: freed exactly once
+    assert cache.slots.num_free == 1 and bool((cache.ring_pos == -1).all())
+
+
+@pytest.mark.parametrize(
+    "types,ctx,expected",
+    [
+        ("SFFF", 100, 100 - W),  # one sliding layer: exactly the last W tokens
+        ("SSFS", 100, 100 - W - 2 * (W - 1)),  # two sliding layers below the topmost widen it
+        ("FFFF", 100, 100),  # nothing to rebuild
+        ("SSSS", 10, 0),  # short context: replay from the start
+    ],
+)
+def test_bounded_replay_span_depends_on_the_layout_not_the_prompt(types, ctx, expected):
+    layer_types = tiny_config(types).layer_types
+    assert replay_start(ctx, layer_types, W) == expected
+    # A prompt 1000 tokens longer replays no more tokens (once both exceed the span).
+    longer = ctx + 1000 - replay_start(ctx + 1000, layer_types, W)
+    assert ctx - replay_start(ctx, layer_types, W) == min(ctx, longer)
