@@ -1,0 +1,61 @@
+"""The online-softmax step shared by the paged and the ring attention kernels (a helper, not a kernel).
+
+Rows are (query, head) pairs: the G query heads of one kv head are stacked so that a decode step
+(one query) still fills a tensor-core tile and each K/V block is loaded once for the whole group.
+Scores live in the log2 domain (qk_scale = scale * log2(e)) so the kernels use exp2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexpr):
+    """Fold one key block into the running (acc [M, D], max m_i [M], sum l_i [M]); k, v are [N, D].
+
+    F32_DOT computes both products in exact fp32: for fp32 inputs (tf32 would lose the tight
+    agreement fp32 callers expect), and for bf16 under the interpreter, whose bf16 tl.dot is wrong.
+    """
+    if F32_DOT:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead avoids -inf - -inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if F32_DOT:
+        # Rounded to v's dtype first, as the tensor-core path does, so both see the same p.
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def query_rows(
+    q_ptr, cu_q_ptr, q_start_ptr, b, kvh, q_off, stride_qt, stride_qh,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Load one tile of (query, head) rows; returns the tile and each row's token, head, offset, validity."""
+    tok0 = tl.load(cu_q_ptr + b)
+    qlen = tl.load(cu_q_ptr + b + 1) - tok0
+    start = tl.load(q_start_ptr + b)
+    r = tl.arange(0, BLOCK_M)
+    qi = q_off + r // GROUP_P2  # query offset inside the chunk
+    g = r % GROUP_P2
+    row_ok = (g < GROUP) & (qi < qlen)
+    tok = (tok0 + qi).to(tl.int64)
+    head = kvh * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+    rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(rows + d[None, :], mask=mask, other=0.0)
+    return q, tok, head, qi, row_ok, tok0, qlen, start

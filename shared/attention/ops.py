@@ -1,0 +1,108 @@
+"""The attention seam of the engine: one abstract interface, a torch and a Triton implementation.
+
+The model's attention layers call `store_kv` then `paged_attention` for full-attention layers, and
+`ring_attention` then `store_kv` for sliding layers. Both implementations share every argument
+check and contract, and take only host-side sizes as Python ints, so neither ever syncs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Literal
+
+import torch
+
+from shared.attention import reference
+
+
+class AttentionOps(ABC):
+    """Attention kernels over paged caches and sliding-window rings (layouts: shared/attention/README)."""
+
+    name: str
+
+    @abstractmethod
+    def store_kv(
+        self, k_new: torch.Tensor, v_new: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
+        dst_index: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """k_dst[dst_index[t]] = k_new[t], v likewise; dst [S, Hkv, D] is a cache or ring viewed flat."""
+
+    @abstractmethod
+    def paged_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+        cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Causal (optionally windowed) attention over a paged cache that already holds the chunk."""
+
+    @abstractmethod
+    def ring_attention(
+        self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor,
+        v_ring: torch.Tensor, slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int,
+        scale: float, window: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """Sliding-window attention over a ring of the history before the chunk plus the chunk itself."""
+
+
+class TorchOps(AttentionOps):
+    """Vectorized torch (any device): the CPU path and the reference the Triton kernels are held to."""
+
+    name = "torch"
+
+    def store_kv(self, k_new, v_new, k_dst, v_dst, dst_index):  # type: ignore[no-untyped-def]
+        reference.store_kv(k_new, v_new, k_dst, v_dst, dst_index)
+
+    def paged_attention(self, q, k_cache, v_cache, block_table, cu_q, q_start, *, max_q, scale, window):  # type: ignore[no-untyped-def]
+        return reference.paged_attention(
+            q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window
+        )
+
+    def ring_attention(self, q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, *, max_q, scale, window):  # type: ignore[no-untyped-def]
+        return reference.ring_attention(
+            q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window
+        )
+
+
+class TritonOps(AttentionOps):
+    """Triton kernels: CUDA, or CPU tensors under TRITON_INTERPRET=1 (tests)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Imported here, not at module load: the interpreter is chosen when a kernel is decorated, so
+        # merely importing shared.attention must not fix that choice before tests set TRITON_INTERPRET.
+        from shared.attention import paged_attention, ring_attention, store_kv
+
+        self._store_kv = store_kv.store_kv
+        self._paged = paged_attention.paged_attention
+        self._ring = ring_attention.ring_attention
+
+    def store_kv(self, k_new, v_new, k_dst, v_dst, dst_index):  # type: ignore[no-untyped-def]
+        self._store_kv(k_new, v_new, k_dst, v_dst, dst_index)
+
+    def paged_attention(self, q, k_cache, v_cache, block_table, cu_q, q_start, *, max_q, scale, window):  # type: ignore[no-untyped-def]
+        return self._paged(
+            q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window
+        )
+
+    def ring_attention(self, q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, *, max_q, scale, window):  # type: ignore[no-untyped-def]
+        return self._ring(
+            q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window
+        )
+
+
+Backend = Literal["auto", "torch", "triton"]
+
+
+def ops_for(device: torch.device | str, backend: Backend = "auto") -> AttentionOps:
+    """Triton on CUDA, torch elsewhere; `backend` forces one (Triton on CPU needs TRITON_INTERPRET=1)."""
+    device = torch.device(device)
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "torch":
+        return TorchOps()
+    if backend == "triton":
+        from shared.attention._launch import check_triton_device
+
+        check_triton_device("ops_for", device)
+        return TritonOps()
+    raise ValueError(f"ops_for: backend must be 'auto', 'torch' or 'triton', got {backend!r}")
