@@ -71,15 +71,17 @@ class Checker:
         self._on_cuda = self.device.type == "cuda"
         self._use_triton = self._on_cuda if use_triton is None else use_triton
         words = (max_rows + 31) // 32
-        self.counts = torch.zeros(max_invariants, dtype=torch.int64, device=self.device)
-        self.bits = torch.zeros(max_invariants, words, dtype=torch.int32, device=self.device)
-        # Per-row verdicts of column-split launches and their ticket counter (see kernels/check_rows).
-        self.scratch = torch.zeros(max_rows, dtype=torch.int32, device=self.device)
-        self.ticket = torch.zeros(1, dtype=torch.int32, device=self.device)
-        if self._on_cuda:
-            self._counts_host = torch.zeros_like(self.counts, device="cpu").pin_memory()
-            self._bits_host = torch.zeros_like(self.bits, device="cpu").pin_memory()
-            self._event = torch.cuda.Event()
+        # Normal tensors even when first used inside torch.inference_mode(): poll() updates them later.
+        with torch.inference_mode(False):
+            self.counts = torch.zeros(max_invariants, dtype=torch.int64, device=self.device)
+            self.bits = torch.zeros(max_invariants, words, dtype=torch.int32, device=self.device)
+            # Per-row verdicts of column-split launches and their ticket counter (kernels/check_rows).
+            self.scratch = torch.zeros(max_rows, dtype=torch.int32, device=self.device)
+            self.ticket = torch.zeros(1, dtype=torch.int32, device=self.device)
+            if self._on_cuda:
+                self._counts_host = torch.zeros_like(self.counts, device="cpu").pin_memory()
+                self._bits_host = torch.zeros_like(self.bits, device="cpu").pin_memory()
+                self._event = torch.cuda.Event()
         self._pending = False
         self._slots: dict[str, int] = {}
         self._invariants: list[Invariant] = []

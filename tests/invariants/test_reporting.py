@@ -102,3 +102,12 @@ def test_each_severity_logs_at_its_own_level(caplog):
     checker.poll()
     levels = {r.getMessage().split()[1]: r.levelno for r in caplog.records}
     assert levels == {"test_reporting.soft": logging.INFO, "test_reporting.contained": logging.ERROR}
+
+
+def test_a_checker_first_used_inside_inference_mode_still_polls():
+    import invariants
+
+    invariants.reset_checkers()
+    with invariants.levels("warn"), torch.inference_mode():
+        invariants.expect(GUARDED, torch.tensor([False]))
+    assert invariants.checker("cpu").poll()[0].new_hits == 1
