@@ -25,6 +25,8 @@ def _store_kv_kernel(
     dst = tl.load(idx_ptr + t)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
+    # The skip test is broadcast to the tile explicitly: the interpreter rejects a scalar-broadcast mask.
+    dst = tl.zeros([BLOCK_H, BLOCK_D], tl.int64) + dst
     mask = (h < NUM_HEADS) & (d < HEAD_DIM) & (dst >= 0)
     k = tl.load(kn_ptr + t * stride_knt + h * stride_knh + d, mask=mask)
     tl.store(kd_ptr + dst * stride_kds + h * stride_kdh + d, k, mask=mask)

@@ -106,24 +106,28 @@ def make_batch(
 
 
 def naive_attention(batch: Batch) -> torch.Tensor:
+    return naive(batch.q, batch.hist_k, batch.hist_v, batch.specs, window=batch.window, scale=batch.scale)
+
+
+def naive(
+    q: torch.Tensor, hist_k: list[torch.Tensor], hist_v: list[torch.Tensor], specs: list[tuple[int, int]], *,
+    window: int | None, scale: float,
+) -> torch.Tensor:  # fmt: skip
     """Per sequence, per query: list the visible key positions, softmax in float64. Obviously right."""
-    hq = batch.q.shape[1]
-    hkv = batch.hist_k[0].shape[1]
-    group = hq // hkv
+    group = q.shape[1] // hist_k[0].shape[1]
     out = []
     t = 0
-    for (l0, n), hk, hv in zip(batch.specs, batch.hist_k, batch.hist_v, strict=True):
+    for (l0, n), hk, hv in zip(specs, hist_k, hist_v, strict=True):
         for i in range(n):
             pos = l0 + i
-            first = 0 if batch.window is None else max(0, pos - batch.window + 1)
+            first = 0 if window is None else max(0, pos - window + 1)
             keys = list(range(first, pos + 1))
             k = hk[keys].double().repeat_interleave(group, dim=1)  # [K, Hq, D]
             v = hv[keys].double().repeat_interleave(group, dim=1)
-            q = batch.q[t].double()  # [Hq, D]
-            scores = torch.einsum("hd,khd->hk", q, k) * batch.scale
+            scores = torch.einsum("hd,khd->hk", q[t].double(), k) * scale
             out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
             t += 1
-    return torch.stack(out).to(batch.q.dtype)
+    return torch.stack(out).to(q.dtype)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
