@@ -1,0 +1,71 @@
+"""On a CUDA device: the Triton path computes what the dense reference computes, with no host sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from invariants import levels
+from invariants.testing import no_host_sync
+from shared.batch import ForwardBatch, Mode
+from shared.engine import Engine, EngineConfig
+from shared.kv.cache import KVCache, KVConfig
+from shared.runner import ModelRunner
+from shared.sampling import SamplingBatch, SamplingParams
+from tests.engine.engine_testutil import W, random_tokens, reference, tiny_config, tiny_model
+from tests.engine.test_engine_parity import Seq
+
+pytestmark = pytest.mark.gpu
+
+
+def cuda_runner(layout: str = "SSFS"):
+    cfg = tiny_config(layout)
+    cpu_model = tiny_model(cfg)
+    model = tiny_model(cfg).cuda()
+    cache = KVCache(cfg, KVConfig(page_size=16, num_pages=64, max_requests=8, device="cuda"))
+    return cpu_model, cache, ModelRunner(model, cache)
+
+
+@pytest.mark.parametrize("layout", ["SSFS", "FSFS"])
+def test_triton_path_matches_the_reference_teacher_forced(layout):
+    cpu_model, cache, runner = cuda_runner(layout)
+    lengths = [W - 1, 3 * W + 2, 1, 40]
+    seqs = [Seq(cache, i, random_tokens(n + 5, seed=20 + i)) for i, n in enumerate(lengths)]
+    wants = [reference(cpu_model, s.tokens) for s in seqs]
+    batch = ForwardBatch.build([s.chunk(n) for s, n in zip(seqs, lengths, strict=True)], Mode.EXTEND, cache)
+    for step in range(6):
+        logits = runner.forward(batch, None, return_logits=True).logits.cpu()
+        for row, s, want in zip(logits, seqs, wants, strict=True):
+            torch.testing.assert_close(row, want[s.done - 1], rtol=2e-2, atol=2e-2)  # tf32 dots
+        if step < 5:
+            batch = ForwardBatch.build([s.chunk(1) for s in seqs], Mode.DECODE, cache)
+
+
+@pytest.mark.parametrize("level", ["off", "warn", "strict"])
+def test_model_runner_forward_never_syncs(level):
+    _, cache, runner = cuda_runner()
+    seqs = [Seq(cache, i, random_tokens(30, seed=i)) for i in range(3)]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(temperature=1.0, top_k=5)]  # fmt: skip
+    sampling = SamplingBatch.build(params, cache.device)
+    with levels(level):
+        prefill = ForwardBatch.build([s.chunk(20) for s in seqs], Mode.EXTEND, cache)
+        runner.forward(prefill, sampling)  # warm-up: compile every kernel
+        decode = ForwardBatch.build([s.chunk(1) for s in seqs], Mode.DECODE, cache)
+        runner.forward(decode, sampling)
+        torch.cuda.synchronize()
+        prefill = ForwardBatch.build([s.chunk(5) for s in seqs], Mode.EXTEND, cache)
+        decode = ForwardBatch.build([s.chunk(1) for s in seqs], Mode.DECODE, cache)
+        with no_host_sync():
+            runner.forward(prefill, sampling)
+            runner.forward(decode, sampling)
+
+
+def test_engine_on_cuda_generates_and_frees_everything():
+    cfg = tiny_config("SSFS")
+    engine = Engine(tiny_model(cfg).cuda(), KVConfig(page_size=16, num_pages=64, max_requests=4, device="cuda"),
+                    EngineConfig(max_batch_tokens=32))  # fmt: skip
+    prompts = [random_tokens(n, seed=n) for n in (5, 2 * W + 3, 50)]
+    reqs = engine.generate(prompts, SamplingParams(temperature=0.7, seed=3, max_tokens=12, ignore_eos=True))
+    assert all(len(r.output) == 12 and r.finish_reason == "length" for r in reqs)
+    engine.check_idle_integrity()
