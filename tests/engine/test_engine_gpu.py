@@ -63,8 +63,8 @@ def test_model_runner_forward_never_syncs(level):
 
 def test_engine_on_cuda_generates_and_frees_everything():
     cfg = tiny_config("SSFS")
-    engine = Engine(tiny_model(cfg).cuda(), KVConfig(page_size=16, num_pages=64, max_requests=4, device="cuda"),
-                    EngineConfig(max_batch_tokens=32))  # fmt: skip
+    kv = KVConfig(page_size=16, num_pages=64, max_requests=4, device="cuda")
+    engine = Engine(tiny_model(cfg).cuda(), kv, EngineConfig(max_batch_tokens=32))
     prompts = [random_tokens(n, seed=n) for n in (5, 2 * W + 3, 50)]
     reqs = engine.generate(prompts, SamplingParams(temperature=0.7, seed=3, max_tokens=12, ignore_eos=True))
     assert all(len(r.output) == 12 and r.finish_reason == "length" for r in reqs)
