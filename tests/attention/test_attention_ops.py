@@ -19,9 +19,11 @@ def ops(request: pytest.FixtureRequest) -> AttentionOps:
 
 def test_ops_for_picks_by_device() -> None:
     assert isinstance(ops_for("cpu"), TorchOps)
-    assert isinstance(ops_for(torch.device("cpu"), backend="triton"), TritonOps)  # the interpreter (tests)
     if torch.cuda.is_available():
         assert isinstance(ops_for("cuda"), TritonOps)
+        assert isinstance(ops_for("cuda", backend="torch"), TorchOps)
+    else:
+        assert isinstance(ops_for(torch.device("cpu"), backend="triton"), TritonOps)  # the interpreter
     with pytest.raises(ValueError, match="backend must be"):
         ops_for("cpu", backend="cudnn")  # type: ignore[arg-type]
 
