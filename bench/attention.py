@@ -1,0 +1,116 @@
+"""Micro-benchmark of the Triton attention ops against the torch reference on one GPU.
+
+Decode (one query per sequence) is memory-bound: the figure of merit is the K/V bytes the kernel
+must read divided by its time, against the card's ~4.8 TB/s. Prefill is reported in TFLOP/s of
+the causal attention it computes (4 * Hq * D flops per visible query-key pair).
+
+    python bench/attention.py                  # on a CUDA machine; a table to stdout
+    python bench/attention.py --json out.json  # the same rows as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+from triton.testing import do_bench
+
+from shared.attention import TorchOps, TritonOps
+
+HQ, HKV, D, PAGE = 16, 8, 128, 16
+
+
+def _paged_inputs(l0: list[int], n: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    batch = len(l0)
+    max_pages = math.ceil(max(a + b for a, b in zip(l0, n, strict=True)) / PAGE)
+    pages = batch * max_pages
+    cu = [0]
+    for x in n:
+        cu.append(cu[-1] + x)
+    return {
+        "q": torch.randn(cu[-1], HQ, D, device="cuda", dtype=dtype),
+        "k_cache": torch.randn(pages, PAGE, HKV, D, device="cuda", dtype=dtype),
+        "v_cache": torch.randn(pages, PAGE, HKV, D, device="cuda", dtype=dtype),
+        "block_table": torch.randperm(pages, device="cuda").view(batch, max_pages).int(),
+        "cu_q": torch.tensor(cu, dtype=torch.int32, device="cuda"),
+        "q_start": torch.tensor(l0, dtype=torch.int32, device="cuda"),
+    }
+
+
+def _ring_inputs(l0: list[int], n: list[int], window: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    tokens = sum(n)
+    return {
+        "q": torch.randn(tokens, HQ, D, device="cuda", dtype=dtype),
+        "k_new": torch.randn(tokens, HKV, D, device="cuda", dtype=dtype),
+        "v_new": torch.randn(tokens, HKV, D, device="cuda", dtype=dtype),
+        "k_ring": torch.randn(len(l0), window, HKV, D, device="cuda", dtype=dtype),
+        "v_ring": torch.randn(len(l0), window, HKV, D, device="cuda", dtype=dtype),
+        "slots": torch.arange(len(l0), dtype=torch.int32, device="cuda"),
+        "cu_q": torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda"),
+        "q_start": torch.tensor(l0, dtype=torch.int32, device="cuda"),
+    }
+
+
+def _row(kind: str, label: str, ms_triton: float, ms_torch: float | None, work: float, unit: str) -> dict:
+    return {
+        "op": kind, "case": label, "triton_us": round(ms_triton * 1e3, 1),
+        "torch_us": None if ms_torch is None else round(ms_torch * 1e3, 1),
+        unit: round(work / (ms_triton * 1e-3) / 1e12, 2),
+    }  # fmt: skip
+
+
+def run(with_torch: bool) -> list[dict]:
+    dtype, scale = torch.bfloat16, D**-0.5
+    triton_ops, torch_ops = TritonOps(), TorchOps()
+    rows = []
+    elt = torch.tensor([], dtype=dtype).element_size()
+    for batch, ctx in [(1, 8192), (1, 32768), (8, 8192), (64, 2048), (64, 8192), (256, 4096)]:
+        for window in (None, 4096):
+            l0, n = [ctx - 1] * batch, [1] * batch
+            args = _paged_inputs(l0, n, dtype)
+            kw = {"max_q": 1, "scale": scale, "window": window}
+            t = do_bench(lambda a=args, k=kw: triton_ops.paged_attention(**a, **k))
+            ref = None
+            if with_torch and batch * ctx <= 64 * 8192:
+                ref = do_bench(lambda a=args, k=kw: torch_ops.paged_attention(**a, **k))
+            keys = min(ctx, window or ctx)
+            rows.append(_row("paged decode", f"B={batch} ctx={ctx} W={window}", t, ref,
+                             2 * batch * keys * HKV * D * elt, "TB/s"))  # fmt: skip
+    for window in (1024, 4096):
+        for batch in (1, 64, 256):
+            l0, n = [8191] * batch, [1] * batch
+            args = _ring_inputs(l0, n, window, dtype)
+            kw = {"max_q": 1, "scale": scale, "window": window}
+            t = do_bench(lambda a=args, k=kw: triton_ops.ring_attention(**a, **k))
+            ref = do_bench(lambda a=args, k=kw: torch_ops.ring_attention(**a, **k)) if with_torch else None
+            rows.append(_row("ring decode", f"B={batch} W={window}", t, ref,
+                             2 * batch * window * HKV * D * elt, "TB/s"))  # fmt: skip
+    for l0, n, window in [([0], [4096], None), ([4096], [2048], None), ([0] * 4, [2048] * 4, None),
+                          ([0], [8192], 1024)]:  # fmt: skip
+        args = _paged_inputs(l0, n, dtype)
+        kw = {"max_q": max(n), "scale": scale, "window": window}
+        t = do_bench(lambda a=args, k=kw: triton_ops.paged_attention(**a, **k))
+        seqs = zip(l0, n, strict=True)
+        pairs = sum(sum(min(a + i + 1, window or a + i + 1) for i in range(c)) for a, c in seqs)
+        label = f"L0={l0} n={n} W={window}"
+        rows.append(_row("paged prefill", label, t, None, 4 * HQ * D * pairs, "TFLOP/s"))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
+    opts = parser.parse_args()
+    rows = run(with_torch=not opts.no_torch)
+    for r in rows:
+        print("  ".join(f"{k}={v}" for k, v in r.items()))
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
