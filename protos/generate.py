@@ -27,7 +27,9 @@ def proto_files() -> list[Path]:
 
 def _fix_imports(text: str, packages: set[str]) -> str:
     for pkg in sorted(packages):
-        text = re.sub(rf"^from {re.escape(pkg)} import ", f"from {PACKAGE_PREFIX}.{pkg} import ", text, flags=re.M)
+        text = re.sub(
+            rf"^from {re.escape(pkg)} import ", f"from {PACKAGE_PREFIX}.{pkg} import ", text, flags=re.M
+        )
         text = re.sub(rf"^import {re.escape(pkg)}\.", f"import {PACKAGE_PREFIX}.{pkg}.", text, flags=re.M)
     return text
 
@@ -39,7 +41,13 @@ def generate(out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     files = proto_files()
     rel = [str(f.relative_to(PROTO_ROOT)) for f in files]
-    args = ["protoc", f"-I{PROTO_ROOT}", f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}"]
+    args = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+    ]
     if protoc.main([*args, *rel]) != 0:
         raise RuntimeError(f"protoc failed on {rel}")
     packages = {".".join(Path(r).parent.parts) for r in rel}
@@ -61,7 +69,9 @@ def generate(out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     for path in generate(args.out):
