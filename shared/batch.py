@@ -52,6 +52,18 @@ class ForwardBatch:
     last_index: torch.Tensor  # [B] int64 index in T of each sequence's last token
     sample_positions: torch.Tensor  # [B] int64 position of the token each sequence samples next
 
+    def take_inputs_from(self, tokens: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """Overlap scheduling: input token i is the not-yet-read output `tokens[j]` of the step in
+        flight, for each (i, j). Gathered on the device, so the host never waits for it."""
+        if not pairs:
+            return
+        dst = torch.tensor([i for i, _ in pairs], dtype=torch.int64)
+        src = torch.tensor([j for _, j in pairs], dtype=torch.int64)
+        if self.input_ids.is_cuda:
+            dst = dst.pin_memory().to(self.input_ids.device, non_blocking=True)
+            src = src.pin_memory().to(self.input_ids.device, non_blocking=True)
+        self.input_ids.index_copy_(0, dst, tokens.index_select(0, src))
+
     @classmethod
     def build(cls, items: list[ChunkItem], mode: Mode, cache: KVCache) -> ForwardBatch:
         ps, w = cache.page_size, max(cache.window, 1)

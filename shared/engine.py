@@ -1,7 +1,12 @@
 """The colocated Engine: add_request / step / generate. The reference the services are tested
 against, and decode's local-prefill path.
 
-    step():  schedule -> run -> postprocess
+    step():  schedule N+1 -> launch N+1 -> wait for N -> postprocess N
+
+Overlap scheduling: the CPU builds and enqueues step N+1 while step N runs; a decode input that step
+N is still producing is gathered on the device from N's output, so the one wait per step is for N's
+tokens. A request that finishes at N may still be written by N+1: its pages and window are freed
+only once N+1 has completed, never while the device may still write them.
 
 Scheduling is prefill-first: waiting requests are admitted (window slot + pages for prompt and
 max_tokens, all or nothing), prompts are computed in chunks under a token budget, and when no
@@ -11,7 +16,9 @@ prompt work is left every running request decodes one token.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 import invariants
 from shared.batch import ChunkItem, ForwardBatch, Mode
@@ -30,6 +37,20 @@ __all__ = ["Engine", "EngineConfig"]
 class EngineConfig:
     max_batch_tokens: int = 256  # prefill token budget per step (chunked prefill)
     max_running: int = 32
+    overlap: bool = True  # prepare step N+1 while step N runs
+
+
+@dataclass
+class _Step:
+    """A launched forward whose tokens the host has not read yet."""
+
+    reqs: list[Request]
+    counts: list[int]  # tokens of row i whose K/V this step computes
+    emits: list[bool]  # whether row i's token is an output token (decode, or a prompt's last chunk)
+    tokens: torch.Tensor  # [B] on device
+    host: torch.Tensor  # [B] pinned copy, valid once `ready` has completed
+    ready: torch.cuda.Event | None
+    releases: list[Request] = field(default_factory=list)  # freed once this step has completed
 
 
 class Engine:
@@ -41,6 +62,7 @@ class Engine:
         self.checker = invariants.checker(self.cache.device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._inflight: _Step | None = None
         self._next_rid = 0
 
     # ---- requests ----
@@ -72,35 +94,38 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and self._inflight is None
 
     # ---- the loop ----
 
     def step(self) -> list[tuple[Request, int]]:
-        """One forward. Returns the (request, token) pairs it produced."""
+        """Launch the next forward and report the (request, token) pairs of the previous one."""
         self._admit()
-        items, reqs, mode = self._schedule()
-        if not items:
-            return []
-        batch = ForwardBatch.build(items, mode, self.cache)
-        sampling = SamplingBatch.build([r.params for r in reqs], self.cache.device)
-        out = self.runner.forward(batch, sampling)
-        tokens = out.tokens.tolist()  # the step's one wait for the device
-        self._contain(self.checker.poll())
-        return self._postprocess(reqs, items, tokens, mode)
+        launched = self._launch(*self._schedule())
+        done, self._inflight = self._inflight, launched
+        produced = self._complete(done) if done is not None else []
+        if not self.cfg.overlap and self._inflight is not None:
+            now, self._inflight = self._inflight, None
+            produced += self._complete(now)
+        return produced
+
+    def flush(self) -> list[tuple[Request, int]]:
+        """Complete the step in flight without launching another (before a replay, at shutdown)."""
+        done, self._inflight = self._inflight, None
+        return self._complete(done) if done is not None else []
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[Request]:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
-        while not all(r.finished for r in reqs):
+        while not all(r.finished for r in reqs) or self._inflight is not None:
             self.step()
         return reqs
 
     def rebuild_window(self, req: Request) -> int:
         """Bounded replay: recompute the tokens the rings need and store their K/V. Returns how many."""
-        assert req.window is not None
+        assert req.window is not None and req.num_scheduled == req.num_computed, "request has work in flight"
         tokens = req.prompt + req.output
         end = req.num_computed
         start = replay_start(end, self.model_cfg.layer_types, self.cache.window)
@@ -123,43 +148,73 @@ class Engine:
                 req.window = RequestWindow(self.cache, req.rid)
                 req.pages = self.cache.pages.alloc(req.rid, need)
             except OutOfCapacity:
-                if req.window is not None:
-                    req.window.free()
-                    req.window = None
+                self._release(req)
                 return
             self.waiting.popleft()
             req.phase = Phase.PREFILL
             self.running.append(req)
 
-    def _schedule(self) -> tuple[list[ChunkItem], list[Request], Mode]:
+    def _schedule(self) -> tuple[list[ChunkItem], list[Request], list[bool], Mode]:
         budget = self.cfg.max_batch_tokens
         items: list[ChunkItem] = []
         reqs: list[Request] = []
+        emits: list[bool] = []
         for req in self.running:
-            if req.phase is Phase.PREFILL and budget > 0:
-                n = min(len(req.prompt) - req.num_computed, budget)
-                start = req.num_computed
+            if req.num_scheduled < len(req.prompt) and budget > 0:
+                start = req.num_scheduled
+                n = min(len(req.prompt) - start, budget)
                 items.append(ChunkItem(req.slot, start, req.prompt[start : start + n], req.pages))
                 reqs.append(req)
+                emits.append(start + n == len(req.prompt))
                 budget -= n
         if items:
-            return items, reqs, Mode.EXTEND
+            return items, reqs, emits, Mode.EXTEND
         for req in self.running:
-            if req.phase is Phase.DECODE:
-                items.append(ChunkItem(req.slot, req.num_computed, [req.output[-1]], req.pages))
+            if req.num_scheduled >= len(req.prompt) and len(req.output) + req.pending < req.params.max_tokens:
+                last = req.output[-1] if req.output else -1  # -1: still in flight, gathered on device
+                items.append(ChunkItem(req.slot, req.num_scheduled, [last], req.pages))
                 reqs.append(req)
-        return items, reqs, Mode.DECODE
+                emits.append(True)
+        return items, reqs, emits, Mode.DECODE
 
-    def _postprocess(
-        self, reqs: list[Request], items: list[ChunkItem], tokens: list[int], mode: Mode
-    ) -> list[tuple[Request, int]]:
+    def _launch(
+        self, items: list[ChunkItem], reqs: list[Request], emits: list[bool], mode: Mode
+    ) -> _Step | None:
+        if not items:
+            return None
+        batch = ForwardBatch.build(items, mode, self.cache)
+        if mode is Mode.DECODE and self._inflight is not None:
+            rows = {id(r): i for i, r in enumerate(self._inflight.reqs)}
+            pairs = [(i, rows[id(r)]) for i, r in enumerate(reqs) if r.pending]
+            batch.take_inputs_from(self._inflight.tokens, pairs)
+        sampling = SamplingBatch.build([r.params for r in reqs], self.cache.device)
+        out = self.runner.forward(batch, sampling)
+        for req, item, emit in zip(reqs, items, emits, strict=True):
+            req.num_scheduled += len(item.token_ids)
+            req.pending += emit
+        host = out.tokens
+        if out.tokens.is_cuda:
+            host = torch.empty_like(out.tokens, device="cpu").pin_memory()
+            host.copy_(out.tokens, non_blocking=True)
+            out.ready.record()  # after the copy: completion means the host copy is readable
+        counts = [len(item.token_ids) for item in items]
+        return _Step(reqs, counts, emits, out.tokens, host, out.ready)
+
+    def _complete(self, step: _Step) -> list[tuple[Request, int]]:
+        if step.ready is not None:
+            step.ready.synchronize()  # the step's one wait for the device
+        tokens = step.host.tolist()
+        for req in step.releases:
+            self._release(req)
+        self._contain(self.checker.poll())
         produced = []
-        for req, item, tok in zip(reqs, items, tokens, strict=True):
-            if req.finished:  # aborted by containment during this step
+        for req, count, emit, tok in zip(step.reqs, step.counts, step.emits, tokens, strict=True):
+            req.num_computed += count
+            if not emit:
                 continue
-            req.num_computed += len(item.token_ids)
-            if mode is Mode.EXTEND and req.num_computed < len(req.prompt):
-                continue  # a partial chunk: its sample is not a token of the output
+            req.pending -= 1
+            if req.finished:  # aborted or stopped while this step ran: its token is dropped
+                continue
             req.phase = Phase.DECODE
             req.output.append(tok)
             produced.append((req, tok))
@@ -179,6 +234,12 @@ class Engine:
         req.phase, req.finish_reason = Phase.FINISHED, reason
         if req in self.running:
             self.running.remove(req)
+        if self._inflight is not None and req in self._inflight.reqs:
+            self._inflight.releases.append(req)  # the device may still write its KV
+        else:
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
         if req.pages:
             self.cache.pages.free(req.rid, req.pages)
             req.pages = []

@@ -28,6 +28,8 @@ class Request:
     pages: list[int] = field(default_factory=list)
     window: RequestWindow | None = None
     num_computed: int = 0  # tokens whose K/V are in the cache
+    num_scheduled: int = 0  # tokens whose K/V are in the cache or being computed by a step in flight
+    pending: int = 0  # output tokens launched but not read back yet (overlap scheduling)
     finish_reason: str | None = None  # stop | length | abort
 
     @property

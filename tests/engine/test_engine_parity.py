@@ -97,6 +97,7 @@ def test_bounded_replay_rebuilds_the_history_a_single_pass_computed(layout):
     req2 = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=3))
     while req2.num_computed < len(prompt):
         engine.step()
+    engine.flush()  # nothing in flight while the rings are compared and rebuilt
     cache, slot = engine.cache, req2.slot
     k, v, pos = (t[:, slot].clone() for t in (cache.k_ring, cache.v_ring, cache.ring_pos))
     replayed = engine.rebuild_window(req2)  # clears the rings, then recomputes
