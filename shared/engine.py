@@ -38,6 +38,8 @@ class EngineConfig:
     max_batch_tokens: int = 256  # prefill token budget per step (chunked prefill)
     max_running: int = 32
     overlap: bool = True  # prepare step N+1 while step N runs
+    # Decode batch sizes captured as CUDA graphs on a CUDA device; () = eager only.
+    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
 @dataclass
@@ -60,6 +62,10 @@ class Engine:
         self.cache = KVCache(model.cfg, kv)
         self.runner = ModelRunner(model, self.cache)
         self.checker = invariants.checker(self.cache.device)
+        most = min(self.cfg.max_running, kv.max_requests)
+        sizes = [b for b in self.cfg.cuda_graph_sizes if b <= most]
+        if self.cache.device.type == "cuda" and sizes:
+            self.runner.capture_decode_graphs(sizes, self.cache.pages_needed(self.max_context()))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._inflight: _Step | None = None

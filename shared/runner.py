@@ -14,6 +14,7 @@ import torch
 from invariants import Invariant, Severity, expect, predicates
 from shared.attention import AttentionOps, ops_for
 from shared.batch import ForwardBatch, Mode
+from shared.cuda_graph import DecodeGraphs
 from shared.kv.cache import KVCache
 from shared.kv.window import window_buffer
 from shared.model.transformer import Transformer
@@ -72,19 +73,34 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.num_pages = cache.cfg.num_pages
 
-    @torch.inference_mode()
-    def forward(
-        self, batch: ForwardBatch, sampling: SamplingBatch | None, *, return_logits: bool = False
-    ) -> ForwardOutput:
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, batch_sizes: list[int], max_pages: int) -> None:
+        """Capture the decode forward for these batch sizes (CUDA only; levels frozen at capture)."""
+        self.graphs = DecodeGraphs(self, batch_sizes, max_pages)
+
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Model + KV + checks up to each sequence's last-token logits (what a CUDA graph holds)."""
         expect(TOKENS_IN_VOCAB, lambda: predicates.in_range(batch.input_ids, 0, self.vocab_size),
                rows=batch.token_slots)  # fmt: skip
         expect(PAGE_IDS_IN_RANGE, lambda: predicates.in_range(batch.block_table, 0, self.num_pages))
         attn = BatchAttention(self.cache, batch, self.ops, self.scale)
         hidden = self.model(batch.input_ids, batch.positions, attn)
         if batch.mode is Mode.REPLAY:
-            return ForwardOutput(torch.empty(0, dtype=torch.int64, device=hidden.device), None, None)
+            return None
         logits = self.model.compute_logits(hidden.index_select(0, batch.last_index))
         expect(LOGITS_FINITE, lambda: predicates.finite(logits), rows=batch.slots)
+        return logits
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, sampling: SamplingBatch | None, *, return_logits: bool = False
+    ) -> ForwardOutput:
+        logits = self.graphs.run(batch) if self.graphs is not None and batch.mode is Mode.DECODE else None
+        if logits is None:
+            logits = self.forward_logits(batch)
+        if logits is None:  # replay: the rings were the point
+            return ForwardOutput(torch.empty(0, dtype=torch.int64, device=self.cache.device), None, None)
         if sampling is None:
             tokens = logits.argmax(dim=-1)
         else:

@@ -45,7 +45,10 @@ class KVCache:
         self.kind_index.update({layer: i for i, layer in enumerate(self.sliding_layers)})
         dev, dt, h, d = torch.device(cfg.device), cfg.dtype, model.num_kv_heads, model.head_dim
         full_shape = (len(self.full_layers), cfg.num_pages, cfg.page_size, h, d)
-        ring_shape = (len(self.sliding_layers), cfg.max_requests, max(self.window, 1), h, d)
+        # One ring more than requests: the scratch slot padded rows of a CUDA graph point at. It is
+        # never handed out and stays empty (padded rows store nothing and write -1 positions).
+        self.scratch_slot = cfg.max_requests
+        ring_shape = (len(self.sliding_layers), cfg.max_requests + 1, max(self.window, 1), h, d)
         self.k_pages = torch.zeros(full_shape, dtype=dt, device=dev)
         self.v_pages = torch.zeros(full_shape, dtype=dt, device=dev)
         self.k_ring = torch.zeros(ring_shape, dtype=dt, device=dev)

@@ -69,3 +69,51 @@ def test_engine_on_cuda_generates_and_frees_everything():
     reqs = engine.generate(prompts, SamplingParams(temperature=0.7, seed=3, max_tokens=12, ignore_eos=True))
     assert all(len(r.output) == 12 and r.finish_reason == "length" for r in reqs)
     engine.check_idle_integrity()
+
+
+def test_decode_graphs_replay_what_eager_decode_computes():
+    _, graph_cache, graph_runner = cuda_runner()
+    _, eager_cache, eager_runner = cuda_runner()  # same seed: the same weights
+    graph_runner.capture_decode_graphs([1, 4, 8], max_pages=8)
+
+    def decode(runner, cache, seqs):
+        batch = ForwardBatch.build([s.chunk(1) for s in seqs], Mode.DECODE, cache)
+        return runner.forward(batch, None, return_logits=True).logits
+
+    for n in (1, 3, 8):  # 3 rides the 4-row graph with a padded row
+        pairs = [(Seq(graph_cache, 10 * n + i, random_tokens(40, seed=i)),
+                  Seq(eager_cache, 10 * n + i, random_tokens(40, seed=i))) for i in range(n)]  # fmt: skip
+        for k, (cache, runner) in enumerate(((graph_cache, graph_runner), (eager_cache, eager_runner))):
+            runner.forward(ForwardBatch.build([p[k].chunk(20) for p in pairs], Mode.EXTEND, cache), None)
+        for _ in range(5):
+            got = decode(graph_runner, graph_cache, [p[0] for p in pairs])
+            want = decode(eager_runner, eager_cache, [p[1] for p in pairs])
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for p in pairs:
+            p[0].window.free()
+            p[1].window.free()
+    scratch = graph_cache.ring_pos[:, graph_cache.scratch_slot]
+    assert int((scratch != -1).sum()) == 0, "padded rows wrote the scratch ring"
+
+
+def test_engine_with_graphs_matches_eager_and_never_syncs_in_decode():
+    cfg = tiny_config("SSFS")
+    prompts = [random_tokens(n, seed=n) for n in (5, 2 * W + 3, 50, 7, 9)]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = []
+    for sizes in ((), (1, 2, 4, 8)):
+        kv = KVConfig(page_size=16, num_pages=64, max_requests=8, device="cuda")
+        engine = Engine(tiny_model(cfg).cuda(), kv, EngineConfig(max_batch_tokens=64, cuda_graph_sizes=sizes))
+        outs.append([r.output for r in engine.generate(prompts, sp)])
+        engine.check_idle_integrity()
+    assert outs[0] == outs[1]
+    _, cache, runner = cuda_runner()
+    runner.capture_decode_graphs([4], max_pages=8)
+    seqs = [Seq(cache, i, random_tokens(30, seed=i)) for i in range(3)]
+    runner.forward(ForwardBatch.build([s.chunk(20) for s in seqs], Mode.EXTEND, cache), None)
+    decode = ForwardBatch.build([s.chunk(1) for s in seqs], Mode.DECODE, cache)
+    runner.forward(decode, None)
+    torch.cuda.synchronize()
+    decode = ForwardBatch.build([s.chunk(1) for s in seqs], Mode.DECODE, cache)
+    with no_host_sync():
+        runner.forward(decode, None)

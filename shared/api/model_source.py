@@ -1,0 +1,87 @@
+"""What a service serves, from its `--model` flag: a checkpoint path, "" for the embedded default, or
+(a testing aid) `random:<json>`, a tiny random-weight model with a character-level tokenizer.
+
+The random models let service tests run real servers on CPU in milliseconds per step, and let a test
+build the very same model in-process (same JSON, same seed) to compare the server with the Engine.
+JSON keys, all optional: layers ("SSFS": S sliding, F full), window, vocab, hidden, heads, kv_heads,
+head_dim, intermediate, max_context, seed, eos (list of ids), load_delay_s (sleep before loading, so
+tests can watch readiness flip).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from shared.model import FULL, SLIDING, LoadedModel, ModelConfig, Tokenizer, Transformer, load_model
+
+__all__ = ["RANDOM_PREFIX", "load_served_model", "random_model_config"]
+
+RANDOM_PREFIX = "random:"
+_PRINTABLE = [chr(c) for c in range(32, 127)]
+_RANDOM_KEYS = {
+    "layers", "window", "vocab", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
+    "max_context", "seed", "eos", "load_delay_s",
+}  # fmt: skip
+
+
+def _random_spec(spec: str) -> dict[str, Any]:
+    opts = json.loads(spec[len(RANDOM_PREFIX) :] or "{}")
+    if not isinstance(opts, dict) or set(opts) - _RANDOM_KEYS:
+        raise ValueError(f"random model options must be a JSON object with keys from {sorted(_RANDOM_KEYS)}")
+    return opts
+
+
+def random_model_config(opts: dict[str, Any]) -> ModelConfig:
+    types = tuple({"S": SLIDING, "F": FULL}[c] for c in opts.get("layers", "SSFS"))
+    return ModelConfig(
+        architecture="random", vocab_size=opts.get("vocab", 97), hidden_size=opts.get("hidden", 64),
+        num_layers=len(types), num_heads=opts.get("heads", 4), num_kv_heads=opts.get("kv_heads", 2),
+        head_dim=opts.get("head_dim", 16), intermediate_size=opts.get("intermediate", 128),
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=opts.get("max_context", 512),
+        layer_types=types, sliding_window=opts.get("window", 8) if SLIDING in types else None,
+        eos_token_ids=tuple(opts.get("eos", ())),
+    )  # fmt: skip
+
+
+def _char_tokenizer(vocab: int, eos: tuple[int, ...]) -> Tokenizer:
+    """Ids 0..94 are the printable ASCII characters; the rest are special tokens (<unk>, then <|i|>)."""
+    chars = _PRINTABLE[: max(vocab - 1, 0)]
+    specials = ["<unk>", *(f"<|{i}|>" for i in range(len(chars) + 1, vocab))]
+    table = {t: i for i, t in enumerate([*chars, *specials])}
+    backend = HFTokenizer(models.WordLevel(vocab=table, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return Tokenizer(backend, eos_token_ids=eos)
+
+
+def _random_model(spec: str, device: torch.device | str) -> LoadedModel:
+    opts = _random_spec(spec)
+    time.sleep(float(opts.get("load_delay_s", 0)))
+    cfg = random_model_config(opts)
+    torch.manual_seed(int(opts.get("seed", 0)))
+    model = Transformer(cfg)
+    # Weights large enough that the logits differ visibly from token to token (and window to window).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.25)
+            elif "norm" in name:
+                p.uniform_(0.8, 1.2)
+    model = model.to(device).eval().requires_grad_(False)
+    return LoadedModel(cfg, model, _char_tokenizer(cfg.vocab_size, cfg.eos_token_ids), "random")
+
+
+def load_served_model(
+    spec: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> LoadedModel:
+    """`spec`: "" (embedded default), a checkpoint path (HF directory or .gguf), or `random:<json>`."""
+    if spec.startswith(RANDOM_PREFIX):
+        return _random_model(spec, device)
+    return load_model(spec or None, dtype=dtype, device=device)
