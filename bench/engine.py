@@ -1,0 +1,152 @@
+"""Decode and prefill throughput of the Engine on a ~2B hybrid model, against Hugging Face
+`generate` on the same weights and against the HBM roofline.
+
+    python bench/engine.py                     # batches 1,16,64; prompt 512; 64 decode steps
+    python bench/engine.py --batches 64 --no-hf
+
+Model: hidden 2048, 28 layers, 16/8 heads x 128, intermediate 6144, 3 of 4 layers sliding (W=1024),
+vocab 128256, random bf16 weights (~1.9B parameters). The roofline of a decode step is the bytes it
+must read (weights but the embedding table, plus each sequence's K/V: whole context on full layers,
+at most W on sliding ones) over the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from shared.engine import Engine, EngineConfig
+from shared.kv.cache import KVConfig
+from shared.model.config import config_from_hf
+from shared.model.transformer import Transformer
+from shared.sampling import SamplingParams
+
+W = 1024
+HF_CONFIG = {
+    "architectures": ["MinistralForCausalLM"], "model_type": "ministral", "vocab_size": 128256,
+    "hidden_size": 2048, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 128, "intermediate_size": 6144, "sliding_window": W, "max_position_embeddings": 8192,
+    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 7,
+    "rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t0)  # read + write, bytes/s
+
+
+def make_models(with_hf: bool):
+    cfg = config_from_hf(HF_CONFIG)
+    hf = None
+    if with_hf:
+        import transformers
+
+        fields = {k: v for k, v in HF_CONFIG.items() if k != "architectures"}
+        hf_cfg = transformers.AutoConfig.for_model(**fields)
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.bfloat16).cuda().eval()
+        source = hf.state_dict().items()
+    model = Transformer(cfg).to(device="cuda", dtype=torch.bfloat16)
+    if hf is not None:
+        model.load_weights(source)
+    else:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0, 0.02)
+    model.rotary.float()  # RoPE tables stay fp32
+    return cfg, model.eval(), hf
+
+
+def decode_roofline_bytes(model, batch: int, ctx: int) -> int:
+    cfg = model.cfg
+    per_tok_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    weights = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n) * 2
+    kv = 0
+    for layer in range(cfg.num_layers):
+        kv += batch * (min(ctx, W) if cfg.is_sliding(layer) else ctx) * per_tok_layer
+    return weights + kv
+
+
+def bench_engine(model, cfg, batch: int, prompt_len: int, steps: int, bandwidth: float) -> dict[str, float]:
+    pages = batch * ((prompt_len + steps + 16) // 16 + 1) + 16
+    kv = KVConfig(page_size=16, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda")
+    engine = Engine(model, kv, EngineConfig(max_batch_tokens=8192, max_running=batch))
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
+    sp = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    reqs = [engine.add_request(p, sp) for p in prompts]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while any(r.phase.value == "prefill" or not r.output for r in reqs):
+        engine.step()
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t0
+    done0 = sum(len(r.output) for r in reqs)
+    t1 = time.perf_counter()
+    decode_steps = 0
+    while not engine.idle:
+        engine.step()
+        decode_steps += 1
+    decode_s = time.perf_counter() - t1
+    tokens = sum(len(r.output) for r in reqs) - done0
+    ctx = prompt_len + steps // 2
+    roof_s = decode_roofline_bytes(model, batch, ctx) / bandwidth
+    step_s = decode_s / max(decode_steps - 1, 1)
+    return {"batch": batch, "prefill_s": prefill_s, "prefill_tok_s": batch * prompt_len / prefill_s,
+            "decode_step_ms": 1e3 * step_s, "decode_tok_s": tokens / decode_s,
+            "roofline_step_ms": 1e3 * roof_s, "x_roofline": step_s / roof_s}  # fmt: skip
+
+
+def bench_hf(hf, cfg, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device="cuda")
+    with torch.inference_mode():
+        hf.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+    step_s = ((t2 - t1) - (t1 - t0)) / (steps - 1)  # subtract the prefill
+    return {"batch": batch, "hf_decode_step_ms": 1e3 * step_s, "hf_decode_tok_s": batch / step_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    bandwidth = copy_bandwidth()
+    cfg, model, hf = make_models(not args.no_hf)
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B")
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        row = bench_engine(model, cfg, batch, args.prompt, args.steps, bandwidth)
+        if hf is not None:
+            row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f)
+
+if __name__ == "__main__":
+    main()
