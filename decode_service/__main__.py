@@ -1,0 +1,19 @@
+"""`python -m decode_service`: run the decode service until SIGTERM (see server.py for the lifecycle)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from decode_service.config import parse_args
+from decode_service.server import serve
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""The decode scheduler: one thread owns the Engine and runs admit -> step -> emit.
+
+The Engine is not thread-safe, so nothing else touches it. Other threads (the gRPC event loop) talk to
+the scheduler through `submit` / `abort`, which only put work in an inbox under a lock and wake the
+thread; results leave through each request's `emit` callback, called on the scheduler thread (the
+servicer's callback hops onto the event loop). When there is nothing to do the thread sleeps on a
+condition, so an idle server burns no CPU.
+
+This is the seam a remote-prefill path plugs into: the servicer sees only `submit`, `abort` and events,
+never the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine import Engine
+from shared.request import Request
+from shared.sampling import SamplingParams
+
+__all__ = [
+    "AlreadyExists",
+    "Event",
+    "Finished",
+    "NotAccepting",
+    "PoolState",
+    "QueueFull",
+    "Scheduler",
+    "SchedulerConfig",
+    "SubmitError",
+    "Tokens",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # stop | length | abort
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None  # the engine failed: the request ends with an error, not a reason
+
+
+Event = Tokens | Finished
+
+
+class SubmitError(Exception):
+    """The request was not taken; nothing of it reached the engine."""
+
+
+class QueueFull(SubmitError):
+    pass
+
+
+class AlreadyExists(SubmitError):
+    pass
+
+
+class NotAccepting(SubmitError):
+    """Draining, stopped, or failed."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_queue: int = 128  # requests admitted to the scheduler but not running, beyond which submit refuses
+
+
+@dataclass(frozen=True)
+class PoolState:
+    pages_total: int
+    pages_free: int
+    slots_total: int
+    slots_free: int
+    running: int
+    waiting: int  # not yet running: in the inbox or the engine's waiting queue
+
+
+@dataclass(eq=False)
+class _Entry:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    emit: Callable[[Event], None]
+    req: Request | None = None  # set once the scheduler thread has handed it to the engine
+    sent: int = 0  # output tokens already emitted
+
+
+@dataclass
+class _Inbox:
+    new: list[_Entry] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, cfg: SchedulerConfig | None = None) -> None:
+        self.cfg = cfg or SchedulerConfig()
+        self._engine = engine
+        self._cond = threading.Condition()
+        self._inbox = _Inbox()
+        self._live: dict[str, _Entry] = {}  # every submitted, unfinished request; guarded by _cond
+        self._n_running = 0
+        self._accepting = True
+        self._stopping = False
+        self.failure: BaseException | None = None
+        self._state = self._pool_state()
+        self._thread = threading.Thread(target=self._run, name="decode-scheduler", daemon=True)
+        self.on_failure: Callable[[BaseException], None] | None = None
+
+    # ---- any thread ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(
+        self, rid: str, prompt: list[int], params: SamplingParams, emit: Callable[[Event], None]
+    ) -> None:
+        """Queue a request. `emit` gets its Tokens events then one Finished, on the scheduler thread."""
+        with self._cond:
+            if not self._accepting:
+                raise NotAccepting(
+                    "the server is draining or stopped" if self.failure is None else "engine failed"
+                )
+            if rid in self._live:
+                raise AlreadyExists(f"request_id {rid!r} is already in flight")
+            if len(self._live) - self._n_running >= self.cfg.max_queue:
+                raise QueueFull(f"the queue is full ({self.cfg.max_queue} requests waiting)")
+            entry = _Entry(rid, prompt, params, emit)
+            self._live[rid] = entry
+            self._inbox.new.append(entry)
+            self._cond.notify_all()
+
+    def abort(self, rid: str) -> bool:
+        """End a request (its stream gets Finished("abort")); False when it is not in flight."""
+        with self._cond:
+            if rid not in self._live:
+                return False
+            self._inbox.aborts.append(rid)
+            self._cond.notify_all()
+            return True
+
+    def abort_all(self) -> int:
+        with self._cond:
+            self._inbox.aborts.extend(self._live)
+            self._cond.notify_all()
+            return len(self._live)
+
+    def stop_accepting(self) -> None:
+        with self._cond:
+            self._accepting = False
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        """Block until no request is in flight; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._live, timeout)
+
+    def pool_state(self) -> PoolState:
+        with self._cond:
+            return self._state
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is left, stop the thread. Streams still open get Finished("abort")."""
+        with self._cond:
+            self._accepting = False
+            self._inbox.aborts.extend(self._live)
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- the scheduler thread ----
+
+    def _run(self) -> None:
+        active: dict[str, _Entry] = {}  # handed to the engine, unfinished; owned by this thread
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    self._cond.wait_for(
+                        lambda: self._inbox.new or self._inbox.aborts or active or self._stopping
+                    )
+                    inbox, self._inbox = self._inbox, _Inbox()
+                    if self._stopping and not inbox.new and not inbox.aborts and not active:
+                        return
+                try:
+                    self._apply(inbox, active)
+                    if not self._engine.idle:
+                        self._engine.step()
+                    self._emit(active)
+                except Exception as exc:  # the engine's state is unknown now: fail everything, stop
+                    log.exception("decode scheduler: engine step failed")
+                    self._fail(exc, active)
+                    return
+
+    def _apply(self, inbox: _Inbox, active: dict[str, _Entry]) -> None:
+        for entry in inbox.new:
+            try:
+                entry.req = self._engine.add_request(entry.prompt, entry.params)
+            except ValueError as exc:  # validation let through what the engine refuses: this request only
+                self._finish(entry, Finished("abort", len(entry.prompt), 0, error=str(exc)))
+                continue
+            active[entry.rid] = entry
+        for rid in inbox.aborts:
+            entry = active.get(rid)
+            if entry is not None and entry.req is not None:
+                self._engine.abort(entry.req)  # frees pages and window; a no-op if already finished
+
+    def _emit(self, active: dict[str, _Entry]) -> None:
+        done = []
+        for entry in active.values():
+            req = entry.req
+            assert req is not None
+            if len(req.output) > entry.sent:
+                entry.emit(Tokens(tuple(req.output[entry.sent :])))
+                entry.sent = len(req.output)
+            if req.finished:
+                done.append(entry)
+        for entry in done:
+            del active[entry.rid]
+            req = entry.req
+            assert req is not None and req.finish_reason is not None
+            self._finish(entry, Finished(req.finish_reason, len(req.prompt), len(req.output)))
+        if done and self._engine.idle:
+            self._engine.check_idle_integrity()  # host-only; every page and slot must be back
+        self._publish(len(self._engine.running))
+
+    def _finish(self, entry: _Entry, event: Finished) -> None:
+        try:
+            entry.emit(event)
+        finally:
+            with self._cond:
+                self._live.pop(entry.rid, None)
+                self._cond.notify_all()
+
+    def _publish(self, running: int) -> None:
+        state = self._pool_state()
+        with self._cond:
+            self._n_running = running
+            self._state = state
+
+    def _pool_state(self) -> PoolState:
+        cache = self._engine.cache
+        with self._cond:
+            queued = len(self._live) - len(self._engine.running)
+        return PoolState(
+            pages_total=cache.pages.capacity,
+            pages_free=cache.pages.num_free,
+            slots_total=cache.slots.capacity,
+            slots_free=cache.slots.num_free,
+            running=len(self._engine.running),
+            waiting=max(queued, 0),
+        )
+
+    def _fail(self, exc: BaseException, active: dict[str, _Entry]) -> None:
+        with self._cond:
+            self.failure = exc
+            self._accepting = False
+            entries = list(self._live.values())
+        for entry in entries:
+            n = len(entry.req.output) if entry.req is not None else 0
+            self._finish(entry, Finished("abort", len(entry.prompt), n, error=f"engine failure: {exc}"))
+        active.clear()
+        if self.on_failure is not None:
+            self.on_failure(exc)

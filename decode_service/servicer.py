@@ -1,0 +1,149 @@
+"""`pdserve.v1.Generation` on grpc.aio: validate, hand to the scheduler, stream its events back.
+
+The servicer never touches the engine: it holds a scheduler (local prefill today; a remote-prefill
+scheduler will present the same submit / abort / events surface).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from decode_service.output import OutputProcessor
+from decode_service.scheduler import (
+    AlreadyExists,
+    Event,
+    Finished,
+    NotAccepting,
+    QueueFull,
+    Scheduler,
+    SubmitError,
+)
+from shared.api.errors import InvalidRequest
+from shared.api.validation import Limits, validate_generate
+from shared.model import LoadedModel
+from shared.pb.pdserve.v1 import generation_pb2 as pb
+from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+__all__ = ["SERVICE_NAME", "GenerationServicer", "Serving"]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+_SUBMIT_CODES: dict[type[SubmitError], grpc.StatusCode] = {
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    NotAccepting: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What exists once the model is loaded."""
+
+    loaded: LoadedModel
+    scheduler: Scheduler
+    limits: Limits
+    page_size: int
+    kv_dtype: str
+
+
+def _chunk(rid: str, token_ids: list[int], text: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id=rid, chunk=pb.Chunk(token_ids=token_ids, text=text))
+
+
+def _complete(rid: str, reason: str, prompt_tokens: int, completion_tokens: int) -> pb.GenerateResponse:
+    usage = pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+    return pb.GenerateResponse(request_id=rid, complete=pb.Complete(finish_reason=reason, usage=usage))
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self) -> None:
+        self.serving: Serving | None = None  # set by the server once the model is loaded
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> Serving:
+        if self.serving is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        assert self.serving is not None
+        return self.serving
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        s = await self._ready(context)
+        tok = s.loaded.tokenizer
+        try:
+            prompt, params = validate_generate(request, s.limits, tok.encode if tok is not None else None)
+        except InvalidRequest as e:
+            await context.abort_with_status(e.to_status())
+        rid = request.request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def emit(ev: Event) -> None:  # on the scheduler thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        try:
+            s.scheduler.submit(rid, prompt, params, emit)
+        except SubmitError as e:
+            await context.abort(_SUBMIT_CODES[type(e)], str(e))
+        out = OutputProcessor(tok, params.stop)
+        done = False
+        try:
+            while not done:
+                batch = [await events.get()]
+                while not events.empty():  # a client that lags gets fewer, larger chunks
+                    batch.append(events.get_nowait())
+                tokens = [t for ev in batch if not isinstance(ev, Finished) for t in ev.token_ids]
+                finish = next((ev for ev in batch if isinstance(ev, Finished)), None)
+                step = out.feed(tokens)
+                text = step.text
+                if step.stopped:
+                    s.scheduler.abort(rid)  # the engine may run a step more; those tokens are dropped
+                    finish = Finished("stop", len(prompt), out.num_tokens)
+                elif finish is not None:
+                    if finish.error is not None:
+                        await context.abort(grpc.StatusCode.INTERNAL, finish.error)
+                    text += out.flush()
+                if step.token_ids or text:
+                    yield _chunk(rid, step.token_ids, text)
+                if finish is not None:
+                    done = True
+                    yield _complete(rid, finish.reason, finish.prompt_tokens, finish.completion_tokens)
+        finally:
+            if not done:  # cancelled, past its deadline, or the stream failed: free its KV now
+                s.scheduler.abort(rid)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        s = await self._ready(context)
+        return pb.AbortResponse(found=s.scheduler.abort(request.request_id))
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        s = await self._ready(context)
+        cfg, pool = s.loaded.config, s.scheduler.pool_state()
+        return pb.ModelInfo(
+            model_name=s.loaded.name,
+            vocab_size=cfg.vocab_size,
+            max_context=s.limits.max_context,
+            layer_types=list(cfg.layer_types),
+            sliding_window=cfg.sliding_window or 0,
+            page_size=s.page_size,
+            dtype=s.kv_dtype,
+            eos_token_ids=list(cfg.eos_token_ids),
+            has_tokenizer=s.loaded.tokenizer is not None,
+            kv_pool=pb.KVPoolState(
+                pages_total=pool.pages_total,
+                pages_free=pool.pages_free,
+                window_slots_total=pool.slots_total,
+                window_slots_free=pool.slots_free,
+                running=pool.running,
+                waiting=pool.waiting,
+            ),
+        )
