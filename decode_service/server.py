@@ -27,7 +27,7 @@ from shared.engine import Engine, EngineConfig
 from shared.kv.cache import KVConfig
 from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
-__all__ = ["build_serving", "serve"]
+__all__ = ["add_services", "build_serving", "serve"]
 
 log = logging.getLogger("decode_service")
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -86,18 +86,20 @@ async def _drain(serving: Serving, timeout: float) -> None:
         await asyncio.to_thread(sched.wait_idle, _STOP_GRACE_S)
 
 
-async def serve(cfg: ServiceConfig) -> int:
-    server = grpc.aio.server()
+def add_services(server: grpc.aio.Server) -> tuple[GenerationServicer, health.aio.HealthServicer]:
+    """Generation, grpc.health.v1 and reflection on `server` (also how tests build in-process servers)."""
     servicer = GenerationServicer()
     health_servicer = health.aio.HealthServicer()
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (
-        SERVICE_NAME,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
+    return servicer, health_servicer
+
+
+async def serve(cfg: ServiceConfig) -> int:
+    server = grpc.aio.server()
+    servicer, health_servicer = add_services(server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await health_servicer.set("", SERVING)  # liveness: the process answers
     await health_servicer.set(SERVICE_NAME, NOT_SERVING)  # readiness: not until the model is loaded

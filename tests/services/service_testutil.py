@@ -1,0 +1,139 @@
+"""Real decode servers for the service tests: a subprocess (`python -m decode_service`) on a free port,
+or an in-process grpc.aio server on its own event loop thread. Both serve tiny random models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from decode_service.config import ServiceConfig
+from decode_service.server import add_services, build_serving
+from decode_service.servicer import SERVICE_NAME, Serving
+from shared.client import Client
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = {"layers": "SSFS", "window": 8, "vocab": 97, "seed": 0}  # shared.api.model_source's random model
+
+
+def random_spec(**overrides: Any) -> str:
+    return "random:" + json.dumps({**TINY, **overrides}, separators=(",", ":"))
+
+
+class ServerProcess:
+    """`python -m decode_service` in a subprocess; `target` once it listens."""
+
+    def __init__(self, model: str, *args: str, wait_ready: bool = True) -> None:
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="decode-", suffix=".log", delete=False)  # noqa: SIM115
+        cmd = [sys.executable, "-m", "decode_service", "--host", "127.0.0.1", "--port", "0", "--model", model]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [*cmd, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True
+        )
+        self.lines: list[str] = []
+        self._listening = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._listening.wait(60):
+            self.kill()
+            raise RuntimeError(f"server did not start:\n{self.log()}")
+        self.target = self.lines[0].rsplit(" ", 1)[1]
+        if wait_ready:
+            wait_health(self.target, SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING, timeout=60)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.strip())
+            if "listening on" in line:
+                self._listening.set()
+
+    def log(self) -> str:
+        return Path(self._log.name).read_text()
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 30) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        Path(self._log.name).unlink(missing_ok=True)
+
+
+def health_status(target: str, service: str) -> int:
+    with grpc.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def wait_health(target: str, service: str, want: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if health_status(target, service) == want:
+                return
+        except grpc.RpcError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{service!r} on {target} never reached health status {want}")
+        time.sleep(0.05)
+
+
+def wait_pool_idle(client: Client, timeout: float = 10) -> None:
+    """Every page and window slot back, nothing running or waiting: the pool's idle baseline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pool = client.model_info().kv_pool
+        if (
+            pool.pages_free == pool.pages_total
+            and pool.window_slots_free == pool.window_slots_total
+            and pool.running == pool.waiting == 0
+        ):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pool not back at its idle baseline: {pool}")
+        time.sleep(0.02)
+
+
+class InProcessServer:
+    """A grpc.aio server on port 0 in this process, on its own loop thread; `serving` is inspectable."""
+
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self.serving: Serving = build_serving(cfg)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server, self.port = self._call(self._start())
+        self.target = f"127.0.0.1:{self.port}"
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    async def _start(self) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        servicer, health_servicer = add_services(server)
+        servicer.serving = self.serving
+        await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    def close(self) -> None:
+        self._call(self.server.stop(1))
+        self.serving.scheduler.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
