@@ -2,10 +2,12 @@
 
 Decode (one query per sequence) is memory-bound: the figure of merit is the K/V bytes the kernel
 must read divided by its time, against the card's ~4.8 TB/s. Prefill is reported in TFLOP/s of
-the causal attention it computes (4 * Hq * D flops per visible query-key pair).
+the causal attention it computes (4 * Hq * D flops per visible query-key pair). Times are eager
+(do_bench): below ~60 us they are the Python launch cost of the wrapper, not the kernel; decode runs
+from a CUDA graph in the engine, where B=1 at 8k context takes ~13 us (H200, 2026-11).
 
-    python bench/attention.py                  # on a CUDA machine; a table to stdout
-    python bench/attention.py --json out.json  # the same rows as JSON
+    PYTHONPATH=. python bench/attention.py     # on a CUDA machine; a table to stdout
+    PYTHONPATH=. python bench/attention.py --json out.json  # the same rows as JSON
 """
 
 from __future__ import annotations

@@ -81,7 +81,10 @@ def choose_splits(device: torch.device, programs: int, key_span: int, max_q: int
     if max_q != 1 or device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
-    want = math.ceil(2 * sm_count(index) / max(programs, 1))  # about two waves
-    by_length = math.ceil(key_span / 512)  # keep at least ~512 keys per split
+    sms = sm_count(index)
+    if programs >= sms:  # already a full wave: measured on an H200, splitting gains nothing there
+        return 1
+    want = math.ceil(4 * sms / max(programs, 1))  # about four waves of short programs
+    by_length = math.ceil(key_span / 256)  # keep at least ~256 keys (4 blocks) per split
     n = max(1, min(want, by_length, 32))
     return 1 << (n.bit_length() - 1)  # a power of two: fewer distinct compiled kernels
