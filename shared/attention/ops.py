@@ -14,9 +14,11 @@ import torch
 
 from shared.attention import reference
 
+Tensor = torch.Tensor
+
 
 class AttentionOps(ABC):
-    """Attention kernels over paged caches and sliding-window rings (layouts: shared/attention/README)."""
+    """Attention over paged caches and sliding-window rings (layouts: shared/attention/README.md)."""
 
     name: str
 
@@ -48,15 +50,21 @@ class TorchOps(AttentionOps):
 
     name = "torch"
 
-    def store_kv(self, k_new, v_new, k_dst, v_dst, dst_index):  # type: ignore[no-untyped-def]
+    def store_kv(self, k_new: Tensor, v_new: Tensor, k_dst: Tensor, v_dst: Tensor, dst_index: Tensor) -> None:
         reference.store_kv(k_new, v_new, k_dst, v_dst, dst_index)
 
-    def paged_attention(self, q, k_cache, v_cache, block_table, cu_q, q_start, *, max_q, scale, window):  # type: ignore[no-untyped-def]
+    def paged_attention(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_q: Tensor, q_start: Tensor,
+        *, max_q: int, scale: float, window: int | None,
+    ) -> Tensor:  # fmt: skip
         return reference.paged_attention(
             q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window
         )
 
-    def ring_attention(self, q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, *, max_q, scale, window):  # type: ignore[no-untyped-def]
+    def ring_attention(
+        self, q: Tensor, k_new: Tensor, v_new: Tensor, k_ring: Tensor, v_ring: Tensor, slots: Tensor,
+        cu_q: Tensor, q_start: Tensor, *, max_q: int, scale: float, window: int,
+    ) -> Tensor:  # fmt: skip
         return reference.ring_attention(
             q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window
         )
@@ -76,15 +84,21 @@ class TritonOps(AttentionOps):
         self._paged = paged_attention.paged_attention
         self._ring = ring_attention.ring_attention
 
-    def store_kv(self, k_new, v_new, k_dst, v_dst, dst_index):  # type: ignore[no-untyped-def]
+    def store_kv(self, k_new: Tensor, v_new: Tensor, k_dst: Tensor, v_dst: Tensor, dst_index: Tensor) -> None:
         self._store_kv(k_new, v_new, k_dst, v_dst, dst_index)
 
-    def paged_attention(self, q, k_cache, v_cache, block_table, cu_q, q_start, *, max_q, scale, window):  # type: ignore[no-untyped-def]
+    def paged_attention(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_q: Tensor, q_start: Tensor,
+        *, max_q: int, scale: float, window: int | None,
+    ) -> Tensor:  # fmt: skip
         return self._paged(
             q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window
         )
 
-    def ring_attention(self, q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, *, max_q, scale, window):  # type: ignore[no-untyped-def]
+    def ring_attention(
+        self, q: Tensor, k_new: Tensor, v_new: Tensor, k_ring: Tensor, v_ring: Tensor, slots: Tensor,
+        cu_q: Tensor, q_start: Tensor, *, max_q: int, scale: float, window: int,
+    ) -> Tensor:  # fmt: skip
         return self._ring(
             q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window
         )
