@@ -234,12 +234,11 @@ class Scheduler:
         self._publish(len(self._engine.running))
 
     def _finish(self, entry: _Entry, event: Finished) -> None:
-        try:
-            entry.emit(event)
-        finally:
-            with self._cond:
-                self._live.pop(entry.rid, None)
-                self._cond.notify_all()
+        # The id is free before the client hears of the end: it may reuse it at once.
+        with self._cond:
+            self._live.pop(entry.rid, None)
+            self._cond.notify_all()
+        entry.emit(event)
 
     def _publish(self, running: int) -> None:
         state = self._pool_state()
