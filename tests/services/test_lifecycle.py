@@ -1,0 +1,105 @@
+"""The process's life: readiness while loading, SIGTERM drain (and its timeout), reflection."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from decode_service.servicer import SERVICE_NAME
+from shared.client import Client, GenerationError, Stream
+from tests.services.service_testutil import ServerProcess, health_status, random_spec, wait_health
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+LONG = {"max_tokens": 500, "temperature": 0.0, "ignore_eos": True}
+
+
+def _consume(stream: Stream) -> tuple[threading.Thread, list, threading.Event]:
+    chunks: list = []
+    first = threading.Event()
+
+    def run() -> None:
+        for c in stream:
+            chunks.append(c)
+            first.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, chunks, first
+
+
+def test_readiness_while_loading_then_sigterm_drains() -> None:
+    srv = ServerProcess(random_spec(load_delay_s=3.0), "--drain-timeout", "60", wait_ready=False)
+    try:
+        # Loading: alive, not ready, and Generate is UNAVAILABLE.
+        assert health_status(srv.target, "") == SERVING
+        assert health_status(srv.target, SERVICE_NAME) == NOT_SERVING
+        with Client(srv.target) as c:
+            with pytest.raises(GenerationError) as exc:
+                c.complete([1, 2], max_tokens=2)
+            assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+            wait_health(srv.target, SERVICE_NAME, SERVING, timeout=60)
+
+            stream = c.generate([1, 2, 3], **LONG)
+            t, chunks, first = _consume(stream)
+            assert first.wait(30)
+            srv.terminate()
+            # Draining: not ready, new work refused, the running request carries on.
+            wait_health(srv.target, SERVICE_NAME, NOT_SERVING, timeout=10)
+            assert health_status(srv.target, "") == SERVING
+            with pytest.raises(GenerationError) as exc:
+                c.complete([4, 5], max_tokens=2)
+            assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+            t.join(60)
+            assert stream.finish_reason == "length"
+            assert sum(len(ch.token_ids) for ch in chunks) == stream.usage.completion_tokens == 500
+        assert srv.wait() == 0
+        assert srv.lines[-1] == "pdserve decode stopped"
+    finally:
+        srv.kill()
+
+
+def test_drain_timeout_aborts_what_is_left() -> None:
+    srv = ServerProcess(random_spec(), "--drain-timeout", "0.2")
+    try:
+        with Client(srv.target) as c:
+            stream = c.generate([1, 2, 3], **LONG)
+            t, chunks, first = _consume(stream)
+            assert first.wait(30)
+            srv.terminate()
+            t.join(30)
+            assert stream.finish_reason == "abort"
+            assert sum(len(ch.token_ids) for ch in chunks) == stream.usage.completion_tokens < 500
+        assert srv.wait() == 0
+        assert "aborting 1 request(s)" in srv.log()
+    finally:
+        srv.kill()
+
+
+def _reflect(
+    target: str, request: reflection_pb2.ServerReflectionRequest
+) -> reflection_pb2.ServerReflectionResponse:
+    with grpc.insecure_channel(target) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        return next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
+
+
+def test_reflection_lists_the_services(server: ServerProcess) -> None:
+    resp = _reflect(server.target, reflection_pb2.ServerReflectionRequest(list_services=""))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    resp = _reflect(
+        server.target, reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME)
+    )
+    assert resp.file_descriptor_response.file_descriptor_proto  # clients like grpcurl can build requests
+
+
+def test_health_when_ready(server: ServerProcess) -> None:
+    assert health_status(server.target, "") == SERVING
+    assert health_status(server.target, SERVICE_NAME) == SERVING
+    with pytest.raises(grpc.RpcError) as exc:
+        health_status(server.target, "no.such.Service")
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
