@@ -12,6 +12,7 @@ for INVALID_ARGUMENT, the field violations.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -92,11 +93,12 @@ class _Result:
 
 
 class Stream(_Result):
-    """Iterate for chunks; afterwards `finish_reason` and `usage` are set. `cancel()` ends it early."""
+    """Iterate for chunks; afterwards `finish_reason` and `usage` are set (None after `cancel()`)."""
 
     def __init__(self, call: Any) -> None:
         super().__init__()
         self._call = call
+        self.cancelled = False
 
     def __iter__(self) -> Iterator[Chunk]:
         try:
@@ -105,9 +107,13 @@ class Stream(_Result):
                 if chunk is not None:
                     yield chunk
         except grpc.RpcError as e:
+            if self.cancelled and e.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                return  # our own cancel() ends the iteration; finish_reason stays None
             raise GenerationError(e) from e
 
     def cancel(self) -> None:
+        """Stop the request (the server aborts it and frees its KV); iteration then ends quietly."""
+        self.cancelled = True
         self._call.cancel()
 
 
@@ -115,6 +121,7 @@ class AsyncStream(_Result):
     def __init__(self, call: Any) -> None:
         super().__init__()
         self._call = call
+        self.cancelled = False
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         try:
@@ -122,10 +129,17 @@ class AsyncStream(_Result):
                 chunk = self.take(msg)
                 if chunk is not None:
                     yield chunk
+        except asyncio.CancelledError:
+            if not self.cancelled:  # the task itself is being cancelled: let that through
+                raise
         except grpc.RpcError as e:
+            if self.cancelled and e.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                return
             raise GenerationError(e) from e
 
     def cancel(self) -> None:
+        """Stop the request (the server aborts it and frees its KV); iteration then ends quietly."""
+        self.cancelled = True
         self._call.cancel()
 
 
