@@ -95,32 +95,31 @@ class ForwardBatch:
             ring_dst += flat
             ring_vals += [it.start + off for off in offsets]
             cu.append(base + n)
-        dev = cache.device
-
-        def put(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            t = torch.tensor(values, dtype=dtype)
-            if dev.type == "cuda":
-                return t.pin_memory().to(dev, non_blocking=True)
-            return t
-
         starts = [it.start for it in items]
+        i32 = _upload(cache.device, torch.int32, {
+            "token_slots": tok_slot, "cu_q": cu, "q_start": starts,
+            "ring_context": [0] * len(items) if mode is Mode.REPLAY else starts,
+            "slots": [it.slot for it in items], "block_table": [p for row in table for p in row],
+            "ring_pos": ring_vals,
+        })  # fmt: skip
+        i64 = _upload(cache.device, torch.int64, {
+            "input_ids": ids, "positions": pos, "full_store": full_store, "ring_store": ring_store,
+            "ring_dst": ring_dst, "last_index": [c - 1 for c in cu[1:]],
+            "sample_positions": [it.start + len(it.token_ids) for it in items],
+        })  # fmt: skip
+        i32["block_table"] = i32["block_table"].view(len(items), max_pages)
         return cls(
-            mode=mode,
-            num_seqs=len(items),
-            num_tokens=len(ids),
-            max_q=max(len(it.token_ids) for it in items),
-            input_ids=put(ids, torch.int64),
-            positions=put(pos, torch.int64),
-            token_slots=put(tok_slot, torch.int32),
-            cu_q=put(cu, torch.int32),
-            q_start=put(starts, torch.int32),
-            ring_context=put([0] * len(items) if mode is Mode.REPLAY else starts, torch.int32),
-            slots=put([it.slot for it in items], torch.int32),
-            block_table=put(table, torch.int32),
-            full_store=put(full_store, torch.int64),
-            ring_store=put(ring_store, torch.int64),
-            ring_dst=put(ring_dst, torch.int64),
-            ring_pos=put(ring_vals, torch.int32),
-            last_index=put([c - 1 for c in cu[1:]], torch.int64),
-            sample_positions=put([it.start + len(it.token_ids) for it in items], torch.int64),
-        )
+            mode=mode, num_seqs=len(items), num_tokens=len(ids),
+            max_q=max(len(it.token_ids) for it in items), **i32, **i64,
+        )  # fmt: skip
+
+
+def _upload(
+    device: torch.device, dtype: torch.dtype, fields: dict[str, list[int]]
+) -> dict[str, torch.Tensor]:
+    """All fields of one dtype in one host buffer and one (pinned, non-blocking) copy; views after."""
+    flat = torch.tensor([v for values in fields.values() for v in values], dtype=dtype)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    parts = flat.split([len(values) for values in fields.values()])
+    return dict(zip(fields, parts, strict=True))

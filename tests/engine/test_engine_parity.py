@@ -127,3 +127,21 @@ def test_engine_greedy_generation_matches_the_reference_and_frees_everything():
         assert req.finish_reason == "length"
         assert req.output == greedy_reference(model, prompt, 8)
     engine.check_idle_integrity()
+
+
+def test_the_triton_kernels_through_the_runner_match_too():
+    # On CPU the Triton kernels run in the interpreter: the same wrappers and views as on a GPU.
+    from shared.attention import ops_for
+
+    cfg = tiny_config("SSFS")
+    model = tiny_model(cfg)
+    cache = KVCache(cfg, KVConfig(page_size=PAGE, num_pages=32, max_requests=2))
+    runner = ModelRunner(model, cache, ops_for(cache.device, backend="triton"))
+    seqs = [Seq(cache, 0, random_tokens(W + 5, seed=4)), Seq(cache, 1, random_tokens(W + 5, seed=5))]
+    wants = [reference(model, s.tokens) for s in seqs]
+    logits = run(runner, [seqs[0].chunk(W + 2), seqs[1].chunk(3)], Mode.EXTEND)
+    for row, s, want in zip(logits, seqs, wants, strict=True):
+        torch.testing.assert_close(row, want[s.done - 1], rtol=1e-4, atol=1e-4)
+    logits = run(runner, [s.chunk(1) for s in seqs], Mode.DECODE)
+    for row, s, want in zip(logits, seqs, wants, strict=True):
+        torch.testing.assert_close(row, want[s.done - 1], rtol=1e-4, atol=1e-4)
