@@ -73,7 +73,7 @@ class NotAccepting(SubmitError):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_queue: int = 128  # requests admitted to the scheduler but not running, beyond which submit refuses
+    max_queue: int = 128  # requests that may wait beyond those that can run; past it submit refuses
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,6 @@ class Scheduler:
         self._cond = threading.Condition()
         self._inbox = _Inbox()
         self._live: dict[str, _Entry] = {}  # every submitted, unfinished request; guarded by _cond
-        self._n_running = 0
         self._accepting = True
         self._stopping = False
         self.failure: BaseException | None = None
@@ -133,8 +132,10 @@ class Scheduler:
                 )
             if rid in self._live:
                 raise AlreadyExists(f"request_id {rid!r} is already in flight")
-            if len(self._live) - self._n_running >= self.cfg.max_queue:
-                raise QueueFull(f"the queue is full ({self.cfg.max_queue} requests waiting)")
+            # Counted against capacity rather than the engine's waiting list, which lags the inbox by a
+            # step: with max_queue 0 a request is still taken while a running place is free.
+            if len(self._live) >= self._engine.cfg.max_running + self.cfg.max_queue:
+                raise QueueFull(f"the queue is full ({self.cfg.max_queue} requests waiting to run)")
             entry = _Entry(rid, prompt, params, emit)
             self._live[rid] = entry
             self._inbox.new.append(entry)
@@ -231,7 +232,7 @@ class Scheduler:
             self._finish(entry, Finished(req.finish_reason, len(req.prompt), len(req.output)))
         if done and self._engine.idle:
             self._engine.check_idle_integrity()  # host-only; every page and slot must be back
-        self._publish(len(self._engine.running))
+        self._publish()
 
     def _finish(self, entry: _Entry, event: Finished) -> None:
         # The id is free before the client hears of the end: it may reuse it at once.
@@ -240,10 +241,9 @@ class Scheduler:
             self._cond.notify_all()
         entry.emit(event)
 
-    def _publish(self, running: int) -> None:
+    def _publish(self) -> None:
         state = self._pool_state()
         with self._cond:
-            self._n_running = running
             self._state = state
 
     def _pool_state(self) -> PoolState:

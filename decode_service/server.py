@@ -9,6 +9,7 @@ then the server stops and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
@@ -66,12 +67,24 @@ async def _load(cfg: ServiceConfig) -> Serving:
     fut: asyncio.Future[Serving] = loop.create_future()
 
     def work() -> None:
+        result: Serving | None = None
+        error: BaseException | None = None
         try:
             result = build_serving(cfg)
         except BaseException as exc:  # handed to the loop, which re-raises it
-            loop.call_soon_threadsafe(fut.set_exception, exc)
-        else:
-            loop.call_soon_threadsafe(fut.set_result, result)
+            error = exc
+
+        def settle() -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                assert result is not None
+                fut.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # the loop is gone: SIGTERM came during the load
+            loop.call_soon_threadsafe(settle)
 
     threading.Thread(target=work, name="model-load", daemon=True).start()
     return await fut

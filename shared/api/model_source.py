@@ -10,6 +10,7 @@ tests can watch readiness flip).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -61,10 +62,10 @@ def _char_tokenizer(vocab: int, eos: tuple[int, ...]) -> Tokenizer:
     return Tokenizer(backend, eos_token_ids=eos)
 
 
-def _random_model(spec: str, device: torch.device | str) -> LoadedModel:
+def _random_model(spec: str, device: torch.device | str, dtype: torch.dtype) -> LoadedModel:
     opts = _random_spec(spec)
     time.sleep(float(opts.get("load_delay_s", 0)))
-    cfg = random_model_config(opts)
+    cfg = dataclasses.replace(random_model_config(opts), dtype=str(dtype).removeprefix("torch."))
     torch.manual_seed(int(opts.get("seed", 0)))
     model = Transformer(cfg)
     # Weights large enough that the logits differ visibly from token to token (and window to window).
@@ -74,7 +75,9 @@ def _random_model(spec: str, device: torch.device | str) -> LoadedModel:
                 p.normal_(0.0, 0.25)
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
-    model = model.to(device).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype)
+    model.rotary.reset_buffers(device)  # float32 tables, as the checkpoint loader keeps them
+    model = model.eval().requires_grad_(False)
     return LoadedModel(cfg, model, _char_tokenizer(cfg.vocab_size, cfg.eos_token_ids), "random")
 
 
@@ -83,5 +86,5 @@ def load_served_model(
 ) -> LoadedModel:
     """`spec`: "" (embedded default), a checkpoint path (HF directory or .gguf), or `random:<json>`."""
     if spec.startswith(RANDOM_PREFIX):
-        return _random_model(spec, device)
+        return _random_model(spec, device, dtype)
     return load_model(spec or None, dtype=dtype, device=device)

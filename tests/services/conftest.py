@@ -13,10 +13,12 @@ from tests.services.service_testutil import ServerProcess, random_spec
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
     srv = ServerProcess(random_spec(), "--max-running", "4", "--max-queue", "8", "--page-size", "4")
-    yield srv
-    srv.terminate()
-    srv.wait()
-    srv.kill()
+    try:
+        yield srv
+        srv.terminate()
+        assert srv.wait() == 0
+    finally:
+        srv.kill()
 
 
 @pytest.fixture
