@@ -1,0 +1,81 @@
+"""Small pieces without a server: stop strings and held-back text, PDSERVE_* flags, an idle scheduler."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from decode_service.config import ServiceConfig, parse_args
+from decode_service.output import OutputProcessor
+from shared.api.model_source import load_served_model
+from shared.client import Client
+from tests.services.service_testutil import ServerProcess, random_spec
+
+TOK = load_served_model(random_spec(layers="F")).tokenizer
+
+
+def ids(text: str) -> list[int]:
+    assert TOK is not None
+    return TOK.encode(text)
+
+
+def test_stop_string_across_tokens_cuts_before_it() -> None:
+    out = OutputProcessor(TOK, ["lo w"])
+    steps = [out.feed(ids(c)) for c in "hello world"]
+    text = "".join(s.text for s in steps)
+    assert text == "hel"
+    assert next(i for i, s in enumerate(steps) if s.stopped) == 6  # the token that completes "lo w"
+    assert out.num_tokens == 7 and steps[-1].token_ids == []  # nothing after the stop counts
+
+
+def test_earliest_stop_wins_and_later_tokens_are_dropped() -> None:
+    out = OutputProcessor(TOK, ["d", "b"])
+    step = out.feed(ids("abcd-more"))
+    assert (step.text, step.stopped, step.token_ids) == ("a", True, ids("ab"))
+    assert out.feed(ids("x")).stopped and out.num_tokens == 2
+
+
+def test_text_is_held_back_only_as_long_as_it_could_start_a_stop() -> None:
+    out = OutputProcessor(TOK, ["xyz"])
+    assert out.feed(ids("abcx")).text == "ab"  # the last len("xyz") - 1 characters wait
+    assert out.feed(ids("y")).text == "c"
+    assert out.feed(ids("q")).text == "x"
+    assert out.flush() == "yq"
+
+
+def test_no_stop_strings_no_holding() -> None:
+    out = OutputProcessor(TOK)
+    assert out.feed(ids("abc")).text == "abc" and out.flush() == ""
+    assert OutputProcessor(None, []).feed([1, 2]).token_ids == [1, 2]
+
+
+def test_flags_default_from_pdserve_env() -> None:
+    env = {
+        "PDSERVE_PORT": "7001",
+        "PDSERVE_MAX_QUEUE": "3",
+        "PDSERVE_DRAIN_TIMEOUT": "2.5",
+        "PDSERVE_MODEL": "m",
+    }
+    cfg = parse_args([], env=env)
+    assert (cfg.port, cfg.max_queue, cfg.drain_timeout, cfg.model) == (7001, 3, 2.5, "m")
+    assert parse_args(["--port", "9"], env=env).port == 9  # a flag beats the environment
+    assert parse_args([], env={}) == ServiceConfig()
+    with pytest.raises(ValueError):
+        ServiceConfig(page_size=0)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_idle_server_does_not_spin(server: ServerProcess, client: Client) -> None:
+    client.complete([1, 2], max_tokens=4)
+    time.sleep(0.2)
+    before = _cpu_seconds(server.proc.pid)
+    time.sleep(1.0)
+    assert _cpu_seconds(server.proc.pid) - before < 0.2
