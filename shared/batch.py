@@ -51,6 +51,12 @@ class ForwardBatch:
     ring_pos: torch.Tensor  # [N] int32 the positions they now hold
     last_index: torch.Tensor  # [B] int64 index in T of each sequence's last token
     sample_positions: torch.Tensor  # [B] int64 position of the token each sequence samples next
+    num_real: int = -1  # rows that are real sequences (the rest pad a CUDA graph); -1 = all
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # the packed int32/int64 storage
+
+    def __post_init__(self) -> None:
+        if self.num_real < 0:
+            self.num_real = self.num_seqs
 
     def take_inputs_from(self, tokens: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         """Overlap scheduling: input token i is the not-yet-read output `tokens[j]` of the step in
@@ -65,7 +71,13 @@ class ForwardBatch:
         self.input_ids.index_copy_(0, dst, tokens.index_select(0, src))
 
     @classmethod
-    def build(cls, items: list[ChunkItem], mode: Mode, cache: KVCache) -> ForwardBatch:
+    def build(
+        cls, items: list[ChunkItem], mode: Mode, cache: KVCache, *, pad_to: int | None = None,
+        table_width: int | None = None, into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> ForwardBatch:  # fmt: skip
+        """Pack `items` for one forward. For a CUDA graph: `pad_to` rows (padding rows are one-token
+        sequences on the cache's scratch slot that store nothing and leave its ring empty), a fixed
+        `table_width`, and `into` the graph's static buffers (one copy each, no allocation)."""
         ps, w = cache.page_size, max(cache.window, 1)
         ids: list[int] = []
         pos: list[int] = []
@@ -75,7 +87,7 @@ class ForwardBatch:
         ring_store: list[int] = []
         ring_dst: list[int] = []
         ring_vals: list[int] = []
-        max_pages = max(len(it.pages) for it in items)
+        max_pages = table_width or max(len(it.pages) for it in items)
         table = [it.pages + [0] * (max_pages - len(it.pages)) for it in items]
         for it in items:
             n = len(it.token_ids)
@@ -96,30 +108,52 @@ class ForwardBatch:
             ring_vals += [it.start + off for off in offsets]
             cu.append(base + n)
         starts = [it.start for it in items]
-        i32 = _upload(cache.device, torch.int32, {
+        slots = [it.slot for it in items]
+        num_real = len(items)
+        for _ in range((pad_to or num_real) - num_real):
+            scratch = cache.scratch_slot
+            ids.append(0)
+            pos.append(0)
+            tok_slot.append(scratch)
+            full_store.append(-1)
+            ring_store.append(-1)
+            ring_dst.append(scratch * w)
+            ring_vals.append(-1)
+            cu.append(len(ids))
+            starts.append(0)
+            slots.append(scratch)
+            table.append([0] * max_pages)
+        rows = len(starts)
+        sample_positions = [it.start + len(it.token_ids) for it in items] + [0] * (rows - num_real)
+        buf32, i32 = _upload(cache.device, torch.int32, {
             "token_slots": tok_slot, "cu_q": cu, "q_start": starts,
-            "ring_context": [0] * len(items) if mode is Mode.REPLAY else starts,
-            "slots": [it.slot for it in items], "block_table": [p for row in table for p in row],
-            "ring_pos": ring_vals,
-        })  # fmt: skip
-        i64 = _upload(cache.device, torch.int64, {
+            "ring_context": [0] * rows if mode is Mode.REPLAY else starts,
+            "slots": slots, "block_table": [p for row in table for p in row], "ring_pos": ring_vals,
+        }, into and into[0])  # fmt: skip
+        buf64, i64 = _upload(cache.device, torch.int64, {
             "input_ids": ids, "positions": pos, "full_store": full_store, "ring_store": ring_store,
-            "ring_dst": ring_dst, "last_index": [c - 1 for c in cu[1:]],
-            "sample_positions": [it.start + len(it.token_ids) for it in items],
-        })  # fmt: skip
-        i32["block_table"] = i32["block_table"].view(len(items), max_pages)
+            "ring_dst": ring_dst, "last_index": [c - 1 for c in cu[1:]], "sample_positions": sample_positions,
+        }, into and into[1])  # fmt: skip
+        i32["block_table"] = i32["block_table"].view(rows, max_pages)
         return cls(
-            mode=mode, num_seqs=len(items), num_tokens=len(ids),
-            max_q=max(len(it.token_ids) for it in items), **i32, **i64,
+            mode=mode, num_seqs=rows, num_tokens=len(ids),
+            max_q=max([len(it.token_ids) for it in items] + [1]),
+            num_real=num_real, buffers=(buf32, buf64), **i32, **i64,
         )  # fmt: skip
 
 
 def _upload(
-    device: torch.device, dtype: torch.dtype, fields: dict[str, list[int]]
-) -> dict[str, torch.Tensor]:
+    device: torch.device, dtype: torch.dtype, fields: dict[str, list[int]], into: torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """All fields of one dtype in one host buffer and one (pinned, non-blocking) copy; views after."""
     flat = torch.tensor([v for values in fields.values() for v in values], dtype=dtype)
     if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
+        flat = flat.pin_memory()
+    if into is not None:
+        if into.shape != flat.shape:
+            raise ValueError(f"static buffer holds {into.numel()} values, this batch packs {flat.numel()}")
+        flat = into.copy_(flat, non_blocking=True)
+    elif device.type == "cuda":
+        flat = flat.to(device, non_blocking=True)
     parts = flat.split([len(values) for values in fields.values()])
-    return dict(zip(fields, parts, strict=True))
+    return flat, dict(zip(fields, parts, strict=True))

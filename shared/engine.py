@@ -188,7 +188,7 @@ class Engine:
     ) -> _Step | None:
         if not items:
             return None
-        batch = ForwardBatch.build(items, mode, self.cache)
+        batch = self.runner.build_batch(items, mode)
         if mode is Mode.DECODE and self._inflight is not None:
             rows = {id(r): i for i, r in enumerate(self._inflight.reqs)}
             pairs = [(i, rows[id(r)]) for i, r in enumerate(reqs) if r.pending]

@@ -13,7 +13,7 @@ import torch
 
 from invariants import Invariant, Severity, expect, predicates
 from shared.attention import AttentionOps, ops_for
-from shared.batch import ForwardBatch, Mode
+from shared.batch import ChunkItem, ForwardBatch, Mode
 from shared.cuda_graph import DecodeGraphs
 from shared.kv.cache import KVCache
 from shared.kv.window import window_buffer
@@ -92,19 +92,29 @@ class ModelRunner:
         expect(LOGITS_FINITE, lambda: predicates.finite(logits), rows=batch.slots)
         return logits
 
+    def build_batch(self, items: list[ChunkItem], mode: Mode) -> ForwardBatch:
+        """A decode batch goes straight into a CUDA graph's static buffers when one fits."""
+        if mode is Mode.DECODE and self.graphs is not None:
+            batch = self.graphs.prepare(items)
+            if batch is not None:
+                return batch
+        return ForwardBatch.build(items, mode, self.cache)
+
     @torch.inference_mode()
     def forward(
         self, batch: ForwardBatch, sampling: SamplingBatch | None, *, return_logits: bool = False
     ) -> ForwardOutput:
-        logits = self.graphs.run(batch) if self.graphs is not None and batch.mode is Mode.DECODE else None
+        logits = self.graphs.replay(batch) if self.graphs is not None else None
         if logits is None:
             logits = self.forward_logits(batch)
         if logits is None:  # replay: the rings were the point
             return ForwardOutput(torch.empty(0, dtype=torch.int64, device=self.cache.device), None, None)
+        if batch.num_real < batch.num_seqs:  # rows padding a CUDA graph
+            logits = logits[: batch.num_real]
         if sampling is None:
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = sample(logits, sampling, batch.sample_positions)
+            tokens = sample(logits, sampling, batch.sample_positions[: batch.num_real])
         ready = None
         if tokens.is_cuda:
             ready = torch.cuda.Event()

@@ -76,8 +76,9 @@ def test_decode_graphs_replay_what_eager_decode_computes():
     graph_runner.capture_decode_graphs([1, 4, 8], max_pages=8)
 
     def decode(runner, cache, seqs):
-        batch = ForwardBatch.build([s.chunk(1) for s in seqs], Mode.DECODE, cache)
-        return runner.forward(batch, None, return_logits=True).logits
+        batch = runner.build_batch([s.chunk(1) for s in seqs], Mode.DECODE)  # into a graph when one fits
+        assert runner is eager_runner or batch.num_seqs in (1, 4, 8), "the graph path was not taken"
+        return runner.forward(batch, None, return_logits=True).logits.clone()
 
     for n in (1, 3, 8):  # 3 rides the 4-row graph with a padded row
         pairs = [(Seq(graph_cache, 10 * n + i, random_tokens(40, seed=i)),
@@ -110,9 +111,9 @@ def test_engine_with_graphs_matches_eager_and_never_syncs_in_decode():
     runner.capture_decode_graphs([4], max_pages=8)
     seqs = [Seq(cache, i, random_tokens(30, seed=i)) for i in range(3)]
     runner.forward(ForwardBatch.build([s.chunk(20) for s in seqs], Mode.EXTEND, cache), None)
-    decode = ForwardBatch.build([s.chunk(1) for s in seqs], Mode.DECODE, cache)
-    runner.forward(decode, None)
+    runner.forward(runner.build_batch([s.chunk(1) for s in seqs], Mode.DECODE), None)
     torch.cuda.synchronize()
-    decode = ForwardBatch.build([s.chunk(1) for s in seqs], Mode.DECODE, cache)
+    decode = runner.build_batch([s.chunk(1) for s in seqs], Mode.DECODE)
+    assert decode.num_seqs == 4 and decode.num_real == 3, "a graph batch, padded"
     with no_host_sync():
         runner.forward(decode, None)

@@ -145,3 +145,21 @@ def test_the_triton_kernels_through_the_runner_match_too():
     logits = run(runner, [s.chunk(1) for s in seqs], Mode.DECODE)
     for row, s, want in zip(logits, seqs, wants, strict=True):
         torch.testing.assert_close(row, want[s.done - 1], rtol=1e-4, atol=1e-4)
+
+
+def test_rows_padding_a_graph_batch_change_nothing_for_the_real_ones():
+    # What a CUDA graph of 6 rows sees for 2 sequences, run eagerly here: the padding rows point at the
+    # scratch slot, store nothing, and leave its ring empty.
+    model, cache, runner = make("SSFS")
+    seqs = [Seq(cache, i, random_tokens(2 * W + 4, seed=30 + i)) for i in range(2)]
+    wants = [reference(model, s.tokens) for s in seqs]
+    run(runner, [s.chunk(2 * W) for s in seqs], Mode.EXTEND)
+    for _ in range(4):
+        items = [s.chunk(1) for s in seqs]
+        batch = ForwardBatch.build(items, Mode.DECODE, cache, pad_to=6, table_width=12)
+        assert (batch.num_seqs, batch.num_real, tuple(batch.block_table.shape)) == (6, 2, (6, 12))
+        logits = runner.forward(batch, None, return_logits=True).logits
+        assert logits.shape[0] == 2
+        for row, s, want in zip(logits, seqs, wants, strict=True):
+            torch.testing.assert_close(row, want[s.done - 1], rtol=1e-4, atol=1e-4)
+    assert bool((cache.ring_pos[:, cache.scratch_slot] == -1).all())
