@@ -69,6 +69,8 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._inflight: _Step | None = None
+        self._sampling: SamplingBatch | None = None
+        self._sampling_key: tuple[int, ...] = ()
         self._next_rid = 0
 
     # ---- requests ----
@@ -193,7 +195,11 @@ class Engine:
             rows = {id(r): i for i, r in enumerate(self._inflight.reqs)}
             pairs = [(i, rows[id(r)]) for i, r in enumerate(reqs) if r.pending]
             batch.take_inputs_from(self._inflight.tokens, pairs)
-        sampling = SamplingBatch.build([r.params for r in reqs], self.cache.device)
+        key = tuple(r.rid for r in reqs)
+        if key != self._sampling_key:  # decode batches repeat their composition step after step
+            self._sampling = SamplingBatch.build([r.params for r in reqs], self.cache.device)
+            self._sampling_key = key
+        sampling = self._sampling
         out = self.runner.forward(batch, sampling)
         for req, item, emit in zip(reqs, items, emits, strict=True):
             req.num_scheduled += len(item.token_ids)
