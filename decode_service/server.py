@@ -134,10 +134,14 @@ async def serve(cfg: ServiceConfig) -> int:
         else:
             serving = load.result()
 
+            async def unhealthy() -> None:
+                # The engine's state is unknown: not ready, and not live either, so the process is replaced.
+                await health_servicer.set(SERVICE_NAME, NOT_SERVING)
+                await health_servicer.set("", NOT_SERVING)
+
             def on_failure(exc: BaseException) -> None:  # the scheduler thread: hop to the loop
-                loop.call_soon_threadsafe(
-                    lambda: loop.create_task(health_servicer.set(SERVICE_NAME, NOT_SERVING))
-                )
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(lambda: loop.create_task(unhealthy()))
 
             serving.scheduler.on_failure = on_failure
             servicer.serving = serving
