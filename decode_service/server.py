@@ -134,6 +134,8 @@ async def serve(cfg: ServiceConfig) -> int:
         else:
             serving = load.result()
 
+            background: set[asyncio.Task] = set()  # a reference, so the task is not collected mid-flight
+
             async def unhealthy() -> None:
                 # The engine's state is unknown: not ready, and not live either, so the process is replaced.
                 await health_servicer.set(SERVICE_NAME, NOT_SERVING)
@@ -141,7 +143,7 @@ async def serve(cfg: ServiceConfig) -> int:
 
             def on_failure(exc: BaseException) -> None:  # the scheduler thread: hop to the loop
                 with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(lambda: loop.create_task(unhealthy()))
+                    loop.call_soon_threadsafe(lambda: background.add(loop.create_task(unhealthy())))
 
             serving.scheduler.on_failure = on_failure
             servicer.serving = serving
