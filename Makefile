@@ -25,10 +25,9 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# Starts the services on the embedded default model (CPU), streams one answer, shuts them down.
 demo: $(STAMP)
-	@echo "make demo: the prefill and decode services are not built yet (see the open issue on services)."
-	@echo "Until then, the invariants library is what runs:"
-	$(PY) -c "import invariants; print('invariants', invariants.__all__)"
+	$(PY) -m shared.cli demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
