@@ -69,13 +69,63 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._inflight: _Step | None = None
+        self.held: set[Request] = set()  # reserved for a transfer in, or finished but held for one out
         self._sampling: SamplingBatch | None = None
         self._sampling_key: tuple[int, ...] = ()
         self._next_rid = 0
 
     # ---- requests ----
 
-    def add_request(self, prompt: list[int], params: SamplingParams) -> Request:
+    def add_request(self, prompt: list[int], params: SamplingParams, *, hold_kv: bool = False) -> Request:
+        """Queue a request. `hold_kv`: keep its KV after it finishes, for a transfer, until `release`."""
+        req = self._new_request(prompt, params)
+        req.hold_kv = hold_kv
+        self.waiting.append(req)
+        return req
+
+    def reserve(self, prompt: list[int], params: SamplingParams) -> Request | None:
+        """Disaggregated decode: pages and a window for a prompt whose KV another service computes.
+
+        None when the pool cannot hold it now. Then `admit_prefilled` once the KV has arrived, or
+        `release` if the transfer fails.
+        """
+        req = self._new_request(prompt, params)
+        if not self._allocate(req):
+            return None
+        req.phase = Phase.RESERVED
+        self.held.add(req)
+        return req
+
+    def admit_prefilled(self, req: Request, first_token: int, *, history: bool = True) -> None:
+        """Join continuous batching with the prompt's KV in place and its first token sampled.
+
+        `history=False`: the sliding-window rings did not arrive; rebuild them by bounded replay.
+        """
+        if req.phase is not Phase.RESERVED:
+            raise ValueError(f"request {req.rid} is {req.phase.value}, not reserved")
+        self.held.discard(req)
+        req.num_computed = req.num_scheduled = len(req.prompt)
+        if not history:
+            self.rebuild_window(req)
+        req.phase = Phase.DECODE
+        req.output.append(first_token)
+        self.running.append(req)
+        self._maybe_finish(req, first_token)
+
+    def release(self, req: Request) -> None:
+        """Free what a held (prefill side) or reserved (decode side) request owns; idempotent."""
+        req.hold_kv = False
+        self.held.discard(req)
+        if req.phase is Phase.RESERVED:
+            req.phase, req.finish_reason = Phase.FINISHED, "abort"
+        if not req.finished:
+            self.abort(req)
+        elif self._inflight is not None and req in self._inflight.reqs:
+            self._inflight.releases.append(req)
+        else:
+            self._release(req)
+
+    def _new_request(self, prompt: list[int], params: SamplingParams) -> Request:
         limit = self.max_context()
         if not prompt:
             raise ValueError("prompt: must not be empty")
@@ -88,8 +138,19 @@ class Engine:
             )
         req = Request(self._next_rid, list(prompt), params)
         self._next_rid += 1
-        self.waiting.append(req)
         return req
+
+    def _allocate(self, req: Request) -> bool:
+        need = self.cache.pages_needed(len(req.prompt) + req.params.max_tokens)
+        if self.cache.slots.num_free == 0 or self.cache.pages.num_free < need:
+            return False
+        try:
+            req.window = RequestWindow(self.cache, req.rid)
+            req.pages = self.cache.pages.alloc(req.rid, need)
+        except OutOfCapacity:
+            self._release(req)
+            return False
+        return True
 
     def max_context(self) -> int:
         pool_tokens = self.cache.cfg.num_pages * self.cache.page_size if self.cache.full_layers else 1 << 62
@@ -102,7 +163,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running and self._inflight is None
+        return not self.waiting and not self.running and not self.held and self._inflight is None
 
     # ---- the loop ----
 
@@ -149,14 +210,7 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
-            need = self.cache.pages_needed(len(req.prompt) + req.params.max_tokens)
-            if self.cache.slots.num_free == 0 or self.cache.pages.num_free < need:
-                return
-            try:
-                req.window = RequestWindow(self.cache, req.rid)
-                req.pages = self.cache.pages.alloc(req.rid, need)
-            except OutOfCapacity:
-                self._release(req)
+            if not self._allocate(req):
                 return
             self.waiting.popleft()
             req.phase = Phase.PREFILL
@@ -246,6 +300,9 @@ class Engine:
         req.phase, req.finish_reason = Phase.FINISHED, reason
         if req in self.running:
             self.running.remove(req)
+        if req.hold_kv and reason != "abort":
+            self.held.add(req)
+            return  # a transfer still reads its KV: `release` frees it
         if self._inflight is not None and req in self._inflight.reqs:
             self._inflight.releases.append(req)  # the device may still write its KV
         else:

@@ -13,6 +13,7 @@ __all__ = ["Phase", "Request"]
 
 class Phase(enum.Enum):
     WAITING = "waiting"  # queued, owns nothing
+    RESERVED = "reserved"  # owns pages and a window its prompt's KV is being transferred into
     PREFILL = "prefill"  # owns pages and a window, prompt partly computed
     DECODE = "decode"
     FINISHED = "finished"  # owns nothing again
@@ -31,6 +32,7 @@ class Request:
     num_scheduled: int = 0  # tokens whose K/V are in the cache or being computed by a step in flight
     pending: int = 0  # output tokens launched but not read back yet (overlap scheduling)
     finish_reason: str | None = None  # stop | length | abort
+    hold_kv: bool = False  # keep pages and window after finishing, until Engine.release (prefill side)
 
     @property
     def slot(self) -> int:
