@@ -70,6 +70,8 @@ class Checker:
         self._clock = clock
         self._on_cuda = self.device.type == "cuda"
         self._use_triton = self._on_cuda if use_triton is None else use_triton
+        if self._on_cuda and not self._use_triton:
+            raise InvariantError("on CUDA checks run as the fused Triton kernel: the torch path would sync")
         words = (max_rows + 31) // 32
         # Normal tensors even when first used inside torch.inference_mode(): poll() updates them later.
         with torch.inference_mode(False):
