@@ -1,0 +1,88 @@
+"""What a KV transfer needs both sides to agree on, and the chunk every backend moves.
+
+A backend is two halves: a sender that turns a held request's KV into chunks (prefill side) and a
+receiver that writes chunks into reserved pages and a window slot (decode side). `inline` ships the
+chunks' bytes in the gRPC stream; a zero-copy backend (cuda_ipc, nixl) would ship descriptors and need
+a lease on the prefill pages instead of releasing them right after extraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from shared.kv.cache import KVCache
+from shared.pb.pdserve.v1 import prefill_pb2 as pb
+
+__all__ = ["Chunk", "KVLayout", "mismatches"]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    model_name: str
+    dtype: str
+    page_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, cache: KVCache, model_name: str) -> KVLayout:
+        m = cache.model
+        return cls(
+            model_name=model_name,
+            dtype=str(cache.k_pages.dtype).removeprefix("torch."),
+            page_size=cache.page_size,
+            num_layers=m.num_layers,
+            layer_types=tuple(m.layer_types),
+            sliding_window=cache.window,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            vocab_size=m.vocab_size,
+        )
+
+    def to_pb(self) -> pb.KVLayout:
+        return pb.KVLayout(**{**asdict(self), "layer_types": list(self.layer_types)})
+
+    @classmethod
+    def from_pb(cls, msg: pb.KVLayout) -> KVLayout:
+        values = {f.name: getattr(msg, f.name) for f in fields(cls)}
+        return cls(**{**values, "layer_types": tuple(msg.layer_types)})
+
+
+def mismatches(a: KVLayout, b: KVLayout) -> list[str]:
+    """Every field on which `a` and `b` differ, as "name: a != b" (empty when they agree)."""
+    out = []
+    for f in fields(KVLayout):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if x != y:
+            out.append(f"{f.name}: {x!r} != {y!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """K and V of positions [token_start, token_start + token_count) of one layer, as raw bytes."""
+
+    layer: int
+    window: bool  # a sliding layer's ring (position p lives at ring index p % W)
+    token_start: int
+    token_count: int
+    k: bytes
+    v: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.k) + len(self.v)
+
+    def to_pb(self) -> pb.KVChunk:
+        return pb.KVChunk(
+            layer=self.layer, window=self.window, token_start=self.token_start,
+            token_count=self.token_count, k=self.k, v=self.v,
+        )  # fmt: skip
+
+    @classmethod
+    def from_pb(cls, msg: pb.KVChunk) -> Chunk:
+        return cls(msg.layer, msg.window, msg.token_start, msg.token_count, msg.k, msg.v)

@@ -1,0 +1,83 @@
+"""The inline KV transfer: chunks out of a held prefill request, into a decode reservation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.engine import Engine
+from shared.sampling import SamplingParams
+from shared.transfer.base import KVLayout, mismatches
+from shared.transfer.inline import apply_chunk, begin_receive, extract_chunks
+from tests.engine.engine_testutil import W, random_tokens
+from tests.engine.test_engine_handoff import GREEDY, copy_kv, engines, run_to_end
+
+ONE = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def _prefilled(prefill: Engine, prompt: list[int]):  # type: ignore[no-untyped-def]
+    p = prefill.add_request(prompt, ONE, hold_kv=True)
+    while not p.finished:
+        prefill.step()
+    prefill.flush()
+    return p
+
+
+@pytest.mark.parametrize("n", [3, W, 3 * W + 5])
+def test_round_trip_equals_a_direct_copy(n):
+    prefill, decode, other = engines("SSFS")
+    prompt = random_tokens(n, seed=n)
+    p = _prefilled(prefill, prompt)
+    d, ref = decode.reserve(prompt, GREEDY), other.reserve(prompt, GREEDY)
+    assert d is not None and ref is not None and d.pages == ref.pages and d.slot == ref.slot
+    begin_receive(decode.cache, d.slot)
+    for chunk in extract_chunks(prefill.cache, p.pages, p.slot, n, max_chunk_bytes=700):
+        apply_chunk(decode.cache, d.pages, d.slot, chunk)
+    copy_kv(prefill, p, other, ref, history=True)
+    npg = decode.cache.pages_needed(n)
+    for name in ("k_pages", "v_pages"):
+        a, b = getattr(decode.cache, name), getattr(other.cache, name)
+        # Only the prompt's tokens are shipped; the page tail past L is never read.
+        flat_a = a[:, torch.tensor(d.pages[:npg])].flatten(1, 2)[:, :n]
+        flat_b = b[:, torch.tensor(ref.pages[:npg])].flatten(1, 2)[:, :n]
+        assert torch.equal(flat_a, flat_b)
+    for name in ("k_ring", "v_ring", "ring_pos"):
+        assert torch.equal(getattr(decode.cache, name)[:, d.slot], getattr(other.cache, name)[:, ref.slot])
+    prefill.release(p)
+    decode.admit_prefilled(d, p.output[0])
+    run_to_end(decode)
+    [want] = engines("SSFS")[2].generate([prompt], GREEDY)
+    assert d.output == want.output
+
+
+def _bytes(prefill: Engine, n: int) -> tuple[int, int]:
+    p = _prefilled(prefill, random_tokens(n, seed=n))
+    chunks = list(extract_chunks(prefill.cache, p.pages, p.slot, n))
+    prefill.release(p)
+    return sum(c.nbytes for c in chunks if not c.window), sum(c.nbytes for c in chunks if c.window)
+
+
+def test_window_bytes_do_not_grow_with_the_prompt():
+    prefill, _, _ = engines("SSFS")
+    full2, win2 = _bytes(prefill, 2 * W)
+    full8, win8 = _bytes(prefill, 8 * W)
+    assert win2 == win8 > 0
+    assert full8 == 4 * full2
+
+
+def test_chunk_size_limit_respected_and_no_window_without_history():
+    prefill, _, _ = engines("SSFS")
+    p = _prefilled(prefill, random_tokens(5 * W))
+    chunks = list(extract_chunks(prefill.cache, p.pages, p.slot, 5 * W, max_chunk_bytes=1000))
+    assert chunks and all(c.nbytes <= 1000 for c in chunks)
+    assert not any(c.window for c in extract_chunks(prefill.cache, p.pages, p.slot, 5 * W, window=False))
+    prefill.release(p)
+    prefill.check_idle_integrity()
+
+
+def test_layout_mismatches_name_every_field():
+    a = KVLayout.of(engines("SSFS")[0].cache, "m")
+    b = KVLayout.of(engines("SSSS")[0].cache, "n")
+    got = mismatches(a, b)
+    assert [g.split(":")[0] for g in got] == ["model_name", "layer_types"]
+    assert mismatches(a, KVLayout.from_pb(a.to_pb())) == []
