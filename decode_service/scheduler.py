@@ -1,272 +1,146 @@
-"""The decode scheduler: one thread owns the Engine and runs admit -> step -> emit.
+"""The decode scheduler: the shared scheduler loop plus the remote-prefill path.
 
-The Engine is not thread-safe, so nothing else touches it. Other threads (the gRPC event loop) talk to
-the scheduler through `submit` / `abort`, which only put work in an inbox under a lock and wake the
-thread; results leave through each request's `emit` callback, called on the scheduler thread (the
-servicer's callback hops onto the event loop). When there is nothing to do the thread sleeps on a
-condition, so an idle server burns no CPU.
-
-This is the seam a remote-prefill path plugs into: the servicer sees only `submit`, `abort` and events,
-never the engine.
+A remote request (submitted with `RemoteOpts`) is not added to the engine's waiting queue. The
+scheduler thread reserves pages and a window for it (`Engine.reserve`; it waits in `_pending` while
+the pool is full, retried after every step) and emits `Reserved`. The servicer then calls the prefill
+service; every KV chunk it receives comes back here through `deliver` and is written into the
+reservation on this thread (the engine and its cache are not thread-safe), and `prefilled` admits the
+request into continuous batching. An abort at any point releases the reservation exactly once; chunks
+that arrive for a released request are dropped.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 
-import torch
-
-from shared.engine import Engine
-from shared.request import Request
-from shared.sampling import SamplingParams
+from shared.scheduler_base import (
+    AlreadyExists,
+    Event,
+    Finished,
+    NotAccepting,
+    PoolState,
+    QueueFull,
+    Scheduler,
+    SchedulerConfig,
+    SubmitError,
+    Tokens,
+    _Entry,
+)
+from shared.transfer.base import Chunk
+from shared.transfer.inline import apply_chunk, begin_receive
 
 __all__ = [
     "AlreadyExists",
+    "DecodeScheduler",
     "Event",
     "Finished",
     "NotAccepting",
     "PoolState",
     "QueueFull",
+    "RemoteOpts",
+    "Reserved",
     "Scheduler",
     "SchedulerConfig",
     "SubmitError",
     "Tokens",
 ]
 
-log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class RemoteOpts:
+    """Prefill this request on the prefill service."""
+
+    window_history: bool = True
 
 
 @dataclass(frozen=True)
-class Tokens:
-    token_ids: tuple[int, ...]
+class Reserved:
+    """Pages and a window are reserved: the KV may now be transferred in."""
 
 
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # stop | length | abort
-    prompt_tokens: int
-    completion_tokens: int
-    error: str | None = None  # the engine failed: the request ends with an error, not a reason
+class DecodeScheduler(Scheduler):
+    thread_name = "decode-scheduler"
 
-
-Event = Tokens | Finished
-
-
-class SubmitError(Exception):
-    """The request was not taken; nothing of it reached the engine."""
-
-
-class QueueFull(SubmitError):
-    pass
-
-
-class AlreadyExists(SubmitError):
-    pass
-
-
-class NotAccepting(SubmitError):
-    """Draining, stopped, or failed."""
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_queue: int = 128  # requests that may wait beyond those that can run; past it submit refuses
-
-
-@dataclass(frozen=True)
-class PoolState:
-    pages_total: int
-    pages_free: int
-    slots_total: int
-    slots_free: int
-    running: int
-    waiting: int  # not yet running: in the inbox or the engine's waiting queue
-
-
-@dataclass(eq=False)
-class _Entry:
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    emit: Callable[[Event], None]
-    req: Request | None = None  # set once the scheduler thread has handed it to the engine
-    sent: int = 0  # output tokens already emitted
-
-
-@dataclass
-class _Inbox:
-    new: list[_Entry] = field(default_factory=list)
-    aborts: list[str] = field(default_factory=list)
-
-
-class Scheduler:
-    def __init__(self, engine: Engine, cfg: SchedulerConfig | None = None) -> None:
-        self.cfg = cfg or SchedulerConfig()
-        self._engine = engine
-        self._cond = threading.Condition()
-        self._inbox = _Inbox()
-        self._live: dict[str, _Entry] = {}  # every submitted, unfinished request; guarded by _cond
-        self._accepting = True
-        self._stopping = False
-        self.failure: BaseException | None = None
-        self._state = self._pool_state()
-        self._thread = threading.Thread(target=self._run, name="decode-scheduler", daemon=True)
-        self.on_failure: Callable[[BaseException], None] | None = None
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self._pending: deque[_Entry] = deque()  # remote requests waiting for room; scheduler thread only
+        self._reserved: dict[str, _Entry] = {}  # reserved, KV in transfer; scheduler thread only
 
     # ---- any thread ----
 
-    def start(self) -> None:
-        self._thread.start()
+    def deliver(self, rid: str, chunks: list[Chunk]) -> None:
+        """KV chunks for a reserved request (dropped if it was aborted meanwhile)."""
+        self._post(lambda: self._apply_chunks(rid, chunks))
 
-    def submit(
-        self, rid: str, prompt: list[int], params: SamplingParams, emit: Callable[[Event], None]
-    ) -> None:
-        """Queue a request. `emit` gets its Tokens events then one Finished, on the scheduler thread."""
-        with self._cond:
-            if not self._accepting:
-                raise NotAccepting(
-                    "the server is draining or stopped" if self.failure is None else "engine failed"
-                )
-            if rid in self._live:
-                raise AlreadyExists(f"request_id {rid!r} is already in flight")
-            # Counted against capacity rather than the engine's waiting list, which lags the inbox by a
-            # step: with max_queue 0 a request is still taken while a running place is free.
-            if len(self._live) >= self._engine.cfg.max_running + self.cfg.max_queue:
-                raise QueueFull(f"the queue is full ({self.cfg.max_queue} requests waiting to run)")
-            entry = _Entry(rid, prompt, params, emit)
-            self._live[rid] = entry
-            self._inbox.new.append(entry)
-            self._cond.notify_all()
-
-    def abort(self, rid: str) -> bool:
-        """End a request (its stream gets Finished("abort")); False when it is not in flight."""
-        with self._cond:
-            if rid not in self._live:
-                return False
-            self._inbox.aborts.append(rid)
-            self._cond.notify_all()
-            return True
-
-    def abort_all(self) -> int:
-        with self._cond:
-            self._inbox.aborts.extend(self._live)
-            self._cond.notify_all()
-            return len(self._live)
-
-    def stop_accepting(self) -> None:
-        with self._cond:
-            self._accepting = False
-
-    def wait_idle(self, timeout: float | None) -> bool:
-        """Block until no request is in flight; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._live, timeout)
-
-    def pool_state(self) -> PoolState:
-        with self._cond:
-            return self._state
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort what is left, stop the thread. Streams still open get Finished("abort")."""
-        with self._cond:
-            self._accepting = False
-            self._inbox.aborts.extend(self._live)
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+    def prefilled(self, rid: str, first_token: int, history: bool) -> None:
+        """Every chunk has been delivered: admit the request into continuous batching."""
+        self._post(lambda: self._admit(rid, first_token, history))
 
     # ---- the scheduler thread ----
 
-    def _run(self) -> None:
-        active: dict[str, _Entry] = {}  # handed to the engine, unfinished; owned by this thread
-        with torch.inference_mode():
-            while True:
-                with self._cond:
-                    self._cond.wait_for(
-                        lambda: self._inbox.new or self._inbox.aborts or active or self._stopping
-                    )
-                    inbox, self._inbox = self._inbox, _Inbox()
-                    if self._stopping and not inbox.new and not inbox.aborts and not active:
-                        return
-                try:
-                    self._apply(inbox, active)
-                    if not self._engine.idle:
-                        self._engine.step()
-                    self._emit(active)
-                except Exception as exc:  # the engine's state is unknown now: fail everything, stop
-                    log.exception("decode scheduler: engine step failed")
-                    self._fail(exc, active)
-                    return
+    def _start(self, entry: _Entry) -> None:
+        if not isinstance(entry.opts, RemoteOpts):
+            super()._start(entry)
+            return
+        self._pending.append(entry)
+        self._reserve_pending()
 
-    def _apply(self, inbox: _Inbox, active: dict[str, _Entry]) -> None:
-        for entry in inbox.new:
+    def _reserve_pending(self) -> None:
+        while self._pending:
+            entry = self._pending[0]
+            req = self._engine.reserve(entry.prompt, entry.params)  # ValueError: refused, as add_request
+            if req is None:
+                return  # no room yet: retried after the next step frees pages
+            self._pending.popleft()
+            entry.req = req
+            begin_receive(self._engine.cache, req.slot)
+            self._reserved[entry.rid] = entry
+            entry.emit(Reserved())
+
+    def _after_step(self) -> None:
+        if self._pending:
             try:
-                entry.req = self._engine.add_request(entry.prompt, entry.params)
-            except ValueError as exc:  # validation let through what the engine refuses: this request only
+                self._reserve_pending()
+            except ValueError as exc:
+                entry = self._pending.popleft()
                 self._finish(entry, Finished("abort", len(entry.prompt), 0, error=str(exc)))
-                continue
-            active[entry.rid] = entry
-        for rid in inbox.aborts:
-            entry = active.get(rid)
-            if entry is not None and entry.req is not None:
-                self._engine.abort(entry.req)  # frees pages and window; a no-op if already finished
 
-    def _emit(self, active: dict[str, _Entry]) -> None:
-        done = []
-        for entry in active.values():
-            req = entry.req
-            assert req is not None
-            if len(req.output) > entry.sent:
-                entry.emit(Tokens(tuple(req.output[entry.sent :])))
-                entry.sent = len(req.output)
-            if req.finished:
-                done.append(entry)
-        for entry in done:
-            del active[entry.rid]
-            req = entry.req
-            assert req is not None and req.finish_reason is not None
-            self._finish(entry, Finished(req.finish_reason, len(req.prompt), len(req.output)))
-        if done and self._engine.idle:
-            self._engine.check_idle_integrity()  # host-only; every page and slot must be back
-        self._publish()
+    def _abort_one(self, rid: str) -> None:
+        for entry in self._pending:
+            if entry.rid == rid:
+                self._pending.remove(entry)
+                self._finish(entry, Finished("abort", len(entry.prompt), 0))
+                return
+        entry = self._reserved.pop(rid, None)
+        if entry is not None:
+            assert entry.req is not None
+            self._engine.release(entry.req)
+            self._finish(entry, Finished("abort", len(entry.prompt), 0))
+            self._publish()
+            return
+        super()._abort_one(rid)
 
-    def _finish(self, entry: _Entry, event: Finished) -> None:
-        # The id is free before the client hears of the end: it may reuse it at once.
-        with self._cond:
-            self._live.pop(entry.rid, None)
-            self._cond.notify_all()
-        entry.emit(event)
+    def _apply_chunks(self, rid: str, chunks: list[Chunk]) -> None:
+        entry = self._reserved.get(rid)
+        if entry is None:
+            return  # aborted while the bytes were on their way
+        req = entry.req
+        assert req is not None
+        try:
+            for chunk in chunks:
+                apply_chunk(self._engine.cache, req.pages, req.slot, chunk)
+        except (ValueError, RuntimeError) as exc:  # a malformed chunk costs this request only
+            del self._reserved[rid]
+            self._engine.release(req)
+            self._finish(entry, Finished("abort", len(entry.prompt), 0, error=f"bad KV chunk: {exc}"))
 
-    def _publish(self) -> None:
-        state = self._pool_state()
-        with self._cond:
-            self._state = state
-
-    def _pool_state(self) -> PoolState:
-        cache = self._engine.cache
-        with self._cond:
-            queued = len(self._live) - len(self._engine.running)
-        return PoolState(
-            pages_total=cache.pages.capacity,
-            pages_free=cache.pages.num_free,
-            slots_total=cache.slots.capacity,
-            slots_free=cache.slots.num_free,
-            running=len(self._engine.running),
-            waiting=max(queued, 0),
-        )
-
-    def _fail(self, exc: BaseException, active: dict[str, _Entry]) -> None:
-        with self._cond:
-            self.failure = exc
-            self._accepting = False
-            entries = list(self._live.values())
-        for entry in entries:
-            n = len(entry.req.output) if entry.req is not None else 0
-            self._finish(entry, Finished("abort", len(entry.prompt), n, error=f"engine failure: {exc}"))
-        active.clear()
-        if self.on_failure is not None:
-            self.on_failure(exc)
+    def _admit(self, rid: str, first_token: int, history: bool) -> None:
+        entry = self._reserved.pop(rid, None)
+        if entry is None:
+            return
+        assert entry.req is not None
+        if not history:
+            self._engine.flush()  # bounded replay runs alone, not beside a step in flight
+        self._engine.admit_prefilled(entry.req, first_token, history=history)
+        self._active[rid] = entry

@@ -1,7 +1,10 @@
 """`pdserve.v1.Generation` on grpc.aio: validate, hand to the scheduler, stream its events back.
 
-The servicer never touches the engine: it holds a scheduler (local prefill today; a remote-prefill
-scheduler will present the same submit / abort / events surface).
+The servicer never touches the engine: it holds a scheduler. A prompt longer than
+--local-prefill-max-tokens goes to the prefill service (conditional disaggregation): the scheduler
+reserves KV and emits Reserved, this coroutine runs the Prefill call and hands each chunk to the
+scheduler thread, then lets it admit the request. A prefill failure or timeout releases the reservation
+and the client gets UNAVAILABLE naming the prefill service.
 """
 
 from __future__ import annotations
@@ -11,20 +14,25 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from decode_service.output import OutputProcessor
+from decode_service.prefill_client import PrefillClient, PrefillFailed
 from decode_service.scheduler import (
     AlreadyExists,
+    DecodeScheduler,
     Event,
     Finished,
     NotAccepting,
     QueueFull,
-    Scheduler,
+    RemoteOpts,
+    Reserved,
     SubmitError,
 )
 from shared.api.errors import InvalidRequest
+from shared.api.model_info import model_info
 from shared.api.validation import Limits, validate_generate
 from shared.model import LoadedModel
 from shared.pb.pdserve.v1 import generation_pb2 as pb
@@ -46,10 +54,13 @@ class Serving:
     """What exists once the model is loaded."""
 
     loaded: LoadedModel
-    scheduler: Scheduler
+    scheduler: DecodeScheduler
     limits: Limits
     page_size: int
     kv_dtype: str
+    prefill: PrefillClient | None = None  # None: every prompt prefills locally
+    local_prefill_max_tokens: int = 0
+    window_history: bool = True
 
 
 def _chunk(rid: str, token_ids: list[int], text: str) -> pb.GenerateResponse:
@@ -82,21 +93,30 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort_with_status(e.to_status())
         rid = request.request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[Any] = asyncio.Queue()
 
-        def emit(ev: Event) -> None:  # on the scheduler thread
+        def emit(ev: Event | Reserved) -> None:  # on the scheduler thread
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
                 loop.call_soon_threadsafe(events.put_nowait, ev)
 
+        remote = s.prefill is not None and len(prompt) > s.local_prefill_max_tokens
+        opts = RemoteOpts(s.window_history) if remote else None
         try:
-            s.scheduler.submit(rid, prompt, params, emit)
+            s.scheduler.submit(rid, prompt, params, emit, opts)
         except SubmitError as e:
             await context.abort(_SUBMIT_CODES[type(e)], str(e))
         out = OutputProcessor(tok, params.stop)
         done = False
         try:
+            first: Any = None
+            if remote:
+                first = await events.get()
+                if isinstance(first, Reserved):
+                    first = None
+                    await self._remote_prefill(s, rid, prompt, request, context)
             while not done:
-                batch = [await events.get()]
+                batch = [first if first is not None else await events.get()]
+                first = None
                 while not events.empty():  # a client that lags gets fewer, larger chunks
                     batch.append(events.get_nowait())
                 tokens = [t for ev in batch if not isinstance(ev, Finished) for t in ev.token_ids]
@@ -119,6 +139,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if not done:  # cancelled, past its deadline, or the stream failed: free its KV now
                 s.scheduler.abort(rid)
 
+    async def _remote_prefill(
+        self, s: Serving, rid: str, prompt: list[int], request: pb.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> None:  # fmt: skip
+        assert s.prefill is not None
+        try:
+            first_token = await s.prefill.prefill(
+                rid, prompt, request.sampling, s.window_history, context.time_remaining(),
+                lambda chunks: s.scheduler.deliver(rid, chunks),
+            )  # fmt: skip
+        except PrefillFailed as e:
+            s.scheduler.abort(rid)  # releases the reservation on the scheduler thread
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill service {s.prefill.target}: {e}")
+        s.scheduler.prefilled(rid, first_token, s.window_history)
+
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         s = await self._ready(context)
         return pb.AbortResponse(found=s.scheduler.abort(request.request_id))
@@ -127,23 +162,5 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
         s = await self._ready(context)
-        cfg, pool = s.loaded.config, s.scheduler.pool_state()
-        return pb.ModelInfo(
-            model_name=s.loaded.name,
-            vocab_size=cfg.vocab_size,
-            max_context=s.limits.max_context,
-            layer_types=list(cfg.layer_types),
-            sliding_window=cfg.sliding_window or 0,
-            page_size=s.page_size,
-            dtype=s.kv_dtype,
-            eos_token_ids=list(cfg.eos_token_ids),
-            has_tokenizer=s.loaded.tokenizer is not None,
-            kv_pool=pb.KVPoolState(
-                pages_total=pool.pages_total,
-                pages_free=pool.pages_free,
-                window_slots_total=pool.slots_total,
-                window_slots_free=pool.slots_free,
-                running=pool.running,
-                waiting=pool.waiting,
-            ),
-        )
+        pool = s.scheduler.pool_state()
+        return model_info(s.loaded, s.limits.max_context, s.page_size, s.kv_dtype, pool)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from decode_service.config import ServiceConfig
-from decode_service.scheduler import Scheduler
+from decode_service.scheduler import DecodeScheduler as Scheduler
 from shared.client import AsyncClient, Client, GenerationError
 from tests.services.service_testutil import InProcessServer, random_spec, wait_pool_idle
 

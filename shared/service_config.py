@@ -1,0 +1,78 @@
+"""Configuration both services share: flags, each defaulting to a PDSERVE_* environment variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import TypeVar
+
+__all__ = ["COMMON_HELP", "CommonConfig", "parse_config"]
+
+
+@dataclass(frozen=True)
+class CommonConfig:
+    host: str = "[::]"
+    port: int = 50051  # 0: any free port (the bound one is printed on the "listening" line)
+    model: str = ""  # checkpoint path; "" = the embedded default; random:<json> = a tiny test model
+    device: str = "auto"  # auto = cuda when available, else cpu
+    dtype: str = "float32"
+    page_size: int = 16
+    num_pages: int = 512
+    max_running: int = 32
+    max_batch_tokens: int = 256
+    max_queue: int = 128
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for running requests before aborting them
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "num_pages", "max_running", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0 or self.drain_timeout < 0 or not 0 <= self.port < 65536:
+            raise ValueError("max_queue and drain_timeout must be >= 0, port in [0, 65535]")
+
+
+COMMON_HELP = {
+    "host": "address to bind",
+    "port": "port to bind; 0 picks a free one",
+    "model": "HF directory or .gguf file; empty = the embedded SmolLM2-135M-Instruct. "
+    "Testing aid: random:<json> serves a tiny random model (see shared/api/model_source.py)",
+    "device": "auto, cpu, cuda or cuda:N",
+    "dtype": "model and KV dtype: float32, bfloat16 or float16",
+    "page_size": "tokens per KV page",
+    "num_pages": "KV pages in the pool",
+    "max_running": "requests running at once (also the number of sliding-window slots)",
+    "max_batch_tokens": "prefill token budget per step",
+    "max_queue": "requests waiting to run beyond which new calls answer RESOURCE_EXHAUSTED",
+    "drain_timeout": "seconds SIGTERM waits for running requests before aborting them",
+}
+
+C = TypeVar("C", bound=CommonConfig)
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+        raise ValueError(f"not a boolean: {text!r}")
+    return text.lower() in ("1", "true", "yes")
+
+
+def parse_config(
+    cls: type[C], prog: str, description: str, help_: dict[str, str],
+    argv: Sequence[str] | None = None, env: dict[str, str] | None = None,
+) -> C:  # fmt: skip
+    """Every field of `cls` as --flag-name, defaulting to $PDSERVE_FLAG_NAME, then the field's default."""
+    env = dict(os.environ if env is None else env)
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    for f in fields(cls):
+        var = f"PDSERVE_{f.name.upper()}"
+        kind = type(f.default)
+        convert = _bool if kind is bool else kind
+        default = convert(env[var]) if var in env else f.default
+        flag = f"--{f.name.replace('_', '-')}"
+        text = f"{help_[f.name]} (env {var}; default: {default!r})"
+        if kind is bool:  # --x / --no-x
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=text)
+    return cls(**vars(parser.parse_args(argv)))

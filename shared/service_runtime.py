@@ -1,0 +1,166 @@
+"""What both services' processes share: engine building, health, reflection, the load-on-a-thread
+start-up and the SIGTERM drain.
+
+Lifecycle: listen at once (liveness SERVING, readiness NOT_SERVING) -> load the model on a thread ->
+readiness SERVING -> on SIGTERM/SIGINT: readiness NOT_SERVING, new calls UNAVAILABLE, running requests
+drain for up to --drain-timeout, the rest are aborted, then the server stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from shared.api.model_source import load_served_model
+from shared.engine import Engine, EngineConfig
+from shared.kv.cache import KVConfig
+from shared.model import LoadedModel
+from shared.scheduler_base import Scheduler
+from shared.service_config import CommonConfig
+
+__all__ = ["NOT_SERVING", "SERVING", "StartupError", "add_health", "build_engine", "run_service"]
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+_STOP_GRACE_S = 5.0  # after drain: time for the last messages to reach their clients
+T = TypeVar("T")
+
+
+class StartupError(Exception):
+    """A start-up failure with a message that says it all (logged without a traceback)."""
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def build_engine(cfg: CommonConfig) -> tuple[LoadedModel, Engine]:
+    """Load the model and build its Engine (blocking: run off the event loop)."""
+    device, dtype = _device(cfg.device), getattr(torch, cfg.dtype)
+    loaded = load_served_model(cfg.model, device=device, dtype=dtype)
+    kv_dtype = next(loaded.model.parameters()).dtype
+    kv = KVConfig(
+        page_size=cfg.page_size,
+        num_pages=cfg.num_pages,
+        max_requests=cfg.max_running,
+        dtype=kv_dtype,
+        device=device,
+    )
+    engine_cfg = EngineConfig(max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running)
+    return loaded, Engine(loaded.model, kv, engine_cfg)
+
+
+def add_health(server: grpc.aio.Server, service_name: str) -> health.aio.HealthServicer:
+    """grpc.health.v1 and server reflection (for `service_name`, health and reflection itself)."""
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((service_name, health_name, reflection.SERVICE_NAME), server)
+    return health_servicer
+
+
+async def _in_thread(fn: Callable[[], T]) -> T:
+    # A daemon thread, not the default executor: a SIGTERM during a long load must not wait for it.
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def work() -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the loop, which re-raises it
+            error = exc
+
+        def settle() -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # the loop is gone: SIGTERM came during the load
+            loop.call_soon_threadsafe(settle)
+
+    threading.Thread(target=work, name="model-load", daemon=True).start()
+    return await fut
+
+
+async def _drain(sched: Scheduler, timeout: float, log: logging.Logger) -> None:
+    sched.stop_accepting()
+    if not await asyncio.to_thread(sched.wait_idle, timeout):
+        n = sched.abort_all()
+        log.warning("drain timeout (%.1fs): aborting %d request(s)", timeout, n)
+        await asyncio.to_thread(sched.wait_idle, _STOP_GRACE_S)
+
+
+async def run_service(
+    role: str, cfg: CommonConfig, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
+    service_name: str, build: Callable[[], T], attach: Callable[[T], Scheduler],
+) -> int:  # fmt: skip
+    """Serve until SIGTERM/SIGINT. `build` runs on a thread; `attach` hands its result to the servicer
+    and returns its scheduler. Returns the process exit code."""
+    log = logging.getLogger(f"{role}_service")
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    await health_servicer.set("", SERVING)  # liveness: the process answers
+    await health_servicer.set(service_name, NOT_SERVING)  # readiness: not until the model is loaded
+    await server.start()
+    print(f"pdserve {role} listening on {cfg.host}:{port}", flush=True)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    load = asyncio.create_task(_in_thread(build))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    sched: Scheduler | None = None
+    if load.done():
+        exc = load.exception()
+        if isinstance(exc, StartupError):
+            log.error("start-up failed: %s", exc)
+            code = 1
+        elif exc is not None:
+            log.error("model load failed", exc_info=exc)
+            code = 1
+        else:
+            sched = attach(load.result())
+            background: set[asyncio.Task] = set()  # a reference, so the task is not collected mid-flight
+
+            async def unhealthy() -> None:
+                # The engine's state is unknown: not ready, and not live either, so the process is replaced.
+                await health_servicer.set(service_name, NOT_SERVING)
+                await health_servicer.set("", NOT_SERVING)
+
+            def on_failure(exc: BaseException) -> None:  # the scheduler thread: hop to the loop
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(lambda: background.add(loop.create_task(unhealthy())))
+
+            sched.on_failure = on_failure
+            await health_servicer.set(service_name, SERVING)
+            log.info("ready (%s)", cfg.model or "embedded default")
+            print(f"pdserve {role} ready", flush=True)
+            await stopping
+            log.info("draining (timeout %.1fs)", cfg.drain_timeout)
+            await health_servicer.set(service_name, NOT_SERVING)
+            await _drain(sched, cfg.drain_timeout, log)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(_STOP_GRACE_S)
+    if sched is not None:
+        sched.shutdown()
+    stopping.cancel()
+    print(f"pdserve {role} stopped", flush=True)
+    return code
