@@ -21,6 +21,8 @@ from shared.transfer.base import Chunk, KVLayout
 __all__ = ["PrefillClient", "PrefillFailed", "handshake"]
 
 _HANDSHAKE_WAIT_S = 120.0  # how long start-up waits for a prefill service that is still loading
+# Reconnect soon after a prefill restart: gRPC's default backoff grows to two minutes.
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class PrefillFailed(Exception):
@@ -57,7 +59,7 @@ class PrefillClient:
 
     def _get_stub(self) -> pb_grpc.PrefillStub:
         if self._stub is None:  # created on first use: an aio channel belongs to the running loop
-            self._stub = pb_grpc.PrefillStub(grpc.aio.insecure_channel(self.target))
+            self._stub = pb_grpc.PrefillStub(grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS))
         return self._stub
 
     async def prefill(
@@ -67,7 +69,8 @@ class PrefillClient:
         """Run one prefill; `deliver` gets the KV chunks in order. Returns the first token."""
         timeout = self.timeout if client_remaining is None else min(self.timeout, client_remaining)
         req = pb.PrefillRequest(request_id=rid, prompt=prompt, sampling=sampling, send_window_history=history)
-        call = self._get_stub().Prefill(req, timeout=max(timeout, 0.0))
+        # wait_for_ready: a restarting prefill service is waited for (within the deadline).
+        call = self._get_stub().Prefill(req, timeout=max(timeout, 0.0), wait_for_ready=True)
         try:
             async for msg in call:
                 if msg.HasField("chunk"):

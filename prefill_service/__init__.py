@@ -1,1 +1,1 @@
-"""Prefill service: turns prompts into KV cache and hands it to decode."""
+"""pdserve's prefill service: prompts in, KV chunks and the first token out (pdserve.v1.Prefill)."""

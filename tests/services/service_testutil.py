@@ -32,11 +32,14 @@ def random_spec(**overrides: Any) -> str:
 
 
 class ServerProcess:
-    """`python -m decode_service` in a subprocess; `target` once it listens."""
+    """`python -m decode_service` (or `module`) in a subprocess; `target` once it listens."""
 
-    def __init__(self, model: str, *args: str, wait_ready: bool = True) -> None:
-        self._log = tempfile.NamedTemporaryFile("w+", prefix="decode-", suffix=".log", delete=False)  # noqa: SIM115
-        cmd = [sys.executable, "-m", "decode_service", "--host", "127.0.0.1", "--port", "0", "--model", model]
+    def __init__(
+        self, model: str, *args: str, wait_ready: bool = True, module: str = "decode_service",
+        service: str = SERVICE_NAME, port: int = 0,
+    ) -> None:  # fmt: skip
+        self._log = tempfile.NamedTemporaryFile("w+", prefix=f"{module}-", suffix=".log", delete=False)  # noqa: SIM115
+        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--model", model]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [*cmd, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True
@@ -49,7 +52,7 @@ class ServerProcess:
             raise RuntimeError(f"server did not start:\n{self.log()}")
         self.target = self.lines[0].rsplit(" ", 1)[1]
         if wait_ready:
-            wait_health(self.target, SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING, timeout=60)
+            wait_health(self.target, service, health_pb2.HealthCheckResponse.SERVING, timeout=60)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None

@@ -1,0 +1,57 @@
+"""The prefill scheduler: the shared scheduler loop over an Engine that holds each finished prompt's KV.
+
+Requests run with max_tokens=1 and `hold_kv=True` (chunked prefill under the engine's token budget,
+batched with the other prompts). When one finishes, its KV is extracted here, on the scheduler thread,
+as CPU bytes (`Prefilled`), and released at once: the prefill pool holds no KV beyond extraction, so a
+decode that dies or never reads costs only the bytes in that stream. (A zero-copy backend, cuda_ipc or
+nixl, cannot release before the decode has read: it will need a lease with a timeout instead.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from shared.scheduler_base import Scheduler, _Entry
+from shared.transfer.base import Chunk
+from shared.transfer.inline import extract_chunks
+
+__all__ = ["PrefillOpts", "PrefillScheduler", "Prefilled"]
+
+
+@dataclass(frozen=True)
+class PrefillOpts:
+    window_history: bool = True
+    max_chunk_bytes: int = 0  # 0: the backend's default
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    first_token: int
+    chunks: tuple[Chunk, ...]
+    full_bytes: int
+    window_bytes: int
+
+
+class PrefillScheduler(Scheduler):
+    thread_name = "prefill-scheduler"
+
+    def _start(self, entry: _Entry) -> None:
+        params = dataclasses.replace(entry.params, max_tokens=1)
+        entry.req = self._engine.add_request(entry.prompt, params, hold_kv=True)
+        self._active[entry.rid] = entry
+
+    def _on_done(self, entry: _Entry) -> None:
+        req = entry.req
+        assert req is not None
+        if req.finish_reason != "abort" and req.output:
+            opts = entry.opts if isinstance(entry.opts, PrefillOpts) else PrefillOpts()
+            chunks = tuple(
+                extract_chunks(
+                    self._engine.cache, req.pages, req.slot, len(req.prompt),
+                    window=opts.window_history, max_chunk_bytes=opts.max_chunk_bytes,
+                )
+            )  # fmt: skip
+            full = sum(c.nbytes for c in chunks if not c.window)
+            entry.emit(Prefilled(req.output[0], chunks, full, sum(c.nbytes for c in chunks) - full))
+        self._engine.release(req)  # idempotent; deferred by the engine while a step may still write

@@ -1,0 +1,46 @@
+"""The prefill service's process: Prefill + health + reflection on the shared lifecycle
+(shared/service_runtime.py: listen, load on a thread, ready, SIGTERM drain)."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health
+
+from prefill_service.config import PrefillConfig
+from prefill_service.scheduler import PrefillScheduler
+from prefill_service.servicer import SERVICE_NAME, PrefillServicer, PrefillServing
+from shared.api.validation import Limits
+from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
+from shared.scheduler_base import Scheduler, SchedulerConfig
+from shared.service_runtime import add_health, build_engine, run_service
+from shared.transfer.base import KVLayout
+
+__all__ = ["add_services", "build_serving", "serve"]
+
+
+def build_serving(cfg: PrefillConfig) -> PrefillServing:
+    """Load the model, build the Engine and start its scheduler thread (blocking: run off the loop)."""
+    loaded, engine = build_engine(cfg)
+    scheduler = PrefillScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue))
+    scheduler.start()
+    limits = Limits(vocab_size=loaded.config.vocab_size, max_context=engine.max_context())
+    return PrefillServing(loaded, scheduler, limits, KVLayout.of(engine.cache, loaded.name))
+
+
+def add_services(server: grpc.aio.Server) -> tuple[PrefillServicer, health.aio.HealthServicer]:
+    servicer = PrefillServicer()
+    pb_grpc.add_PrefillServicer_to_server(servicer, server)
+    return servicer, add_health(server, SERVICE_NAME)
+
+
+async def serve(cfg: PrefillConfig) -> int:
+    server = grpc.aio.server()
+    servicer, health_servicer = add_services(server)
+
+    def attach(serving: PrefillServing) -> Scheduler:
+        servicer.serving = serving
+        return serving.scheduler
+
+    return await run_service(
+        "prefill", cfg, server, health_servicer, SERVICE_NAME, lambda: build_serving(cfg), attach
+    )

@@ -1,0 +1,127 @@
+"""`pdserve.v1.Prefill` on grpc.aio: Handshake, Prefill (stream the KV chunks) and GetModelInfo.
+
+Prefill validates the prompt and sampling as Generate does (the first token is sampled here), submits
+to the scheduler and waits for its `Prefilled` event, whose chunks are CPU bytes already released from
+the pool. A cancelled call aborts the request if it is still computing, and otherwise just drops the
+bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from prefill_service.scheduler import Prefilled, PrefillOpts, PrefillScheduler
+from shared.api.errors import InvalidRequest
+from shared.api.model_info import model_info
+from shared.api.validation import Limits, validate_generate
+from shared.model import LoadedModel
+from shared.pb.pdserve.v1 import generation_pb2 as gen_pb
+from shared.pb.pdserve.v1 import prefill_pb2 as pb
+from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
+from shared.scheduler_base import AlreadyExists, Finished, NotAccepting, QueueFull, SubmitError
+from shared.transfer.base import KVLayout, mismatches
+
+__all__ = ["BACKENDS", "SERVICE_NAME", "PrefillServicer", "PrefillServing"]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Prefill"].full_name
+BACKENDS = ("inline",)
+
+_SUBMIT_CODES: dict[type[SubmitError], grpc.StatusCode] = {
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    NotAccepting: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+@dataclass(frozen=True)
+class PrefillServing:
+    loaded: LoadedModel
+    scheduler: PrefillScheduler
+    limits: Limits
+    layout: KVLayout
+
+
+class PrefillServicer(pb_grpc.PrefillServicer):
+    def __init__(self) -> None:
+        self.serving: PrefillServing | None = None  # set by the server once the model is loaded
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> PrefillServing:
+        if self.serving is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        assert self.serving is not None
+        return self.serving
+
+    async def Handshake(
+        self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HandshakeResponse:
+        s = await self._ready(context)
+        problems = mismatches(KVLayout.from_pb(request.layout), s.layout)
+        if request.backend and request.backend not in BACKENDS:
+            problems.append(f"backend: {request.backend!r} not in {list(BACKENDS)}")
+        if problems:
+            msg = "KV layout mismatch (decode != prefill): " + "; ".join(problems)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+        return pb.HandshakeResponse(layout=s.layout.to_pb(), backend=request.backend or BACKENDS[0])
+
+    async def Prefill(
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PrefillResponse]:
+        s = await self._ready(context)
+        sampling = gen_pb.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        sampling.max_tokens = 1  # only the first token is sampled here
+        del sampling.stop[:]  # stop strings are decode's (it detokenizes)
+        gen = gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=request.prompt), sampling=sampling)
+        try:
+            prompt, params = validate_generate(gen, s.limits, None)
+        except InvalidRequest as e:
+            await context.abort_with_status(e.to_status())
+        # Decode's ids are unique per decode only: a suffix keeps two decodes' requests apart here.
+        rid = f"{request.request_id or 'prefill'}/{uuid.uuid4().hex[:8]}"
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Any] = asyncio.Queue()
+
+        def emit(ev: Any) -> None:  # on the scheduler thread
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        opts = PrefillOpts(request.send_window_history, request.max_chunk_bytes)
+        try:
+            s.scheduler.submit(rid, prompt, params, emit, opts)
+        except SubmitError as e:
+            await context.abort(_SUBMIT_CODES[type(e)], str(e))
+        finished = False
+        try:
+            while True:
+                ev = await events.get()
+                if isinstance(ev, Prefilled):
+                    finished = True  # the pool no longer holds it: only these bytes are left
+                    for chunk in ev.chunks:
+                        yield pb.PrefillResponse(chunk=chunk.to_pb())
+                    done = pb.PrefillDone(
+                        first_token=ev.first_token, full_bytes=ev.full_bytes, window_bytes=ev.window_bytes
+                    )
+                    yield pb.PrefillResponse(done=done)
+                    return
+                if isinstance(ev, Finished):
+                    finished = True
+                    if ev.error is not None:
+                        await context.abort(grpc.StatusCode.INTERNAL, ev.error)
+                    await context.abort(grpc.StatusCode.ABORTED, "the prefill was aborted (server draining)")
+        finally:
+            if not finished:  # cancelled or past its deadline while computing: free its KV now
+                s.scheduler.abort(rid)
+
+    async def GetModelInfo(
+        self, request: gen_pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> gen_pb.ModelInfo:
+        s = await self._ready(context)
+        lay = s.layout
+        return model_info(s.loaded, s.limits.max_context, lay.page_size, lay.dtype, s.scheduler.pool_state())

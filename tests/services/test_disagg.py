@@ -1,0 +1,202 @@
+"""Disaggregation with real processes: a prefill service and decode services on loopback, the same tiny
+random model on each. Greedy tokens equal the colocated Engine's on the remote path (with and without
+window history) and the local one; window bytes are bounded; layout mismatch, a dead or hung prefill
+and a client cancel mid-transfer all leave both pools at their idle baseline."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from prefill_service.servicer import SERVICE_NAME as PREFILL
+from shared.api.model_source import load_served_model
+from shared.client import Client, GenerationError
+from shared.engine import Engine, EngineConfig
+from shared.kv.cache import KVConfig
+from shared.pb.pdserve.v1 import generation_pb2 as gen_pb
+from shared.pb.pdserve.v1 import prefill_pb2 as pb
+from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
+from shared.sampling import SamplingParams
+from tests.services.service_testutil import ServerProcess, random_spec, wait_pool_idle
+
+W = 8  # the random model's window (service_testutil.TINY)
+LENGTHS = [3, W - 1, W, W + 1, 2 * W + 3, 5 * W]
+GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+COMMON = ("--page-size", "4", "--max-running", "4")
+
+
+def _prompt(n: int) -> list[int]:
+    return [(7 * i + n) % 97 for i in range(n)]
+
+
+def _stop(*procs: ServerProcess) -> None:
+    for p in procs:
+        if p.proc.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        finally:
+            p.kill()
+
+
+class _PrefillInfo:
+    """wait_pool_idle reads `model_info().kv_pool`: the prefill service answers the same message."""
+
+    def __init__(self, target: str) -> None:
+        self._channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.PrefillStub(self._channel)
+
+    def model_info(self) -> gen_pb.ModelInfo:
+        return self.stub.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=5)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _prefill(*args: str, port: int = 0) -> ServerProcess:
+    return ServerProcess(random_spec(), *COMMON, *args, module="prefill_service", service=PREFILL, port=port)
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[ServerProcess]:
+    p = _prefill()
+    yield p
+    _stop(p)
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[int, list[int]]:
+    loaded = load_served_model(random_spec())
+    engine = Engine(loaded.model, KVConfig(page_size=4, num_pages=512, max_requests=4), EngineConfig())
+    reqs = engine.generate([_prompt(n) for n in LENGTHS], SamplingParams(**GREEDY))
+    return {n: r.output for n, r in zip(LENGTHS, reqs, strict=True)}
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--local-prefill-max-tokens", "0"),  # every prompt remote, window history shipped
+        ("--local-prefill-max-tokens", "0", "--no-window-history"),  # remote, rings rebuilt by replay
+        ("--local-prefill-max-tokens", "1000"),  # every prompt local
+        ("--local-prefill-max-tokens", str(W)),  # conditional: short local, long remote
+    ],
+    ids=["remote", "remote-replay", "local", "conditional"],
+)
+def test_greedy_tokens_equal_the_colocated_engine(prefill, expected, flags):
+    decode = ServerProcess(random_spec(), *COMMON, "--prefill-target", prefill.target, *flags)
+    info = _PrefillInfo(prefill.target)
+    try:
+        with Client(decode.target) as c:
+            for n in LENGTHS:
+                got = c.complete(_prompt(n), **GREEDY)
+                assert list(got.token_ids) == expected[n], f"prompt of {n} tokens"
+            wait_pool_idle(c)
+        wait_pool_idle(info)  # type: ignore[arg-type]
+    finally:
+        info.close()
+        _stop(decode)
+
+
+def _transfer(stub: pb_grpc.PrefillStub, n: int, **kw) -> tuple[list[pb.KVChunk], pb.PrefillDone]:  # type: ignore[no-untyped-def]
+    req = pb.PrefillRequest(request_id=f"bytes-{n}", prompt=_prompt(n), send_window_history=True, **kw)
+    msgs = list(stub.Prefill(req, timeout=30))
+    assert msgs[-1].HasField("done") and all(m.HasField("chunk") for m in msgs[:-1])
+    return [m.chunk for m in msgs[:-1]], msgs[-1].done
+
+
+def test_window_bytes_do_not_grow_with_the_prompt(prefill):
+    info = _PrefillInfo(prefill.target)
+    try:
+        (c2, d2), (c8, d8) = _transfer(info.stub, 2 * W), _transfer(info.stub, 8 * W)
+        win = [sum(len(c.k) + len(c.v) for c in cs if c.window) for cs in (c2, c8)]
+        assert win[0] == win[1] == d2.window_bytes == d8.window_bytes > 0
+        assert d8.full_bytes == 4 * d2.full_bytes
+        small, _ = _transfer(info.stub, 5 * W, max_chunk_bytes=1000)
+        assert all(len(c.k) + len(c.v) <= 1000 for c in small)
+        wait_pool_idle(info)  # type: ignore[arg-type]
+    finally:
+        info.close()
+
+
+def test_handshake_mismatch_exits_naming_the_fields(prefill):
+    decode = ServerProcess(
+        random_spec(), "--page-size", "8", "--prefill-target", prefill.target, wait_ready=False
+    )
+    try:
+        assert decode.wait(60) == 1
+        log = decode.log()
+        assert "refused the handshake" in log and "page_size: 8 != 4" in log, log[-2000:]
+    finally:
+        decode.kill()
+
+
+def test_dead_or_hung_prefill_is_unavailable_and_frees_the_pool():
+    pf = _prefill()
+    port = int(pf.target.rsplit(":", 1)[1])
+    decode = ServerProcess(random_spec(), *COMMON, "--prefill-target", pf.target, "--prefill-timeout", "1.5")
+    try:
+        with Client(decode.target) as c:
+            assert c.complete(_prompt(20), **GREEDY).finish_reason == "length"
+            os.kill(pf.proc.pid, signal.SIGSTOP)  # hung mid-request: the decode must not wait forever
+            with pytest.raises(GenerationError) as exc:
+                c.complete(_prompt(20), **GREEDY)
+            assert exc.value.code == grpc.StatusCode.UNAVAILABLE and "prefill service" in str(exc.value)
+            wait_pool_idle(c)
+            os.kill(pf.proc.pid, signal.SIGKILL)  # dead
+            pf.wait(10)
+            with pytest.raises(GenerationError) as exc:
+                c.complete(_prompt(21), **GREEDY)
+            assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+            wait_pool_idle(c)
+            pf.kill()
+            pf = _prefill(port=port)  # restarted on the same address
+            assert c.complete(_prompt(22), **GREEDY).finish_reason == "length"
+            wait_pool_idle(c)
+    finally:
+        _stop(decode, pf)
+
+
+def test_client_cancel_during_transfer_frees_both_pools():
+    pf = _prefill()
+    decode = ServerProcess(random_spec(), *COMMON, "--prefill-target", pf.target, "--prefill-timeout", "20")
+    info = _PrefillInfo(pf.target)
+    try:
+        with Client(decode.target) as c:
+            os.kill(pf.proc.pid, signal.SIGSTOP)  # the transfer cannot finish while we cancel
+            stream = c.generate(_prompt(30), **GREEDY)
+            got: list = []
+            t = threading.Thread(target=lambda: got.extend(_safe(stream)), daemon=True)
+            t.start()
+            _until(lambda: c.model_info().kv_pool.pages_free < c.model_info().kv_pool.pages_total)
+            stream.cancel()
+            t.join(10)
+            wait_pool_idle(c)  # the reservation is released at once
+            os.kill(pf.proc.pid, signal.SIGCONT)
+            wait_pool_idle(info)  # type: ignore[arg-type]
+            assert c.complete(_prompt(30), **GREEDY).finish_reason == "length"
+    finally:
+        info.close()
+        os.kill(pf.proc.pid, signal.SIGCONT)
+        _stop(decode, pf)
+
+
+def _safe(stream) -> list:  # type: ignore[no-untyped-def]
+    try:
+        return list(stream)
+    except GenerationError:
+        return []
+
+
+def _until(pred, timeout: float = 10) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
