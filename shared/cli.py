@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -24,11 +25,12 @@ def chatml(question: str) -> str:
     )
 
 
-class LocalServices:
-    """The decode service in a child process on a free loopback port (it prefills locally)."""
+class _Child:
+    """One service in a child process on a loopback port; `target` once it listens."""
 
-    def __init__(self, *extra: str) -> None:
-        cmd = [sys.executable, "-m", "decode_service", "--host", "127.0.0.1", "--port", "0", *extra]
+    def __init__(self, module: str, port: str, *extra: str) -> None:
+        self.module = module
+        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", port, *extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         self.target = ""
@@ -43,10 +45,8 @@ class LocalServices:
             if line.strip().endswith("ready"):
                 self._ready.set()
 
-    def wait_ready(self, timeout: float) -> None:
-        if not self._ready.wait(timeout) or self.proc.poll() is not None:
-            self.stop()
-            raise SystemExit(f"pdserve: the decode service did not become ready within {timeout:.0f}s")
+    def wait_ready(self, timeout: float) -> bool:
+        return self._ready.wait(timeout) and self.proc.poll() is None
 
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:
@@ -56,6 +56,48 @@ class LocalServices:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.wait()
+
+
+class LocalServices:
+    """The prefill service, then the decode service pointed at it, in child processes on loopback.
+
+    Prompts longer than `local_prefill_max_tokens` are prefilled by the prefill service (the demo's
+    ChatML prompt is), shorter ones locally by decode.
+    """
+
+    def __init__(
+        self, *extra: str, decode_port: str = "0", prefill_port: str = "0", local_prefill_max_tokens: int = 16
+    ) -> None:
+        self._extra = extra
+        self._decode_port = decode_port
+        self._local = local_prefill_max_tokens
+        self.prefill = _Child("prefill_service", prefill_port, *extra)
+        self.decode: _Child | None = None
+        self.target = ""
+
+    def wait_ready(self, timeout: float) -> None:
+        if not self.prefill.wait_ready(timeout):
+            self.stop()
+            raise SystemExit(f"pdserve: the prefill service did not become ready within {timeout:.0f}s")
+        remote = ("--prefill-target", self.prefill.target, "--local-prefill-max-tokens", str(self._local))
+        self.decode = _Child("decode_service", self._decode_port, *self._extra, *remote)
+        if not self.decode.wait_ready(timeout):
+            self.stop()
+            raise SystemExit(f"pdserve: the decode service did not become ready within {timeout:.0f}s")
+        self.target = self.decode.target
+
+    def wait(self) -> int:
+        """Until either service exits (or Ctrl-C)."""
+        procs = [c.proc for c in (self.decode, self.prefill) if c is not None]
+        while all(p.poll() is None for p in procs):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                procs[0].wait(0.5)
+        return max(p.returncode or 0 for p in procs if p.poll() is not None)
+
+    def stop(self, timeout: float = 30) -> int:
+        """Decode first (it drains against prefill), then prefill; the worst exit code."""
+        codes = [c.stop(timeout) for c in (self.decode, self.prefill) if c is not None]
+        return max(codes, key=abs)
 
 
 def stream(target: str, prompt: str, max_tokens: int, temperature: float) -> str:
@@ -80,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML template")
     up = sub.add_parser("up", help="run the services locally until Ctrl-C (embedded default model, CPU)")
-    up.add_argument("--port", default="50051")
+    up.add_argument("--port", default="50051", help="decode service (the public API) port")
+    up.add_argument("--prefill-port", default="50052")
     args = ap.parse_args(argv)
 
     try:
@@ -89,12 +132,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             stream(args.target, prompt, args.max_tokens, args.temperature)
             return 0
         if args.cmd == "up":
-            cmd = [sys.executable, "-m", "decode_service", "--port", args.port, "--device", "cpu"]
-            return subprocess.call(cmd)
+            services = LocalServices("--device", "cpu", decode_port=args.port, prefill_port=args.prefill_port)
+            try:
+                services.wait_ready(timeout=300)
+                print(f"pdserve up: decode on {services.target}, prefill on {services.prefill.target}")
+                return services.wait()
+            except KeyboardInterrupt:
+                return 0
+            finally:
+                services.stop()
         services = LocalServices("--device", "cpu", "--num-pages", "128", "--max-running", "4")
         try:
             services.wait_ready(timeout=300)
-            print(f"pdserve demo: decode service ready on {services.target}\n> {args.question}")
+            print(
+                f"pdserve demo: decode service ready on {services.target} "
+                f"(prefill on {services.prefill.target})\n> {args.question}"
+            )
             stream(services.target, chatml(args.question), args.max_tokens, 0.0)
         finally:
             code = services.stop()

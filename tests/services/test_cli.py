@@ -35,3 +35,4 @@ def test_the_demo_answers_from_the_embedded_model_and_shuts_down_cleanly():
     out = pdserve("demo", "--question", "What is the capital of France?")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Paris" in out.stdout and "services stopped (exit 0)" in out.stdout
+    assert "prefill on" in out.stdout  # both services ran; the ChatML prompt went to prefill
