@@ -10,6 +10,7 @@ import pytest
 
 from decode_service.config import ServiceConfig, parse_args
 from decode_service.output import OutputProcessor
+from prefill_service.config import parse_args as parse_prefill_args
 from shared.api.model_source import load_served_model
 from shared.client import Client
 from tests.services.service_testutil import ServerProcess, random_spec
@@ -65,6 +66,18 @@ def test_flags_default_from_pdserve_env() -> None:
     assert parse_args([], env={}) == ServiceConfig()
     with pytest.raises(ValueError):
         ServiceConfig(page_size=0)
+
+
+def test_disaggregation_flags_and_the_prefill_config() -> None:
+    env = {"PDSERVE_WINDOW_HISTORY": "false", "PDSERVE_PREFILL_TARGET": "p:1", "PDSERVE_PAGE_SIZE": "8"}
+    cfg = parse_args([], env=env)
+    assert (cfg.window_history, cfg.prefill_target, cfg.local_prefill_max_tokens) == (False, "p:1", 0)
+    assert parse_args(["--window-history"], env=env).window_history is True
+    assert parse_args(["--no-window-history"], env={}).window_history is False
+    with pytest.raises(ValueError):
+        ServiceConfig(prefill_timeout=0)
+    pcfg = parse_prefill_args([], env=env)
+    assert (pcfg.port, pcfg.page_size) == (50052, 8)
 
 
 def _cpu_seconds(pid: int) -> float:
