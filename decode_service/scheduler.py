@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from shared.engine import Engine
 from shared.scheduler_base import (
     AlreadyExists,
     Event,
@@ -62,8 +63,8 @@ class Reserved:
 class DecodeScheduler(Scheduler):
     thread_name = "decode-scheduler"
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
+    def __init__(self, engine: Engine, cfg: SchedulerConfig | None = None) -> None:
+        super().__init__(engine, cfg)
         self._pending: deque[_Entry] = deque()  # remote requests waiting for room; scheduler thread only
         self._reserved: dict[str, _Entry] = {}  # reserved, KV in transfer; scheduler thread only
 
