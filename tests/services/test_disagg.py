@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from prefill_service.servicer import SERVICE_NAME as PREFILL
 from shared.api.model_source import load_served_model
@@ -22,8 +23,9 @@ from shared.pb.pdserve.v1 import generation_pb2 as gen_pb
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.sampling import SamplingParams
-from tests.services.service_testutil import ServerProcess, random_spec, wait_pool_idle
+from tests.services.service_testutil import ServerProcess, health_status, random_spec, wait_pool_idle
 
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 W = 8  # the random model's window (service_testutil.TINY)
 LENGTHS = [3, W - 1, W, W + 1, 2 * W + 3, 5 * W]
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -200,3 +202,21 @@ def _until(pred, timeout: float = 10) -> None:  # type: ignore[no-untyped-def]
     while not pred():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.02)
+
+
+def test_prefill_health_and_a_decode_that_waits_for_it_to_load():
+    pf = ServerProcess(
+        random_spec(load_delay_s=2), *COMMON, module="prefill_service", service=PREFILL, wait_ready=False
+    )
+    decode = None
+    try:
+        assert health_status(pf.target, "") == SERVING
+        assert health_status(pf.target, PREFILL) == NOT_SERVING  # loading
+        # The decode's start-up handshake waits for the prefill service to finish loading.
+        decode = ServerProcess(random_spec(), *COMMON, "--prefill-target", pf.target)
+        assert health_status(pf.target, PREFILL) == SERVING
+        with Client(decode.target) as c:
+            assert c.complete(_prompt(20), **GREEDY).finish_reason == "length"
+    finally:
+        _stop(*(p for p in (decode, pf) if p is not None))
+    assert pf.proc.returncode == 0 and "pdserve prefill stopped" in pf.lines
