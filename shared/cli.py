@@ -109,6 +109,22 @@ def stream(target: str, prompt: str, max_tokens: int, temperature: float) -> str
         return result.finish_reason or ""
 
 
+def run_bench(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from shared.loadgen import AgenticTrace, run_load
+
+    trace = AgenticTrace(args.sessions, args.turns, args.prefix_tokens, args.turn_tokens, args.output_tokens)
+    result = asyncio.run(run_load(args.target, trace, args.rate))
+    for key, value in result.as_dict().items():
+        print(f"{key:>14s}: {value:.4f}" if isinstance(value, float) else f"{key:>14s}: {value}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.as_dict(), f, indent=1)
+    return 0 if not result.errors else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -121,12 +137,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML template")
+    bench = sub.add_parser("bench", help="open-loop load (Poisson arrivals, agentic shared-prefix trace)")
+    bench.add_argument("--target", default=os.environ.get("PDSERVE_TARGET", "127.0.0.1:50051"))
+    bench.add_argument("--rate", type=float, default=2.0, help="requests per second")
+    bench.add_argument("--sessions", type=int, default=8)
+    bench.add_argument("--turns", type=int, default=4)
+    bench.add_argument("--prefix-tokens", type=int, default=1024)
+    bench.add_argument("--turn-tokens", type=int, default=256)
+    bench.add_argument("--output-tokens", type=int, default=32)
+    bench.add_argument("--json", help="also write the result here")
     up = sub.add_parser("up", help="run the services locally until Ctrl-C (embedded default model, CPU)")
     up.add_argument("--port", default="50051", help="decode service (the public API) port")
     up.add_argument("--prefill-port", default="50052")
     args = ap.parse_args(argv)
 
     try:
+        if args.cmd == "bench":
+            return run_bench(args)
         if args.cmd == "generate":
             prompt = chatml(args.prompt) if args.chat else args.prompt
             stream(args.target, prompt, args.max_tokens, args.temperature)

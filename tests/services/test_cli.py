@@ -22,6 +22,10 @@ def test_generate_streams_a_completion_and_reports_how_it_ended():
         out = pdserve("generate", "hello", "--target", srv.target, "--max-tokens", "5")
         assert out.returncode == 0, out.stderr
         assert "finish_reason=length" in out.stdout and "completion_tokens=5" in out.stdout
+        load = pdserve("bench", "--target", srv.target, "--rate", "50", "--sessions", "2", "--turns", "2",
+                       "--prefix-tokens", "16", "--turn-tokens", "4", "--output-tokens", "3")  # fmt: skip
+        assert load.returncode == 0, load.stderr
+        assert "ttft_p99" in load.stdout and "errors: {}" in load.stdout
         bad = pdserve("generate", "hello", "--target", srv.target, "--temperature", "-1")
         assert bad.returncode == 1 and "temperature" in bad.stderr
     finally:
