@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from shared.model import FULL, SLIDING, LoadedModel, ModelConfig, Tokenizer, Transformer, load_model
 
-__all__ = ["RANDOM_PREFIX", "load_served_model", "random_model_config"]
+__all__ = ["RANDOM_PREFIX", "load_served_model", "random_model_config", "random_transformer"]
 
 RANDOM_PREFIX = "random:"
 _PRINTABLE = [chr(c) for c in range(32, 127)]
@@ -50,6 +50,20 @@ def random_model_config(opts: dict[str, Any]) -> ModelConfig:
     )  # fmt: skip
 
 
+def random_transformer(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """Weights large enough that the logits differ visibly from token to token (and window W from
+    W+1), so tests comparing two paths would see an off-by-one."""
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.25)
+            elif "norm" in name:
+                p.uniform_(0.8, 1.2)
+    return model
+
+
 def _char_tokenizer(vocab: int, eos: tuple[int, ...]) -> Tokenizer:
     """Ids 0..94 are the printable ASCII characters; the rest are special tokens (<unk>, then <|i|>)."""
     chars = _PRINTABLE[: max(vocab - 1, 0)]
@@ -66,16 +80,7 @@ def _random_model(spec: str, device: torch.device | str, dtype: torch.dtype) -> 
     opts = _random_spec(spec)
     time.sleep(float(opts.get("load_delay_s", 0)))
     cfg = dataclasses.replace(random_model_config(opts), dtype=str(dtype).removeprefix("torch."))
-    torch.manual_seed(int(opts.get("seed", 0)))
-    model = Transformer(cfg)
-    # Weights large enough that the logits differ visibly from token to token (and window to window).
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.25)
-            elif "norm" in name:
-                p.uniform_(0.8, 1.2)
-    model = model.to(device=device, dtype=dtype)
+    model = random_transformer(cfg, int(opts.get("seed", 0))).to(device=device, dtype=dtype)
     model.rotary.reset_buffers(device)  # float32 tables, as the checkpoint loader keeps them
     model = model.eval().requires_grad_(False)
     return LoadedModel(cfg, model, _char_tokenizer(cfg.vocab_size, cfg.eos_token_ids), "random")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.model.config import FULL, SLIDING, ModelConfig
+from shared.api.model_source import random_model_config, random_transformer
+from shared.model.config import ModelConfig
 from shared.model.reference import reference_logits
 from shared.model.transformer import Transformer
 
@@ -12,27 +13,12 @@ W = 8
 
 
 def tiny_config(layer_types: str = "SSFS", window: int = W, vocab: int = 97) -> ModelConfig:
-    kinds = {"S": SLIDING, "F": FULL}
-    types = tuple(kinds[c] for c in layer_types)
-    return ModelConfig(
-        architecture="test-hybrid", vocab_size=vocab, hidden_size=64, num_layers=len(types), num_heads=4,
-        num_kv_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-5, rope_theta=10000.0,
-        max_position_embeddings=512, layer_types=types,
-        sliding_window=window if SLIDING in types else None, eos_token_ids=(),
-    )  # fmt: skip
+    """hidden 64, 4/2 heads x 16, intermediate 128: what `random:<json>` serves, built in-process."""
+    return random_model_config({"layers": layer_types, "window": window, "vocab": vocab})
 
 
 def tiny_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    """Weights large enough that windows W and W+1 give visibly different logits."""
-    torch.manual_seed(seed)
-    model = Transformer(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.25)
-            elif "norm" in name:
-                p.uniform_(0.8, 1.2)
-    return model.eval()
+    return random_transformer(cfg, seed).eval()
 
 
 def reference(model: Transformer, tokens: list[int]) -> torch.Tensor:
