@@ -28,10 +28,10 @@ def chatml(question: str) -> str:
 class _Child:
     """One service in a child process on a loopback port; `target` once it listens."""
 
-    def __init__(self, module: str, port: str, *extra: str) -> None:
+    def __init__(self, module: str, port: str, *extra: str, env: dict[str, str] | None = None) -> None:
         self.module = module
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", port, *extra]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         self.target = ""
         self._ready = threading.Event()
