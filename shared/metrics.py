@@ -59,7 +59,10 @@ class Metrics:
             ("service", "finish_reason"), registry=r,
         )  # fmt: skip
         self._tokens = Counter(
-            "pdserve_tokens", "Tokens processed, by kind (prompt, completion)", ("service", "kind"), registry=r
+            "pdserve_tokens",
+            "Tokens processed, by kind (prompt, completion)",
+            ("service", "kind"),
+            registry=r,
         )
         self._transfer_bytes = Counter(
             "pdserve_kv_transfer_bytes", "KV cache bytes moved between services",
@@ -74,10 +77,14 @@ class Metrics:
             ("invariant", "severity", "service"), registry=r,
         )  # fmt: skip
         self._running = Gauge("pdserve_requests_running", "Requests in the engine's batch", s, registry=r)
-        self._waiting = Gauge("pdserve_requests_waiting", "Requests queued for KV pages or a slot", s, registry=r)
+        self._waiting = Gauge(
+            "pdserve_requests_waiting", "Requests queued for KV pages or a slot", s, registry=r
+        )
         self._pages_used = Gauge("pdserve_kv_pages_used", "KV pool pages in use", s, registry=r)
         self._pages_total = Gauge("pdserve_kv_pages_total", "KV pool pages", s, registry=r)
-        self._kv_usage = Gauge("pdserve_kv_usage_ratio", "Fraction of KV pool pages in use (0..1)", s, registry=r)
+        self._kv_usage = Gauge(
+            "pdserve_kv_usage_ratio", "Fraction of KV pool pages in use (0..1)", s, registry=r
+        )
 
     def watch_pool(self, pool_state: Callable[[], PoolState]) -> None:
         """Read the running/waiting/KV gauges from `pool_state` at scrape time."""
