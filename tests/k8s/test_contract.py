@@ -71,6 +71,9 @@ def test_env_is_read_by_the_service(objs: tuple[Obj, ...], role: str) -> None:
     unread = sorted(k for k in env if k not in readable | OTEL_ALLOWLIST | helpers)
     assert not unread, f"{role} sets variables {role}_service does not read: {unread}"
     assert env.get("OTEL_SERVICE_NAME") == f"pdserve-{role}"
+    from invariants.levels import parse
+
+    parse(env.get("PDSERVE_INVARIANT_CHECK", ""))  # raises on a spec the services would reject
 
 
 @pytest.mark.parametrize("role", ROLES)
