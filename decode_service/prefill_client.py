@@ -8,7 +8,8 @@ prefill service drops the bytes it extracted.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -18,7 +19,7 @@ from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.service_runtime import StartupError
 from shared.transfer.base import Chunk, KVLayout
 
-__all__ = ["PrefillClient", "PrefillFailed", "handshake"]
+__all__ = ["PrefillClient", "PrefillFailed", "PrefillResult", "handshake"]
 
 _HANDSHAKE_WAIT_S = 120.0  # how long start-up waits for a prefill service that is still loading
 # Reconnect soon after a prefill restart: gRPC's default backoff grows to two minutes.
@@ -27,6 +28,14 @@ _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_recon
 
 class PrefillFailed(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    nbytes: int  # KV bytes received
+    first_chunk_ns: int  # epoch ns: the transfer's start as decode sees it (0: no chunk)
+    done_ns: int  # epoch ns: PrefillDone received
 
 
 def handshake(target: str, layout: KVLayout, wait_s: float = _HANDSHAKE_WAIT_S) -> None:
@@ -65,18 +74,25 @@ class PrefillClient:
     async def prefill(
         self, rid: str, prompt: list[int], sampling: gen_pb.SamplingParams, history: bool,
         client_remaining: float | None, deliver: Callable[[list[Chunk]], None],
-    ) -> int:  # fmt: skip
-        """Run one prefill; `deliver` gets the KV chunks in order. Returns the first token."""
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> PrefillResult:  # fmt: skip
+        """Run one prefill; `deliver` gets the KV chunks in order. `metadata` carries the traceparent."""
         timeout = self.timeout if client_remaining is None else min(self.timeout, client_remaining)
         req = pb.PrefillRequest(request_id=rid, prompt=prompt, sampling=sampling, send_window_history=history)
         # wait_for_ready: a restarting prefill service is waited for (within the deadline).
-        call = self._get_stub().Prefill(req, timeout=max(timeout, 0.0), wait_for_ready=True)
+        call = self._get_stub().Prefill(
+            req, timeout=max(timeout, 0.0), wait_for_ready=True, metadata=tuple(metadata) or None
+        )
+        nbytes = first_ns = 0
         try:
             async for msg in call:
                 if msg.HasField("chunk"):
-                    deliver([Chunk.from_pb(msg.chunk)])
+                    chunk = Chunk.from_pb(msg.chunk)
+                    first_ns = first_ns or time.time_ns()
+                    nbytes += chunk.nbytes
+                    deliver([chunk])
                 elif msg.HasField("done"):
-                    return msg.done.first_token
+                    return PrefillResult(msg.done.first_token, nbytes, first_ns, time.time_ns())
             raise PrefillFailed("the stream ended without PrefillDone")
         except grpc.RpcError as e:
             raise PrefillFailed(f"{e.code().name}: {e.details()}") from e

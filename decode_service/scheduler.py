@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from shared import faults
 from shared.engine import Engine
 from shared.scheduler_base import (
     AlreadyExists,
@@ -59,6 +60,8 @@ class RemoteOpts:
 class Reserved:
     """Pages and a window are reserved: the KV may now be transferred in."""
 
+    at_ns: int = 0  # when (epoch ns): the request's queue time ends here
+
 
 class DecodeScheduler(Scheduler):
     thread_name = "decode-scheduler"
@@ -67,6 +70,7 @@ class DecodeScheduler(Scheduler):
         super().__init__(engine, cfg)
         self._pending: deque[_Entry] = deque()  # remote requests waiting for room; scheduler thread only
         self._reserved: dict[str, _Entry] = {}  # reserved, KV in transfer; scheduler thread only
+        self.faults = faults.from_env()  # PDSERVE_TEST_FAULTS: tests only
 
     # ---- any thread ----
 
@@ -97,7 +101,7 @@ class DecodeScheduler(Scheduler):
             entry.req = req
             begin_receive(self._engine.cache, req.slot)
             self._reserved[entry.rid] = entry
-            entry.emit(Reserved())
+            entry.emit(Reserved(req.admitted_ns))
 
     def _after_step(self) -> None:
         if self._pending:

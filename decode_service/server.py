@@ -15,8 +15,11 @@ from decode_service.prefill_client import PrefillClient, handshake
 from decode_service.scheduler import DecodeScheduler, Scheduler, SchedulerConfig
 from decode_service.servicer import SERVICE_NAME, GenerationServicer, Serving
 from shared.api.validation import Limits
+from shared.metrics import Metrics
 from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from shared.service_config import CommonConfig
 from shared.service_runtime import add_health, build_engine, run_service
+from shared.telemetry import Telemetry
 from shared.transfer.base import KVLayout
 
 __all__ = ["add_services", "build_serving", "serve"]
@@ -40,21 +43,26 @@ def build_serving(cfg: ServiceConfig) -> Serving:
     )  # fmt: skip
 
 
-def add_services(server: grpc.aio.Server):  # type: ignore[no-untyped-def]
+def add_services(server: grpc.aio.Server, telemetry: Telemetry | None = None):  # type: ignore[no-untyped-def]
     """Generation, grpc.health.v1 and reflection on `server` (also how tests build in-process servers)."""
-    servicer = GenerationServicer()
+    servicer = GenerationServicer(telemetry)
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     return servicer, add_health(server, SERVICE_NAME)
 
 
+def _telemetry(role: str, cfg: CommonConfig) -> Telemetry:
+    return Telemetry.from_env(role, Metrics(role) if cfg.metrics else None)
+
+
 async def serve(cfg: ServiceConfig) -> int:
     server = grpc.aio.server()
-    servicer, health_servicer = add_services(server)
+    telemetry = _telemetry("decode", cfg)
+    servicer, health_servicer = add_services(server, telemetry)
 
     def attach(serving: Serving) -> Scheduler:
         servicer.serving = serving
         return serving.scheduler
 
     return await run_service(
-        "decode", cfg, server, health_servicer, SERVICE_NAME, lambda: build_serving(cfg), attach
+        "decode", cfg, server, health_servicer, SERVICE_NAME, lambda: build_serving(cfg), attach, telemetry
     )

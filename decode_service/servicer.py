@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from decode_service.output import OutputProcessor
 from decode_service.prefill_client import PrefillClient, PrefillFailed
@@ -30,6 +31,7 @@ from decode_service.scheduler import (
     RemoteOpts,
     Reserved,
     SubmitError,
+    Tokens,
 )
 from shared.api.errors import InvalidRequest
 from shared.api.model_info import model_info
@@ -37,10 +39,15 @@ from shared.api.validation import Limits, validate_generate
 from shared.model import LoadedModel
 from shared.pb.pdserve.v1 import generation_pb2 as pb
 from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from shared.request_trace import RequestTrace, transfer_attrs
+from shared.sampling import SamplingParams
+from shared.telemetry import Telemetry
 
 __all__ = ["SERVICE_NAME", "GenerationServicer", "Serving"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+_GENERATE = f"{SERVICE_NAME}/Generate"
+_PREFILL = "pdserve.v1.Prefill/Prefill"
 
 _SUBMIT_CODES: dict[type[SubmitError], grpc.StatusCode] = {
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -72,9 +79,30 @@ def _complete(rid: str, reason: str, prompt_tokens: int, completion_tokens: int)
     return pb.GenerateResponse(request_id=rid, complete=pb.Complete(finish_reason=reason, usage=usage))
 
 
+def _genai_attrs(model: str, rid: str, params: SamplingParams, remote: bool) -> dict[str, Any]:
+    return {
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.provider.name": "pdserve",
+        "gen_ai.request.model": model,
+        "gen_ai.request.max_tokens": params.max_tokens,
+        "gen_ai.request.temperature": params.temperature,
+        "gen_ai.request.top_p": params.top_p,
+        "gen_ai.response.id": rid,
+        "pdserve.prefill": "remote" if remote else "local",
+    }
+
+
+async def _fail(
+    context: grpc.aio.ServicerContext, rt: RequestTrace, code: grpc.StatusCode, msg: str, *usage: int
+) -> None:
+    rt.fail(code, msg, *usage)
+    await context.abort(code, msg)
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self) -> None:
+    def __init__(self, telemetry: Telemetry | None = None) -> None:
         self.serving: Serving | None = None  # set by the server once the model is loaded
+        self.telemetry = telemetry or Telemetry("decode")  # no tracer, no metrics unless given
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> Serving:
         if self.serving is None:
@@ -101,10 +129,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
         remote = s.prefill is not None and len(prompt) > s.local_prefill_max_tokens
         opts = RemoteOpts(s.window_history) if remote else None
+        md = context.invocation_metadata()
+        rt = RequestTrace(
+            self.telemetry, rid, _GENERATE, md, _genai_attrs(s.loaded.name, rid, params, remote)
+        )
+        rt.decode_phase = True
         try:
             s.scheduler.submit(rid, prompt, params, emit, opts)
         except SubmitError as e:
-            await context.abort(_SUBMIT_CODES[type(e)], str(e))
+            await _fail(context, rt, _SUBMIT_CODES[type(e)], str(e))
         out = OutputProcessor(tok, params.stop)
         done = False
         try:
@@ -112,8 +145,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if remote:
                 first = await events.get()
                 if isinstance(first, Reserved):
+                    rt.queued(first.at_ns)
                     first = None
-                    await self._remote_prefill(s, rid, prompt, request, context)
+                    await self._remote_prefill(s, rid, prompt, request, context, rt)
             while not done:
                 batch = [first if first is not None else await events.get()]
                 first = None
@@ -121,6 +155,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     batch.append(events.get_nowait())
                 tokens = [t for ev in batch if not isinstance(ev, Finished) for t in ev.token_ids]
                 finish = next((ev for ev in batch if isinstance(ev, Finished)), None)
+                for ev in batch:
+                    if isinstance(ev, Tokens) and ev.admitted_ns:
+                        rt.queued(ev.admitted_ns)  # a local request's first tokens: its queue time ended
+                rt.tokens(len(tokens))
                 step = out.feed(tokens)
                 text = step.text
                 if step.stopped:
@@ -128,31 +166,50 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     finish = Finished("stop", len(prompt), out.num_tokens)
                 elif finish is not None:
                     if finish.error is not None:
-                        await context.abort(grpc.StatusCode.INTERNAL, finish.error)
+                        done = True  # the engine has already let it go
+                        usage = (finish.prompt_tokens, finish.completion_tokens)
+                        await _fail(context, rt, grpc.StatusCode.INTERNAL, finish.error, *usage)
                     text += out.flush()
                 if step.token_ids or text:
                     yield _chunk(rid, step.token_ids, text)
                 if finish is not None:
                     done = True
+                    rt.finish(finish.reason, finish.prompt_tokens, finish.completion_tokens)
                     yield _complete(rid, finish.reason, finish.prompt_tokens, finish.completion_tokens)
         finally:
             if not done:  # cancelled, past its deadline, or the stream failed: free its KV now
                 s.scheduler.abort(rid)
+            if not rt.ended:
+                rt.fail(grpc.StatusCode.CANCELLED, "cancelled, past its deadline, or failed", len(prompt))
 
     async def _remote_prefill(
         self, s: Serving, rid: str, prompt: list[int], request: pb.GenerateRequest,
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext, rt: RequestTrace,
     ) -> None:  # fmt: skip
         assert s.prefill is not None
-        try:
-            first_token = await s.prefill.prefill(
-                rid, prompt, request.sampling, s.window_history, context.time_remaining(),
-                lambda chunks: s.scheduler.deliver(rid, chunks),
-            )  # fmt: skip
-        except PrefillFailed as e:
+        attrs = {"server.address": s.prefill.target, "pdserve.window_history": s.window_history}
+        failed: str | None = None
+        with rt.client_call(_PREFILL, attrs) as (metadata, span):
+            try:
+                res = await s.prefill.prefill(
+                    rid, prompt, request.sampling, s.window_history, context.time_remaining(),
+                    lambda chunks: s.scheduler.deliver(rid, chunks), metadata,
+                )  # fmt: skip
+            except PrefillFailed as e:
+                failed = f"prefill service {s.prefill.target}: {e}"
+                if span is not None:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, failed))
+            else:
+                if res.first_chunk_ns:
+                    dur = max(res.done_ns - res.first_chunk_ns, 1) / 1e9
+                    rt.child("kv.transfer", res.first_chunk_ns, res.done_ns, transfer_attrs(
+                        "inline", "receive", res.nbytes, dur), parent=span)  # fmt: skip
+                    if self.telemetry.metrics is not None:
+                        self.telemetry.metrics.transfer("inline", "receive", res.nbytes, dur)
+        if failed is not None:
             s.scheduler.abort(rid)  # releases the reservation on the scheduler thread
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill service {s.prefill.target}: {e}")
-        s.scheduler.prefilled(rid, first_token, s.window_history)
+            await _fail(context, rt, grpc.StatusCode.UNAVAILABLE, failed, len(prompt))
+        s.scheduler.prefilled(rid, res.first_token, s.window_history)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         s = await self._ready(context)

@@ -13,6 +13,7 @@ __all__ = ["PrefillConfig", "parse_args"]
 @dataclass(frozen=True)
 class PrefillConfig(CommonConfig):
     port: int = 50052
+    metrics_port: int = 9091
 
 
 def parse_args(argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> PrefillConfig:

@@ -10,6 +10,7 @@ nixl, cannot release before the decode has read: it will need a lease with a tim
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 from shared.scheduler_base import Scheduler, _Entry
@@ -31,6 +32,10 @@ class Prefilled:
     chunks: tuple[Chunk, ...]
     full_bytes: int
     window_bytes: int
+    # Epoch ns stamped on the scheduler thread (telemetry): pages granted, first token read, KV extracted.
+    admitted_ns: int = 0
+    computed_ns: int = 0
+    extracted_ns: int = 0
 
 
 class PrefillScheduler(Scheduler):
@@ -45,6 +50,7 @@ class PrefillScheduler(Scheduler):
         req = entry.req
         assert req is not None
         if req.finish_reason != "abort" and req.output:
+            computed_ns = time.time_ns()
             opts = entry.opts if isinstance(entry.opts, PrefillOpts) else PrefillOpts()
             chunks = tuple(
                 extract_chunks(
@@ -53,5 +59,8 @@ class PrefillScheduler(Scheduler):
                 )
             )  # fmt: skip
             full = sum(c.nbytes for c in chunks if not c.window)
-            entry.emit(Prefilled(req.output[0], chunks, full, sum(c.nbytes for c in chunks) - full))
+            window = sum(c.nbytes for c in chunks) - full
+            entry.emit(
+                Prefilled(req.output[0], chunks, full, window, req.admitted_ns, computed_ns, time.time_ns())
+            )
         self._engine.release(req)  # idempotent; deferred by the engine while a step may still write

@@ -10,9 +10,12 @@ from prefill_service.config import PrefillConfig
 from prefill_service.scheduler import PrefillScheduler
 from prefill_service.servicer import SERVICE_NAME, PrefillServicer, PrefillServing
 from shared.api.validation import Limits
+from shared.metrics import Metrics
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.scheduler_base import Scheduler, SchedulerConfig
+from shared.service_config import CommonConfig
 from shared.service_runtime import add_health, build_engine, run_service
+from shared.telemetry import Telemetry
 from shared.transfer.base import KVLayout
 
 __all__ = ["add_services", "build_serving", "serve"]
@@ -27,20 +30,27 @@ def build_serving(cfg: PrefillConfig) -> PrefillServing:
     return PrefillServing(loaded, scheduler, limits, KVLayout.of(engine.cache, loaded.name))
 
 
-def add_services(server: grpc.aio.Server) -> tuple[PrefillServicer, health.aio.HealthServicer]:
-    servicer = PrefillServicer()
+def add_services(
+    server: grpc.aio.Server, telemetry: Telemetry | None = None
+) -> tuple[PrefillServicer, health.aio.HealthServicer]:
+    servicer = PrefillServicer(telemetry)
     pb_grpc.add_PrefillServicer_to_server(servicer, server)
     return servicer, add_health(server, SERVICE_NAME)
 
 
+def _telemetry(role: str, cfg: CommonConfig) -> Telemetry:
+    return Telemetry.from_env(role, Metrics(role) if cfg.metrics else None)
+
+
 async def serve(cfg: PrefillConfig) -> int:
     server = grpc.aio.server()
-    servicer, health_servicer = add_services(server)
+    telemetry = _telemetry("prefill", cfg)
+    servicer, health_servicer = add_services(server, telemetry)
 
     def attach(serving: PrefillServing) -> Scheduler:
         servicer.serving = serving
         return serving.scheduler
 
     return await run_service(
-        "prefill", cfg, server, health_servicer, SERVICE_NAME, lambda: build_serving(cfg), attach
+        "prefill", cfg, server, health_servicer, SERVICE_NAME, lambda: build_serving(cfg), attach, telemetry
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,12 +26,15 @@ from shared.model import LoadedModel
 from shared.pb.pdserve.v1 import generation_pb2 as gen_pb
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
+from shared.request_trace import RequestTrace, transfer_attrs
 from shared.scheduler_base import AlreadyExists, Finished, NotAccepting, QueueFull, SubmitError
+from shared.telemetry import Telemetry
 from shared.transfer.base import KVLayout, mismatches
 
 __all__ = ["BACKENDS", "SERVICE_NAME", "PrefillServicer", "PrefillServing"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Prefill"].full_name
+_PREFILL = f"{SERVICE_NAME}/Prefill"
 BACKENDS = ("inline",)
 
 _SUBMIT_CODES: dict[type[SubmitError], grpc.StatusCode] = {
@@ -49,8 +53,9 @@ class PrefillServing:
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
-    def __init__(self) -> None:
+    def __init__(self, telemetry: Telemetry | None = None) -> None:
         self.serving: PrefillServing | None = None  # set by the server once the model is loaded
+        self.telemetry = telemetry or Telemetry("prefill")  # no tracer, no metrics unless given
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> PrefillServing:
         if self.serving is None:
@@ -93,9 +98,18 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 loop.call_soon_threadsafe(events.put_nowait, ev)
 
         opts = PrefillOpts(request.send_window_history, request.max_chunk_bytes)
+        attrs = {
+            "gen_ai.operation.name": "text_completion",
+            "gen_ai.request.model": s.loaded.name,
+            "gen_ai.response.id": request.request_id,
+            "pdserve.prefill.request_id": rid,
+            "pdserve.window_history": request.send_window_history,
+        }
+        rt = RequestTrace(self.telemetry, rid, _PREFILL, context.invocation_metadata(), attrs)
         try:
             s.scheduler.submit(rid, prompt, params, emit, opts)
         except SubmitError as e:
+            rt.fail(_SUBMIT_CODES[type(e)], str(e))
             await context.abort(_SUBMIT_CODES[type(e)], str(e))
         finished = False
         try:
@@ -103,21 +117,54 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 ev = await events.get()
                 if isinstance(ev, Prefilled):
                     finished = True  # the pool no longer holds it: only these bytes are left
+                    self._phases(rt, ev, len(prompt))
+                    start = time.time_ns()
                     for chunk in ev.chunks:
                         yield pb.PrefillResponse(chunk=chunk.to_pb())
                     done = pb.PrefillDone(
                         first_token=ev.first_token, full_bytes=ev.full_bytes, window_bytes=ev.window_bytes
                     )
                     yield pb.PrefillResponse(done=done)
+                    end = time.time_ns()
+                    nbytes = ev.full_bytes + ev.window_bytes
+                    dur = max(end - start, 1) / 1e9
+                    attrs = transfer_attrs("inline", "send", nbytes, dur)
+                    attrs.update(
+                        {"pdserve.kv.full_bytes": ev.full_bytes, "pdserve.kv.window_bytes": ev.window_bytes}
+                    )
+                    rt.child("kv.transfer", start, end, attrs)
+                    if self.telemetry.metrics is not None:
+                        self.telemetry.metrics.transfer("inline", "send", nbytes, dur)
+                    rt.finish("length", len(prompt), 1)
                     return
                 if isinstance(ev, Finished):
                     finished = True
                     if ev.error is not None:
+                        rt.fail(grpc.StatusCode.INTERNAL, ev.error, len(prompt))
                         await context.abort(grpc.StatusCode.INTERNAL, ev.error)
-                    await context.abort(grpc.StatusCode.ABORTED, "the prefill was aborted (server draining)")
+                    msg = "the prefill was aborted (server draining)"
+                    rt.fail(grpc.StatusCode.ABORTED, msg, len(prompt))
+                    await context.abort(grpc.StatusCode.ABORTED, msg)
         finally:
             if not finished:  # cancelled or past its deadline while computing: free its KV now
                 s.scheduler.abort(rid)
+            if not rt.ended:
+                rt.fail(grpc.StatusCode.CANCELLED, "cancelled or past its deadline", len(prompt))
+
+    @staticmethod
+    def _phases(rt: RequestTrace, ev: Prefilled, prompt_tokens: int) -> None:
+        """Queue, forward and extraction spans from the times the scheduler thread stamped."""
+        rt.queued(ev.admitted_ns)
+        rt.tokens(1)
+        if ev.admitted_ns:
+            rt.child(
+                "prefill.forward",
+                ev.admitted_ns,
+                ev.computed_ns,
+                {"gen_ai.usage.input_tokens": prompt_tokens},
+            )
+        if ev.computed_ns:
+            rt.child("kv.extract", ev.computed_ns, ev.extracted_ns, {"pdserve.kv.backend": "inline"})
 
     async def GetModelInfo(
         self, request: gen_pb.GetModelInfoRequest, context: grpc.aio.ServicerContext

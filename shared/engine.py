@@ -15,6 +15,7 @@ prompt work is left every running request decodes one token.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -93,6 +94,7 @@ class Engine:
         if not self._allocate(req):
             return None
         req.phase = Phase.RESERVED
+        req.admitted_ns = time.time_ns()
         self.held.add(req)
         return req
 
@@ -214,6 +216,7 @@ class Engine:
                 return
             self.waiting.popleft()
             req.phase = Phase.PREFILL
+            req.admitted_ns = time.time_ns()  # once per request, not per step
             self.running.append(req)
 
     def _schedule(self) -> tuple[list[ChunkItem], list[Request], list[bool], Mode]:
@@ -324,6 +327,7 @@ class Engine:
             hurt = set(v.rows)
             for req in list(self.running):
                 if req.window is not None and req.slot in hurt:
+                    req.error = f"invariant {v.name} violated ({v.severity.value}): request aborted"
                     self._finish(req, "abort")
 
     def check_idle_integrity(self) -> None:

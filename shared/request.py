@@ -33,6 +33,8 @@ class Request:
     pending: int = 0  # output tokens launched but not read back yet (overlap scheduling)
     finish_reason: str | None = None  # stop | length | abort
     hold_kv: bool = False  # keep pages and window after finishing, until Engine.release (prefill side)
+    admitted_ns: int = 0  # epoch ns when it got its pages and window (queue time ends): telemetry
+    error: str | None = None  # why the engine aborted it (a contained invariant violation)
 
     @property
     def slot(self) -> int:

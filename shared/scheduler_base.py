@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
+import invariants
 from shared.engine import Engine
+from shared.faults import Faults
 from shared.request import Request
 from shared.sampling import SamplingParams
 
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Tokens:
     token_ids: tuple[int, ...]
+    admitted_ns: int = 0  # on a request's first Tokens only: when it left the queue (telemetry)
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,29 @@ class Scheduler:
         self._active: dict[str, _Entry] = {}  # handed to the engine, unfinished; scheduler thread only
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self.on_failure: Callable[[BaseException], None] | None = None
+        self.faults: Faults | None = None  # test-only fault injection (shared/faults.py); None in production
+        self._on_violation: Callable[[invariants.Violation, tuple[str, ...]], None] | None = None
+
+    def watch_invariants(self, callback: Callable[[invariants.Violation, tuple[str, ...]], None]) -> None:
+        """Call `callback(violation, request ids)` for each violation the engine's checker reports.
+
+        Called on the scheduler thread, inside the poll of an engine step, while the hurt requests still
+        hold their window slots: that is when `violation.rows` (slots) map to request ids. The callback
+        must only hand off (e.g. to the event loop).
+        """
+        self._on_violation = callback
+        self._engine.checker.add_listener(self._attribute)
+
+    def _attribute(self, v: invariants.Violation) -> None:
+        callback = self._on_violation
+        if callback is None:
+            return
+        slots = set(v.rows)
+        rids = tuple(
+            e.rid for e in self._active.values()
+            if e.req is not None and e.req.window is not None and e.req.window.slot in slots
+        )  # fmt: skip
+        callback(v, rids)
 
     # ---- any thread ----
 
@@ -196,6 +222,9 @@ class Scheduler:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._on_violation is not None:
+            self._on_violation = None
+            self._engine.checker.remove_listener(self._attribute)
 
     # ---- the scheduler thread ----
 
@@ -256,7 +285,10 @@ class Scheduler:
             req = entry.req
             assert req is not None
             if len(req.output) > entry.sent:
-                entry.emit(Tokens(tuple(req.output[entry.sent :])))
+                first = entry.sent == 0
+                if first and self.faults is not None:
+                    self.faults.first_token(self._engine, entry.prompt, req)
+                entry.emit(Tokens(tuple(req.output[entry.sent :]), req.admitted_ns if first else 0))
                 entry.sent = len(req.output)
             if req.finished:
                 done.append(entry)
@@ -265,7 +297,7 @@ class Scheduler:
             req = entry.req
             assert req is not None and req.finish_reason is not None
             self._on_done(entry)
-            self._finish(entry, Finished(req.finish_reason, len(req.prompt), len(req.output)))
+            self._finish(entry, Finished(req.finish_reason, len(req.prompt), len(req.output), req.error))
         if done and self._engine.idle:
             self._engine.check_idle_integrity()  # host-only; every page and slot must be back
         self._publish()

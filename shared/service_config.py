@@ -24,6 +24,8 @@ class CommonConfig:
     max_batch_tokens: int = 256
     max_queue: int = 128
     drain_timeout: float = 30.0  # seconds SIGTERM waits for running requests before aborting them
+    metrics_port: int = 9090  # Prometheus /metrics; 0: any free port (printed); the prefill role: 9091
+    metrics: bool = True  # --no-metrics: no /metrics endpoint
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "max_running", "max_batch_tokens"):
@@ -31,6 +33,8 @@ class CommonConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0 or self.drain_timeout < 0 or not 0 <= self.port < 65536:
             raise ValueError("max_queue and drain_timeout must be >= 0, port in [0, 65535]")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
 
 COMMON_HELP = {
@@ -46,6 +50,8 @@ COMMON_HELP = {
     "max_batch_tokens": "prefill token budget per step",
     "max_queue": "requests waiting to run beyond which new calls answer RESOURCE_EXHAUSTED",
     "drain_timeout": "seconds SIGTERM waits for running requests before aborting them",
+    "metrics_port": "port of the Prometheus /metrics endpoint; 0 picks a free one (printed)",
+    "metrics": "serve Prometheus /metrics (--no-metrics: off)",
 }
 
 C = TypeVar("C", bound=CommonConfig)

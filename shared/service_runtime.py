@@ -21,15 +21,19 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from invariants import InvariantViolation, Violation
 from shared.api.model_source import load_served_model
 from shared.engine import Engine, EngineConfig
 from shared.kv.cache import KVConfig
+from shared.metrics import serve_metrics
 from shared.model import LoadedModel
 from shared.scheduler_base import Scheduler
 from shared.service_config import CommonConfig
+from shared.telemetry import Telemetry
 
 __all__ = ["NOT_SERVING", "SERVING", "StartupError", "add_health", "build_engine", "run_service"]
 
+EXIT_INVARIANT = 3  # STRICT: an invariant failed, the engine's state cannot be trusted
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 _STOP_GRACE_S = 5.0  # after drain: time for the last messages to reach their clients
 T = TypeVar("T")
@@ -109,15 +113,19 @@ async def _drain(sched: Scheduler, timeout: float, log: logging.Logger) -> None:
 async def run_service(
     role: str, cfg: CommonConfig, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
     service_name: str, build: Callable[[], T], attach: Callable[[T], Scheduler],
+    telemetry: Telemetry | None = None,
 ) -> int:  # fmt: skip
     """Serve until SIGTERM/SIGINT. `build` runs on a thread; `attach` hands its result to the servicer
     and returns its scheduler. Returns the process exit code."""
     log = logging.getLogger(f"{role}_service")
+    telemetry = telemetry or Telemetry(role)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await health_servicer.set("", SERVING)  # liveness: the process answers
     await health_servicer.set(service_name, NOT_SERVING)  # readiness: not until the model is loaded
     await server.start()
     print(f"pdserve {role} listening on {cfg.host}:{port}", flush=True)
+    if cfg.metrics and telemetry.metrics is not None:
+        serve_metrics(telemetry.metrics, cfg.host, cfg.metrics_port, role)
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -127,6 +135,7 @@ async def run_service(
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
+    fatal: list[BaseException] = []  # an InvariantViolation at STRICT: stop the process
     sched: Scheduler | None = None
     if load.done():
         exc = load.exception()
@@ -146,10 +155,22 @@ async def run_service(
                 await health_servicer.set("", NOT_SERVING)
 
             def on_failure(exc: BaseException) -> None:  # the scheduler thread: hop to the loop
+                if isinstance(exc, InvariantViolation):
+                    log.critical("%s: stopping the process", exc)
+                    fatal.append(exc)
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(lambda: background.add(loop.create_task(unhealthy())))
+                    if fatal:
+                        loop.call_soon_threadsafe(stop.set)
+
+            def on_violation(v: Violation, rids: tuple[str, ...]) -> None:  # scheduler thread, rare
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(telemetry.violation, v, rids)
 
             sched.on_failure = on_failure
+            sched.watch_invariants(on_violation)
+            if telemetry.metrics is not None:
+                telemetry.metrics.watch_pool(sched.pool_state)
             await health_servicer.set(service_name, SERVING)
             log.info("ready (%s)", cfg.model or "embedded default")
             print(f"pdserve {role} ready", flush=True)
@@ -162,5 +183,6 @@ async def run_service(
     if sched is not None:
         sched.shutdown()
     stopping.cancel()
+    telemetry.shutdown()
     print(f"pdserve {role} stopped", flush=True)
-    return code
+    return EXIT_INVARIANT if fatal else code

@@ -8,6 +8,8 @@ import torch
 
 # What `make test` exports; set here too so a bare `pytest` also fails on a broken invariant.
 os.environ.setdefault("PDSERVE_INVARIANT_CHECK", "strict")
+# Service processes the tests start bind /metrics on a free port, never the fixed defaults.
+os.environ.setdefault("PDSERVE_METRICS_PORT", "0")
 
 if not torch.cuda.is_available():
     # Must precede any `import triton`: the interpreter is chosen when a kernel is decorated.

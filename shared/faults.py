@@ -1,0 +1,56 @@
+"""Test-only fault injection, so the invariant containment path can be shown end to end.
+
+Off unless `PDSERVE_TEST_FAULTS` names a fault; nothing in the public API reaches it.
+
+    PDSERVE_TEST_FAULTS=drop_swa_history        drop the SWA history of every request whose prompt
+    PDSERVE_TEST_FAULTS=drop_swa_history:5      starts with the marker token (default 3, or the given id)
+
+The history is dropped (`ring_pos[:, slot] = -1`) when the request's first token is emitted, after its
+prompt's K/V went into the rings: its next decode step reads a window that is not there, and
+`swa.history_present` fires for its slot only (WARN: counted and contained; STRICT: the process stops).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.engine import Engine
+    from shared.request import Request
+
+__all__ = ["ENV_VAR", "Faults", "from_env"]
+
+ENV_VAR = "PDSERVE_TEST_FAULTS"
+DEFAULT_MARKER = 3
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Faults:
+    drop_swa_history_marker: int | None = None
+
+    def first_token(self, engine: Engine, prompt: list[int], req: Request) -> None:
+        """Scheduler thread, once per request (its first emitted token)."""
+        marker = self.drop_swa_history_marker
+        if marker is not None and prompt and prompt[0] == marker and req.window is not None:
+            log.warning("test fault: dropping the SWA history of slot %d", req.window.slot)
+            engine.cache.ring_pos[:, req.window.slot] = -1
+
+
+def from_env(env: Mapping[str, str] | None = None) -> Faults | None:
+    spec = (os.environ if env is None else env).get(ENV_VAR, "")
+    if not spec:
+        return None
+    marker: int | None = None
+    for item in spec.split(","):
+        name, _, arg = item.strip().partition(":")
+        if name == "drop_swa_history":
+            marker = int(arg) if arg else DEFAULT_MARKER
+        else:
+            raise ValueError(f"{ENV_VAR}: unknown fault {name!r} (known: drop_swa_history[:TOKEN])")
+    log.warning("%s=%s: test faults are enabled", ENV_VAR, spec)
+    return Faults(drop_swa_history_marker=marker)
