@@ -36,8 +36,6 @@ OTEL_ALLOWLIST = frozenset({
 # PDSERVE_* variables read outside the config dataclasses.
 EXTRA_PDSERVE = frozenset({module_constant("invariants/levels.py", "ENV_VAR")})
 READINESS_NAME = {"decode": "pdserve.v1.Generation", "prefill": "pdserve.v1.Prefill"}
-# The metrics helper's defaults, used until the config dataclasses carry a metrics_port field.
-METRICS_PORT_DEFAULT = {"decode": 9090, "prefill": 9091}
 STOP_GRACE_S = module_constant("shared/service_runtime.py", "_STOP_GRACE_S")
 
 
@@ -115,8 +113,8 @@ def test_roles_agree_on_the_kv_layout(objs: tuple[Obj, ...]) -> None:
 @pytest.mark.parametrize("role", ROLES)
 def test_metrics_are_scraped_on_the_metrics_port(objs: tuple[Obj, ...], role: str) -> None:
     cfg = effective_config(objs, role)
-    assert getattr(cfg, "metrics", True), f"{role}: metrics disabled"
-    expected = getattr(cfg, "metrics_port", METRICS_PORT_DEFAULT[role])
+    assert cfg.metrics, f"{role}: metrics disabled"
+    expected = cfg.metrics_port
     ctr = container(objs, role)
     annotations = deployment(objs, role)["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
