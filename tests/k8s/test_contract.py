@@ -22,15 +22,16 @@ from k8s_render import (
     role_parser,
 )
 
-# OTEL_* variables the services' OpenTelemetry SDK set-up honours (the SDK's standard environment
-# variables; k8s/README.md lists them). A key outside this list is a typo or a setting nobody reads.
+# OTEL_* variables the services read: shared/telemetry.py itself (exporter choice, protocol, service name,
+# SDK off), Resource.create (resource attributes), TracerProvider (sampler), BatchSpanProcessor (BSP) and
+# the OTLP span exporter (endpoint, headers, timeout, TLS). Not here: OTEL_PROPAGATORS (the services
+# always use W3C trace context) and OTEL_METRICS/LOGS_EXPORTER (metrics are Prometheus; no OTel logs).
 OTEL_ALLOWLIST = frozenset({
-    "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_PROPAGATORS", "OTEL_SDK_DISABLED",
-    "OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_LOGS_EXPORTER",
+    "OTEL_SDK_DISABLED", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_EXPORTER",
     "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG",
-    "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_HEADERS",
-    "OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_INSECURE",
-    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_INSECURE",
     "OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
 })  # fmt: skip
 # PDSERVE_* variables read outside the config dataclasses.
