@@ -7,7 +7,8 @@
 
 Sampling keywords are the proto's SamplingParams fields (max_tokens, temperature, top_p, top_k, min_p,
 seed, stop, stop_token_ids, ignore_eos). Failures raise `GenerationError` with the gRPC status code and,
-for INVALID_ARGUMENT, the field violations.
+for INVALID_ARGUMENT, the field violations. A call made inside an OpenTelemetry span carries its
+W3C `traceparent`, so the server's spans join the caller's trace.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import grpc
+from opentelemetry import propagate
 
 from shared.api.errors import FieldViolation, field_violations
 from shared.pb.pdserve.v1 import generation_pb2 as pb
@@ -62,6 +64,13 @@ class GenerationError(Exception):
         self.details: str = err.details() or ""  # type: ignore[attr-defined]
         self.violations: list[FieldViolation] = field_violations(err)
         super().__init__(f"{self.code.name}: {self.details}")
+
+
+def _trace_metadata() -> tuple[tuple[str, str], ...] | None:
+    """The caller's current trace context as W3C `traceparent` metadata (None outside any span)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)  # the globally configured propagator (OTEL_PROPAGATORS; W3C by default)
+    return tuple(carrier.items()) or None
 
 
 def build_request(prompt: str | Sequence[int], request_id: str = "", **sampling: Any) -> pb.GenerateRequest:
@@ -162,7 +171,8 @@ class Client:
         timeout: float | None = None,
         **sampling: Any,
     ) -> Stream:
-        return Stream(self._stub.Generate(build_request(prompt, request_id, **sampling), timeout=timeout))
+        req = build_request(prompt, request_id, **sampling)
+        return Stream(self._stub.Generate(req, timeout=timeout, metadata=_trace_metadata()))
 
     def complete(self, prompt: str | Sequence[int], **kwargs: Any) -> Completion:
         """The whole generation: (text, finish_reason, usage, token_ids)."""
@@ -206,9 +216,8 @@ class AsyncClient:
         timeout: float | None = None,
         **sampling: Any,
     ) -> AsyncStream:
-        return AsyncStream(
-            self._stub.Generate(build_request(prompt, request_id, **sampling), timeout=timeout)
-        )
+        req = build_request(prompt, request_id, **sampling)
+        return AsyncStream(self._stub.Generate(req, timeout=timeout, metadata=_trace_metadata()))
 
     async def complete(self, prompt: str | Sequence[int], **kwargs: Any) -> Completion:
         stream = self.generate(prompt, **kwargs)

@@ -36,11 +36,11 @@ class ServerProcess:
 
     def __init__(
         self, model: str, *args: str, wait_ready: bool = True, module: str = "decode_service",
-        service: str = SERVICE_NAME, port: int = 0,
+        service: str = SERVICE_NAME, port: int = 0, env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         self._log = tempfile.NamedTemporaryFile("w+", prefix=f"{module}-", suffix=".log", delete=False)  # noqa: SIM115
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--model", model]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
             [*cmd, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True
         )
