@@ -121,10 +121,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     start = time.time_ns()
                     for chunk in ev.chunks:
                         yield pb.PrefillResponse(chunk=chunk.to_pb())
-                    done = pb.PrefillDone(
-                        first_token=ev.first_token, full_bytes=ev.full_bytes, window_bytes=ev.window_bytes
-                    )
-                    yield pb.PrefillResponse(done=done)
+                    # Recorded before the last message: once decode has it, it cancels the call, and
+                    # this generator may not run past the yield.
                     end = time.time_ns()
                     nbytes = ev.full_bytes + ev.window_bytes
                     dur = max(end - start, 1) / 1e9
@@ -136,6 +134,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     if self.telemetry.metrics is not None:
                         self.telemetry.metrics.transfer("inline", "send", nbytes, dur)
                     rt.finish("length", len(prompt), 1)
+                    done = pb.PrefillDone(
+                        first_token=ev.first_token, full_bytes=ev.full_bytes, window_bytes=ev.window_bytes
+                    )
+                    yield pb.PrefillResponse(done=done)
                     return
                 if isinstance(ev, Finished):
                     finished = True

@@ -99,7 +99,7 @@ class RequestTrace:
         now = time.time_ns()
         m = self.tel.metrics
         if not self.first_ns:
-            self.first_ns = now
+            self.first_ns = self._last_ns = now
             ttft = (now - self.start_ns) / 1e9
             if m is not None:
                 m.ttft.observe(ttft)
@@ -109,8 +109,9 @@ class RequestTrace:
                 self.span.set_attribute("pdserve.time_to_first_token_s", ttft)
                 self.span.add_event("first_token")
             n -= 1
-        elif m is not None:
-            # A lagging client gets tokens in batches: spread the gap over the tokens it carried.
+        if n > 0 and m is not None:
+            # A lagging client gets tokens in batches: spread the gap over the tokens it carried
+            # (tokens that came with the first one arrived with no gap).
             gap = (now - self._last_ns) / 1e9 / n
             for _ in range(n):
                 m.itl.observe(gap)

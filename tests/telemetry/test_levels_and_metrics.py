@@ -1,0 +1,86 @@
+"""The fault at STRICT stops the decode process; at OFF nothing is detected; /metrics parses and moves.
+
+Decode-only processes (local prefill) with the SWA-history fault on prompts that start with token 3.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from shared.client import Client, GenerationError
+from shared.service_runtime import EXIT_INVARIANT
+from tests.telemetry.telemetry_testutil import metrics_url, read_spans, sample, scrape, start, stop
+
+MARKER = 3
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+HURT = [MARKER, *(5 + (7 * i) % 90 for i in range(12))]
+FAULT = {"PDSERVE_TEST_FAULTS": f"drop_swa_history:{MARKER}"}
+
+
+def test_strict_stops_the_process(tmp_path: Path) -> None:
+    dec = start("decode_service", tmp_path / "spans.jsonl", "strict", **FAULT)
+    try:
+        with Client(dec.target) as c, pytest.raises(GenerationError) as err:
+            c.complete(HURT, max_tokens=16, **GREEDY)
+        assert "invariant-check FAILED [swa.history_present]" in err.value.details
+        assert dec.wait(30) == EXIT_INVARIANT
+        assert "invariant-check FAILED [swa.history_present]" in dec.log()  # its stderr
+    finally:
+        stop(dec)
+
+
+def test_off_detects_nothing(tmp_path: Path) -> None:
+    spans = tmp_path / "spans.jsonl"
+    dec = start("decode_service", spans, "off", **FAULT)
+    try:
+        with Client(dec.target) as c:
+            _, reason, usage, _ = c.complete(HURT, max_tokens=16, **GREEDY)
+        assert reason == "length" and usage.completion_tokens == 16  # wrong tokens, unnoticed: OFF
+        samples = scrape(metrics_url(dec))
+        assert sample(samples, "pdserve_invariant_hits_total") == 0
+    finally:
+        stop(dec)
+    assert read_spans(spans) and not any(
+        e["name"] == "invariant.violation" for s in read_spans(spans) for e in s["events"]
+    )
+
+
+def test_metrics_parse_and_move_with_traffic(tmp_path: Path) -> None:
+    dec = start("decode_service", tmp_path / "spans.jsonl", "warn")
+    try:
+        url = metrics_url(dec)
+        before = scrape(url)
+        assert not [name for name, _ in before if ":" in name or not name.startswith("pdserve_")]
+        for name in ("pdserve_requests_running", "pdserve_requests_waiting", "pdserve_kv_usage_ratio"):
+            assert (name, (("service", "decode"),)) in before
+        assert sample(before, "pdserve_kv_pages_total") > 0 and sample(before, "pdserve_kv_usage_ratio") == 0
+        n = 3
+        with Client(dec.target) as c:
+            for i in range(n):
+                c.complete([10 + i, 11, 12, 13], max_tokens=5, **GREEDY)
+            with pytest.raises(GenerationError) as err:
+                c.complete([1, 2], max_tokens=0)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        after = scrape(url)
+        d = dict(service="decode")
+        for h in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+            name = f"pdserve_{h}_seconds_count"
+            assert sample(after, name, **d) - sample(before, name, **d) == n, name
+        itl = "pdserve_inter_token_latency_seconds_count"
+        assert sample(after, itl, **d) - sample(before, itl, **d) == n * 4
+        assert sample(after, "pdserve_requests_total", finish_reason="length") == n
+        assert sample(after, "pdserve_tokens_total", kind="completion") == n * 5
+        assert sample(after, "pdserve_requests_running") == 0
+    finally:
+        stop(dec)
+
+
+def test_no_metrics_flag(tmp_path: Path) -> None:
+    dec = start("decode_service", tmp_path / "spans.jsonl", "off", "--no-metrics")
+    try:
+        assert not [line for line in dec.lines if " metrics on " in line]
+    finally:
+        stop(dec)
