@@ -164,6 +164,11 @@ class Engine:
         self._finish(req, "abort")
 
     @property
+    def in_flight(self) -> bool:
+        """A launched step has not been completed yet."""
+        return self._inflight is not None
+
+    @property
     def idle(self) -> bool:
         return not self.waiting and not self.running and not self.held and self._inflight is None
 

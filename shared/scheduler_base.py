@@ -233,9 +233,13 @@ class Scheduler:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._inbox.has_work() or active or self._stopping)
+                    # A step still in flight must be completed even with no request left: a request
+                    # aborted during the poll of a step (containment) frees its pages only then.
+                    self._cond.wait_for(
+                        lambda: self._inbox.has_work() or active or self._engine.in_flight or self._stopping
+                    )
                     inbox, self._inbox = self._inbox, _Inbox()
-                    if self._stopping and not (inbox.has_work() or active):
+                    if self._stopping and not (inbox.has_work() or active or self._engine.in_flight):
                         return
                 try:
                     self._apply(inbox, active)

@@ -130,6 +130,10 @@ def test_warn_violation_lands_on_the_hurt_request_only(
         assert len(errors) == 1, "the hurt request must fail"
         assert errors[0].code == grpc.StatusCode.INTERNAL and "swa.history_present" in errors[0].details
         wait_pool_idle(c)  # its pages and window came back
+        # Alone: the step in flight when it was contained still completes and frees its pages.
+        with pytest.raises(GenerationError, match=r"swa\.history_present"):
+            c.complete(HURT, max_tokens=24, request_id="hurt-alone", **GREEDY)
+        wait_pool_idle(c)
 
     def hurt_span(spans: list[Span]) -> Span | None:
         return next((s for s in spans if s["attributes"].get("gen_ai.response.id") == "hurt"
@@ -153,5 +157,5 @@ def test_warn_violation_lands_on_the_hurt_request_only(
     )
     err = dict(service="decode", finish_reason="error")
     assert (
-        sample(after, "pdserve_requests_total", **err) == sample(before, "pdserve_requests_total", **err) + 1
+        sample(after, "pdserve_requests_total", **err) == sample(before, "pdserve_requests_total", **err) + 2
     )
