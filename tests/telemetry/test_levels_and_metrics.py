@@ -12,6 +12,7 @@ import pytest
 
 from shared.client import Client, GenerationError
 from shared.service_runtime import EXIT_INVARIANT
+from tests.services.service_testutil import wait_pool_idle
 from tests.telemetry.telemetry_testutil import metrics_url, read_spans, sample, scrape, start, stop
 
 MARKER = 3
@@ -28,6 +29,19 @@ def test_strict_stops_the_process(tmp_path: Path) -> None:
         assert "invariant-check FAILED [swa.history_present]" in err.value.details
         assert dec.wait(30) == EXIT_INVARIANT
         assert "invariant-check FAILED [swa.history_present]" in dec.log()  # its stderr
+    finally:
+        stop(dec)
+
+
+def test_warn_contains_on_the_local_path(tmp_path: Path) -> None:
+    dec = start("decode_service", tmp_path / "spans.jsonl", "warn", **FAULT)
+    try:
+        with Client(dec.target) as c:
+            with pytest.raises(GenerationError) as err:
+                c.complete(HURT, max_tokens=16, **GREEDY)
+            assert err.value.code == grpc.StatusCode.INTERNAL and "swa.history_present" in err.value.details
+            wait_pool_idle(c)
+            assert c.complete(HURT[1:], max_tokens=16, **GREEDY).finish_reason == "length"  # still serving
     finally:
         stop(dec)
 
