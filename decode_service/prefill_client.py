@@ -23,7 +23,13 @@ __all__ = ["PrefillClient", "PrefillFailed", "PrefillResult", "handshake"]
 
 _HANDSHAKE_WAIT_S = 120.0  # how long start-up waits for a prefill service that is still loading
 # Reconnect soon after a prefill restart: gRPC's default backoff grows to two minutes.
-_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+# round_robin: behind a headless Service (dns:///...) every prefill pod gets a share of one decode
+# pod's calls; gRPC's default pick_first would pin each decode pod to a single prefill pod.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.lb_policy_name", "round_robin"),
+]
 
 
 class PrefillFailed(Exception):

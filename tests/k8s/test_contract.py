@@ -4,13 +4,11 @@ listen on, probe service names they serve, drain timeout vs the termination grac
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import pytest
 from k8s_render import (
     GPU_OVERLAYS,
     ROLES,
-    ROOT,
     Obj,
     container,
     container_env,
@@ -176,13 +174,8 @@ def test_overlay_placement(objs: tuple[Obj, ...], overlay: str) -> None:
             )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="decode's prefill channel uses gRPC's default pick_first: a headless Service's pods are not "
-    "balanced until prefill_client.py asks for round_robin (then remove this marker)",
-)
 def test_decode_balances_over_the_headless_prefill_service() -> None:
-    source = (ROOT / "decode_service" / "prefill_client.py").read_text()
-    assert re.search(r"""["']grpc\.lb_policy_name["']\s*,\s*["']round_robin["']""", source) or re.search(
-        r'"loadBalancingConfig".*round_robin|loadBalancingPolicy.*round_robin', source
-    )
+    # The headless Service hands out every prefill pod's address; only round_robin spreads calls.
+    from decode_service.prefill_client import _CHANNEL_OPTIONS
+
+    assert ("grpc.lb_policy_name", "round_robin") in _CHANNEL_OPTIONS
