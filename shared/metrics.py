@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from shared.scheduler_base import PoolState
+from shared.scheduler_types import PoolState
 
 __all__ = ["Metrics", "serve_metrics"]
 
