@@ -206,6 +206,9 @@ class Scheduler:
                         return
                 try:
                     self._apply(inbox, active)
+                    # Tokens known before the step (a transferred prompt's first token) go out now,
+                    # not one forward later.
+                    self._emit(active)
                     if not self._engine.idle:
                         self._engine.step()
                     self._emit(active)
