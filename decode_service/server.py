@@ -15,10 +15,8 @@ from decode_service.prefill_client import PrefillClient, handshake
 from decode_service.scheduler import DecodeScheduler, Scheduler, SchedulerConfig
 from decode_service.servicer import SERVICE_NAME, GenerationServicer, Serving
 from shared.api.validation import Limits
-from shared.metrics import Metrics
 from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from shared.service_config import CommonConfig
-from shared.service_runtime import add_health, build_engine, run_service
+from shared.service_runtime import add_health, build_engine, run_service, service_telemetry
 from shared.telemetry import Telemetry
 from shared.transfer.base import KVLayout
 
@@ -50,13 +48,9 @@ def add_services(server: grpc.aio.Server, telemetry: Telemetry | None = None):  
     return servicer, add_health(server, SERVICE_NAME)
 
 
-def _telemetry(role: str, cfg: CommonConfig) -> Telemetry:
-    return Telemetry.from_env(role, Metrics(role) if cfg.metrics else None)
-
-
 async def serve(cfg: ServiceConfig) -> int:
     server = grpc.aio.server()
-    telemetry = _telemetry("decode", cfg)
+    telemetry = service_telemetry("decode", cfg)
     servicer, health_servicer = add_services(server, telemetry)
 
     def attach(serving: Serving) -> Scheduler:

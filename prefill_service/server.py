@@ -10,11 +10,9 @@ from prefill_service.config import PrefillConfig
 from prefill_service.scheduler import PrefillScheduler
 from prefill_service.servicer import SERVICE_NAME, PrefillServicer, PrefillServing
 from shared.api.validation import Limits
-from shared.metrics import Metrics
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.scheduler_base import Scheduler, SchedulerConfig
-from shared.service_config import CommonConfig
-from shared.service_runtime import add_health, build_engine, run_service
+from shared.service_runtime import add_health, build_engine, run_service, service_telemetry
 from shared.telemetry import Telemetry
 from shared.transfer.base import KVLayout
 
@@ -38,13 +36,9 @@ def add_services(
     return servicer, add_health(server, SERVICE_NAME)
 
 
-def _telemetry(role: str, cfg: CommonConfig) -> Telemetry:
-    return Telemetry.from_env(role, Metrics(role) if cfg.metrics else None)
-
-
 async def serve(cfg: PrefillConfig) -> int:
     server = grpc.aio.server()
-    telemetry = _telemetry("prefill", cfg)
+    telemetry = service_telemetry("prefill", cfg)
     servicer, health_servicer = add_services(server, telemetry)
 
     def attach(serving: PrefillServing) -> Scheduler:

@@ -25,7 +25,7 @@ from invariants import InvariantViolation, Violation
 from shared.api.model_source import load_served_model
 from shared.engine import Engine, EngineConfig
 from shared.kv.cache import KVConfig
-from shared.metrics import serve_metrics
+from shared.metrics import Metrics, serve_metrics
 from shared.model import LoadedModel
 from shared.scheduler_base import Scheduler
 from shared.service_config import CommonConfig
@@ -63,6 +63,11 @@ def build_engine(cfg: CommonConfig) -> tuple[LoadedModel, Engine]:
     )
     engine_cfg = EngineConfig(max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running)
     return loaded, Engine(loaded.model, kv, engine_cfg)
+
+
+def service_telemetry(role: str, cfg: CommonConfig) -> Telemetry:
+    """Tracing from the OTEL_* environment, metrics unless --no-metrics."""
+    return Telemetry.from_env(role, Metrics(role) if cfg.metrics else None)
 
 
 def add_health(server: grpc.aio.Server, service_name: str) -> health.aio.HealthServicer:
