@@ -29,6 +29,19 @@ PAGE_IDS_IN_RANGE = Invariant(
     "kv.page_ids_in_range", Severity.FATAL_UNCONTAINABLE, "block tables name pages of the pool"
 )
 LOGITS_FINITE = Invariant("engine.logits_finite", Severity.FATAL_CONTAINABLE, "sampled logits are finite")
+POSITIONS_CONSECUTIVE = Invariant(
+    "engine.positions_consecutive", Severity.GUARD,
+    "each sequence's tokens carry consecutive positions from where its cache ends",
+)  # fmt: skip
+
+
+def expected_positions(batch: ForwardBatch) -> torch.Tensor:
+    """q_start[s] + (t - cu_q[s]) for every token t of sequence s, without a host sync (sizes known)."""
+    counts = batch.cu_q[1:] - batch.cu_q[:-1]
+    n = batch.num_tokens
+    starts = torch.repeat_interleave(batch.q_start.long(), counts, output_size=n)
+    firsts = torch.repeat_interleave(batch.cu_q[:-1].long(), counts, output_size=n)
+    return starts + torch.arange(n, device=counts.device) - firsts
 
 
 class BatchAttention:
@@ -84,6 +97,8 @@ class ModelRunner:
         expect(TOKENS_IN_VOCAB, lambda: predicates.in_range(batch.input_ids, 0, self.vocab_size),
                rows=batch.token_slots)  # fmt: skip
         expect(PAGE_IDS_IN_RANGE, lambda: predicates.in_range(batch.block_table, 0, self.num_pages))
+        expect(POSITIONS_CONSECUTIVE, lambda: predicates.equal(batch.positions, expected_positions(batch)),
+               rows=batch.token_slots)  # fmt: skip
         attn = BatchAttention(self.cache, batch, self.ops, self.scale)
         hidden = self.model(batch.input_ids, batch.positions, attn)
         if batch.mode is Mode.REPLAY:

@@ -163,3 +163,14 @@ def test_rows_padding_a_graph_batch_change_nothing_for_the_real_ones():
         for row, s, want in zip(logits, seqs, wants, strict=True):
             torch.testing.assert_close(row, want[s.done - 1], rtol=1e-4, atol=1e-4)
     assert bool((cache.ring_pos[:, cache.scratch_slot] == -1).all())
+
+
+def test_tokens_out_of_position_trip_positions_consecutive():
+    from invariants import InvariantViolation, levels
+
+    _, cache, runner = make("SSFS")
+    seq = Seq(cache, 0, random_tokens(12))
+    batch = ForwardBatch.build([seq.chunk(6)], Mode.EXTEND, cache)
+    batch.positions[3] += 1  # a builder bug: a skipped position
+    with levels("strict"), pytest.raises(InvariantViolation, match=r"engine.positions_consecutive"):
+        runner.forward(batch, None)
