@@ -77,6 +77,18 @@ class ServerProcess:
         Path(self._log.name).unlink(missing_ok=True)
 
 
+def stop_all(*procs: ServerProcess) -> None:
+    """SIGTERM every process first (they drain in parallel), then wait for and reap each."""
+    for p in procs:
+        if p.proc.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        finally:
+            p.kill()
+
+
 def health_status(target: str, service: str) -> int:
     with grpc.insecure_channel(target) as ch:
         stub = health_pb2_grpc.HealthStub(ch)

@@ -23,7 +23,13 @@ from shared.pb.pdserve.v1 import generation_pb2 as gen_pb
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.sampling import SamplingParams
-from tests.services.service_testutil import ServerProcess, health_status, random_spec, wait_pool_idle
+from tests.services.service_testutil import (
+    ServerProcess,
+    health_status,
+    random_spec,
+    stop_all,
+    wait_pool_idle,
+)
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 W = 8  # the random model's window (service_testutil.TINY)
@@ -34,17 +40,6 @@ COMMON = ("--page-size", "4", "--max-running", "4")
 
 def _prompt(n: int) -> list[int]:
     return [(7 * i + n) % 97 for i in range(n)]
-
-
-def _stop(*procs: ServerProcess) -> None:
-    for p in procs:
-        if p.proc.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(30)
-        finally:
-            p.kill()
 
 
 class _PrefillInfo:
@@ -69,7 +64,7 @@ def _prefill(*args: str, port: int = 0) -> ServerProcess:
 def prefill() -> Iterator[ServerProcess]:
     p = _prefill()
     yield p
-    _stop(p)
+    stop_all(p)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +97,7 @@ def test_greedy_tokens_equal_the_colocated_engine(prefill, expected, flags):
         wait_pool_idle(info)  # type: ignore[arg-type]
     finally:
         info.close()
-        _stop(decode)
+        stop_all(decode)
 
 
 def _transfer(stub: pb_grpc.PrefillStub, n: int, **kw) -> tuple[list[pb.KVChunk], pb.PrefillDone]:  # type: ignore[no-untyped-def]
@@ -161,7 +156,7 @@ def test_dead_or_hung_prefill_is_unavailable_and_frees_the_pool():
             assert c.complete(_prompt(22), **GREEDY).finish_reason == "length"
             wait_pool_idle(c)
     finally:
-        _stop(decode, pf)
+        stop_all(decode, pf)
 
 
 def test_client_cancel_during_transfer_frees_both_pools():
@@ -185,7 +180,7 @@ def test_client_cancel_during_transfer_frees_both_pools():
     finally:
         info.close()
         os.kill(pf.proc.pid, signal.SIGCONT)
-        _stop(decode, pf)
+        stop_all(decode, pf)
 
 
 def _safe(stream) -> list:  # type: ignore[no-untyped-def]
@@ -218,5 +213,5 @@ def test_prefill_health_and_a_decode_that_waits_for_it_to_load():
         with Client(decode.target) as c:
             assert c.complete(_prompt(20), **GREEDY).finish_reason == "length"
     finally:
-        _stop(*(p for p in (decode, pf) if p is not None))
+        stop_all(*(p for p in (decode, pf) if p is not None))
     assert pf.proc.returncode == 0 and "pdserve prefill stopped" in pf.lines

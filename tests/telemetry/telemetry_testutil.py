@@ -27,15 +27,6 @@ def start(module: str, spans: Path, level: str, *args: str, **env: str) -> Serve
     )  # fmt: skip
 
 
-def stop(*procs: ServerProcess) -> None:
-    for p in procs:
-        if p.proc.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(30)
-        finally:
-            p.kill()
 
 
 def read_spans(path: Path) -> list[Span]:

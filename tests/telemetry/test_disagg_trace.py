@@ -17,8 +17,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from shared.client import Client, GenerationError
-from tests.services.service_testutil import ServerProcess, wait_pool_idle
-from tests.telemetry.telemetry_testutil import Span, metrics_url, sample, scrape, start, stop, wait_spans
+from tests.services.service_testutil import ServerProcess, stop_all, wait_pool_idle
+from tests.telemetry.telemetry_testutil import Span, metrics_url, sample, scrape, start, wait_spans
 
 MARKER = 3
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -36,12 +36,12 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProce
             PDSERVE_TEST_FAULTS=f"drop_swa_history:{MARKER}",
         )  # fmt: skip
     except BaseException:
-        stop(pf)
+        stop_all(pf)
         raise
     try:
         yield pf, dec, spans
     finally:
-        stop(dec, pf)
+        stop_all(dec, pf)
 
 
 def _by_id(spans: list[Span]) -> dict[str, Span]:

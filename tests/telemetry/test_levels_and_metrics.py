@@ -12,8 +12,8 @@ import pytest
 
 from shared.client import Client, GenerationError
 from shared.service_runtime import EXIT_INVARIANT
-from tests.services.service_testutil import wait_pool_idle
-from tests.telemetry.telemetry_testutil import metrics_url, read_spans, sample, scrape, start, stop
+from tests.services.service_testutil import stop_all, wait_pool_idle
+from tests.telemetry.telemetry_testutil import metrics_url, read_spans, sample, scrape, start
 
 MARKER = 3
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -30,7 +30,7 @@ def test_strict_stops_the_process(tmp_path: Path) -> None:
         assert dec.wait(30) == EXIT_INVARIANT
         assert "invariant-check FAILED [swa.history_present]" in dec.log()  # its stderr
     finally:
-        stop(dec)
+        stop_all(dec)
 
 
 def test_warn_contains_on_the_local_path(tmp_path: Path) -> None:
@@ -43,7 +43,7 @@ def test_warn_contains_on_the_local_path(tmp_path: Path) -> None:
             wait_pool_idle(c)
             assert c.complete(HURT[1:], max_tokens=16, **GREEDY).finish_reason == "length"  # still serving
     finally:
-        stop(dec)
+        stop_all(dec)
 
 
 def test_off_detects_nothing(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_off_detects_nothing(tmp_path: Path) -> None:
         samples = scrape(metrics_url(dec))
         assert sample(samples, "pdserve_invariant_hits_total") == 0
     finally:
-        stop(dec)
+        stop_all(dec)
     assert read_spans(spans) and not any(
         e["name"] == "invariant.violation" for s in read_spans(spans) for e in s["events"]
     )
@@ -89,7 +89,7 @@ def test_metrics_parse_and_move_with_traffic(tmp_path: Path) -> None:
         assert sample(after, "pdserve_tokens_total", kind="completion") == n * 5
         assert sample(after, "pdserve_requests_running") == 0
     finally:
-        stop(dec)
+        stop_all(dec)
 
 
 def test_no_metrics_flag(tmp_path: Path) -> None:
@@ -97,4 +97,4 @@ def test_no_metrics_flag(tmp_path: Path) -> None:
     try:
         assert not [line for line in dec.lines if " metrics on " in line]
     finally:
-        stop(dec)
+        stop_all(dec)
