@@ -268,7 +268,7 @@ class Engine:
             req.pending += emit
         host = out.tokens
         if out.tokens.is_cuda:
-            host = torch.empty_like(out.tokens, device="cpu").pin_memory()
+            host = torch.empty(out.tokens.shape, dtype=out.tokens.dtype, pin_memory=True)
             host.copy_(out.tokens, non_blocking=True)
             out.ready.record()  # after the copy: completion means the host copy is readable
         counts = [len(item.token_ids) for item in items]

@@ -56,7 +56,7 @@ class BatchAttention:
             if b.mode is not Mode.REPLAY:  # replay reads the pages the prompt already filled
                 self.ops.store_kv(k, v, c.k_pages_flat[i], c.v_pages_flat[i], b.full_store)
             return self.ops.paged_attention(
-                q, c.k_pages[i], c.v_pages[i], b.block_table, b.cu_q, b.q_start,
+                q, c.k_pages_l[i], c.v_pages_l[i], b.block_table, b.cu_q, b.q_start,
                 max_q=b.max_q, scale=self.scale, window=None,
             )  # fmt: skip
         k_ring, v_ring = window_buffer(c, layer, b.slots, b.ring_context)

@@ -54,12 +54,16 @@ class KVCache:
         self.k_ring = torch.zeros(ring_shape, dtype=dt, device=dev)
         self.v_ring = torch.zeros(ring_shape, dtype=dt, device=dev)
         self.ring_pos = torch.full(ring_shape[:3], -1, dtype=torch.int32, device=dev)
-        # Per-layer views made once: attention runs every layer every step, views cost host time.
-        self.k_pages_flat = [t.view(-1, h, d) for t in self.k_pages.unbind(0)]
-        self.v_pages_flat = [t.view(-1, h, d) for t in self.v_pages.unbind(0)]
-        self.k_ring_flat = [t.view(-1, h, d) for t in self.k_ring.unbind(0)]
-        self.v_ring_flat = [t.view(-1, h, d) for t in self.v_ring.unbind(0)]
-        self.ring_pos_flat = [t.view(-1) for t in self.ring_pos.unbind(0)]
+        # Per-layer views made once: attention runs every layer every step, and each indexing or
+        # view call costs host time. `*_l[i]` is layer i of its kind; `*_flat[i]` its rows flattened.
+        self.k_pages_l, self.v_pages_l = list(self.k_pages.unbind(0)), list(self.v_pages.unbind(0))
+        self.k_ring_l, self.v_ring_l = list(self.k_ring.unbind(0)), list(self.v_ring.unbind(0))
+        self.ring_pos_l = list(self.ring_pos.unbind(0))
+        self.k_pages_flat = [t.view(-1, h, d) for t in self.k_pages_l]
+        self.v_pages_flat = [t.view(-1, h, d) for t in self.v_pages_l]
+        self.k_ring_flat = [t.view(-1, h, d) for t in self.k_ring_l]
+        self.v_ring_flat = [t.view(-1, h, d) for t in self.v_ring_l]
+        self.ring_pos_flat = [t.view(-1) for t in self.ring_pos_l]
         self.pages = UnitAllocator(cfg.num_pages, "page")
         self.slots = UnitAllocator(cfg.max_requests, "window slot")
 

@@ -25,11 +25,11 @@ def window_buffer(
     ring (the tokens before the chunk being computed).
     """
     i = cache.kind_index[layer]
-    pos = cache.ring_pos[i]
+    pos = cache.ring_pos_l[i]
     expect(
         SWA_HISTORY_PRESENT, lambda: predicates.window_positions(pos, context_lens, index=slots), rows=slots
     )
-    return cache.k_ring[i], cache.v_ring[i]
+    return cache.k_ring_l[i], cache.v_ring_l[i]
 
 
 def ring_store_index(slot: int, start: int, count: int, window: int) -> tuple[list[int], list[int]]:
