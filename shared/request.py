@@ -42,9 +42,5 @@ class Request:
         return self.window.slot
 
     @property
-    def total_len(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    @property
     def finished(self) -> bool:
         return self.phase is Phase.FINISHED

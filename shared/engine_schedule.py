@@ -1,0 +1,65 @@
+"""The Engine's scheduling decisions: which requests run this step, and what each one computes.
+
+Plain functions over the engine's queues. Nothing here touches the device, reads a token back or
+frees anything, so the policy can be read and changed apart from the loop that runs it
+(`shared/engine.py`) and from who owns the KV (`shared/engine_kv.py`, whose `allocate` admission
+takes as an argument).
+
+- Admission: waiting requests take a window slot and pages for prompt + max_tokens, all or nothing,
+  strictly in arrival order (when the head does not fit, everyone behind it waits too).
+- Prefill first: prompts are computed in chunks under the step's token budget.
+- Decode: when no prompt work is left, every running request that still owes tokens decodes one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from shared.batch import ChunkItem, Mode
+from shared.request import Phase, Request
+
+__all__ = ["Plan", "admit", "schedule"]
+
+# One step: its chunks, their requests, whether each row's token is an output token (a decode, or a
+# prompt's last chunk), and the forward's mode. Rows line up across the three lists.
+Plan = tuple[list[ChunkItem], list[Request], list[bool], Mode]
+
+
+def admit(
+    waiting: deque[Request], running: list[Request], max_running: int, allocate: Callable[[Request], bool]
+) -> None:
+    """Move requests from `waiting` to `running` while there is room and `allocate` gives them KV."""
+    while waiting and len(running) < max_running:
+        req = waiting[0]
+        if not allocate(req):
+            return
+        waiting.popleft()
+        req.phase = Phase.PREFILL
+        req.admitted_ns = time.time_ns()  # once per request, not per step
+        running.append(req)
+
+
+def schedule(running: list[Request], budget: int) -> Plan:
+    """Prompt chunks under `budget` tokens if any prompt has work left, else one decode token each."""
+    items: list[ChunkItem] = []
+    reqs: list[Request] = []
+    emits: list[bool] = []
+    for req in running:
+        if req.num_scheduled < len(req.prompt) and budget > 0:
+            start = req.num_scheduled
+            n = min(len(req.prompt) - start, budget)
+            items.append(ChunkItem(req.slot, start, req.prompt[start : start + n], req.pages))
+            reqs.append(req)
+            emits.append(start + n == len(req.prompt))
+            budget -= n
+    if items:
+        return items, reqs, emits, Mode.EXTEND
+    for req in running:
+        if req.num_scheduled >= len(req.prompt) and len(req.output) + req.pending < req.params.max_tokens:
+            last = req.output[-1] if req.output else -1  # -1: still in flight, gathered on device
+            items.append(ChunkItem(req.slot, req.num_scheduled, [last], req.pages))
+            reqs.append(req)
+            emits.append(True)
+    return items, reqs, emits, Mode.DECODE
