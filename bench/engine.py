@@ -109,6 +109,78 @@ def bench_engine(model, cfg, batch: int, prompt_len: int, steps: int, bandwidth:
             "roofline_step_ms": 1e3 * roof_s, "x_roofline": step_s / roof_s}  # fmt: skip
 
 
+def matmul_peak() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 10 / (time.perf_counter() - t0)
+
+
+def bench_prefill(model, cfg, prompt_len: int, count: int, peak: float) -> dict[str, float]:
+    """Prefill of `count` prompts of `prompt_len` tokens, chunked at 8192 tokens a step, as a share of
+    the in-run bf16 matmul peak (FLOPs: 2 x non-embedding parameters per token, plus causal attention
+    over the window on sliding layers and the whole prefix on full ones)."""
+    pages = count * (prompt_len // 16 + 2) + 16
+    kv = KVConfig(page_size=16, num_pages=pages, max_requests=count, dtype=torch.bfloat16, device="cuda")
+    engine = Engine(model, kv, EngineConfig(max_batch_tokens=8192, max_running=count))
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for _rep in range(2):  # the first round warms up Triton's autotuning and the allocator
+        reqs = [engine.add_request(torch.randint(0, cfg.vocab_size, (prompt_len,)).tolist(), sp)
+                for _ in range(count)]  # fmt: skip
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while not engine.idle:
+            engine.step()
+        torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        assert all(len(r.output) == 1 for r in reqs)
+    dense = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    qk = cfg.num_heads * cfg.head_dim
+    attn = 0
+    for layer in range(cfg.num_layers):
+        span = min(prompt_len, W) if cfg.is_sliding(layer) else prompt_len
+        # QK^T and PV, 2 FLOPs per MAC, over the keys each query sees (causal: about half the span).
+        keys = sum(min(q + 1, span) for q in range(0, prompt_len, 64)) * 64
+        attn += 2 * 2 * qk * keys
+    flops = count * (2 * dense * prompt_len + attn)
+    return {"prefill_prompt": prompt_len, "prompts": count, "prefill_s": secs,
+            "prefill_tok_s": count * prompt_len / secs, "prefill_tflops": flops / secs / 1e12,
+            "peak_tflops": peak / 1e12, "share_of_peak": flops / secs / peak}  # fmt: skip
+
+
+def profile_decode(model, cfg, batch: int, prompt_len: int, steps: int = 8) -> None:
+    """Kernel time per decode step, by kernel: where the step goes against the roofline."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for sizes in ((batch,), ()):
+        pages = batch * ((prompt_len + 64) // 16 + 1) + 16
+        kv = KVConfig(page_size=16, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda")
+        ecfg = EngineConfig(max_batch_tokens=8192, max_running=batch, cuda_graph_sizes=sizes)
+        engine = Engine(model, kv, ecfg)
+        prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+        sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        reqs = [engine.add_request(p, sp) for p in prompts]
+        while any(not r.output for r in reqs):
+            engine.step()
+        for _ in range(4):
+            engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        label = "graphs" if sizes else "eager"
+        print(f"--- decode batch {batch}, {label}, {steps} steps ---")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+        while not engine.idle:
+            engine.step()
+
+
 def bench_hf(hf, cfg, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device="cuda")
     with torch.inference_mode():
@@ -132,6 +204,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--prefill-prompt", type=int, default=4096, help="0: skip the prefill benchmark")
+    ap.add_argument("--profile", type=int, default=0, help="profile decode at this batch (graphs and eager)")
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
     cfg, model, hf = make_models(not args.no_hf)
@@ -144,9 +218,16 @@ def main() -> None:
             row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    if args.prefill_prompt:
+        row = bench_prefill(model, cfg, args.prefill_prompt, 4, matmul_peak())
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    if args.profile:
+        profile_decode(model, cfg, args.profile, args.prompt)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f)
+
 
 if __name__ == "__main__":
     main()

@@ -33,9 +33,12 @@ class DecodeGraphs:
         self.static: dict[int, ForwardBatch] = {}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
+        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
+            # Static buffers are built outside inference mode: later batches are copied into them
+            # wherever the scheduler runs, and an inference tensor refuses in-place updates there.
+            with torch.inference_mode(False):
                 batch = ForwardBatch.build([], Mode.DECODE, self.cache, pad_to=size, table_width=max_pages)
+            with torch.inference_mode():
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # warm-up off the capture: compile, allocate

@@ -129,9 +129,8 @@ def test_the_fused_kernel_agrees_with_the_torch_reference():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
     for cpu_pred in _random_cases(gen):
-        pred = dataclasses.replace(
-            cpu_pred, a=cpu_pred.a.to(device), b=None if cpu_pred.b is None else cpu_pred.b.to(device)
-        )
+        moved = {k: getattr(cpu_pred, k) for k in ("a", "b", "index") if getattr(cpu_pred, k) is not None}
+        pred = dataclasses.replace(cpu_pred, **{k: t.to(device) for k, t in moved.items()})
         ids = torch.randperm(4096, generator=gen)[: pred.num_rows]
         ref = Checker("cpu", use_triton=False)
         fused = Checker(device, use_triton=True)
