@@ -14,13 +14,17 @@ __all__ = ["ServiceConfig", "parse_args"]
 class ServiceConfig(CommonConfig):
     prefill_target: str = ""  # HOST:PORT of a prefill service; "" = every prompt prefills locally
     local_prefill_max_tokens: int = 0  # prompts of at most this many tokens prefill locally; 0 = none
+    # Prefill here when the prefill queue (estimated) plus the prompt exceeds this many tokens; 0 = no limit.
+    remote_prefill_max_queued_tokens: int = 0
     prefill_timeout: float = 30.0  # seconds one remote prefill (compute + transfer) may take
     window_history: bool = True  # ask prefill for the SWA rings; False: rebuild them by bounded replay
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.local_prefill_max_tokens < 0 or self.prefill_timeout <= 0:
-            raise ValueError("local_prefill_max_tokens must be >= 0 and prefill_timeout > 0")
+        if self.local_prefill_max_tokens < 0 or self.remote_prefill_max_queued_tokens < 0:
+            raise ValueError("local_prefill_max_tokens and remote_prefill_max_queued_tokens must be >= 0")
+        if self.prefill_timeout <= 0:
+            raise ValueError("prefill_timeout must be > 0")
 
 
 _HELP = {
@@ -28,6 +32,10 @@ _HELP = {
     "prefill_target": "HOST:PORT of the prefill service; empty = prefill every prompt locally",
     "local_prefill_max_tokens": "prompts of at most this many tokens prefill locally (conditional "
     "disaggregation); 0 = every prompt goes to the prefill service",
+    "remote_prefill_max_queued_tokens": "prefill locally when the prefill service's queued prompt "
+    "tokens (estimated from its replies and this decode's calls in flight) plus the prompt exceed this "
+    "(conditional disaggregation: a deep queue would cost more time to first token than computing the "
+    "prompt here); 0 = no limit. A prompt is never kept here just for being long: an empty queue takes it",
     "prefill_timeout": "seconds a remote prefill may take before the request fails UNAVAILABLE",
     "window_history": "ask prefill for the sliding-window rings (--no-window-history: rebuild them here "
     "by bounded replay)",

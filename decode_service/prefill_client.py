@@ -2,7 +2,8 @@
 
 The call's deadline is min(client deadline, --prefill-timeout): a decode never waits forever on a
 prefill that died. Cancelling the awaiting task (the client went away) cancels the call, and the
-prefill service drops the bytes it extracted.
+prefill service drops the bytes it extracted. Every Prefill carries decode's KV layout; a prefill
+service whose layout differs answers FAILED_PRECONDITION before any work (`PrefillRefused`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.service_runtime import StartupError
 from shared.transfer.base import Chunk, KVLayout
 
-__all__ = ["PrefillClient", "PrefillFailed", "PrefillResult", "handshake"]
+__all__ = ["PrefillClient", "PrefillFailed", "PrefillRefused", "PrefillResult", "handshake"]
 
 _HANDSHAKE_WAIT_S = 120.0  # how long start-up waits for a prefill service that is still loading
 # Reconnect soon after a prefill restart: gRPC's default backoff grows to two minutes.
@@ -36,12 +37,17 @@ class PrefillFailed(Exception):
     pass
 
 
+class PrefillRefused(PrefillFailed):
+    """FAILED_PRECONDITION: the prefill service's KV layout differs from decode's (nothing was computed)."""
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     first_token: int
     nbytes: int  # KV bytes received
     first_chunk_ns: int  # epoch ns: the transfer's start as decode sees it (0: no chunk)
     done_ns: int  # epoch ns: PrefillDone received
+    queued_tokens: int = 0  # prompt tokens the prefill service still had to compute for others
 
 
 def handshake(target: str, layout: KVLayout, wait_s: float = _HANDSHAKE_WAIT_S) -> None:
@@ -66,16 +72,34 @@ def handshake(target: str, layout: KVLayout, wait_s: float = _HANDSHAKE_WAIT_S) 
             time.sleep(0.2)
 
 
+def _failure(e: grpc.RpcError) -> PrefillFailed:
+    if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+        return PrefillRefused(e.details() or "KV layout mismatch")
+    return PrefillFailed(f"{e.code().name}: {e.details()}")
+
+
 class PrefillClient:
-    def __init__(self, target: str, timeout: float) -> None:
+    def __init__(self, target: str, timeout: float, layout: KVLayout) -> None:
         self.target = target
         self.timeout = timeout
+        self.layout = layout
+        self._layout_pb = layout.to_pb()
         self._stub: pb_grpc.PrefillStub | None = None
 
     def _get_stub(self) -> pb_grpc.PrefillStub:
         if self._stub is None:  # created on first use: an aio channel belongs to the running loop
             self._stub = pb_grpc.PrefillStub(grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS))
         return self._stub
+
+    async def handshake(self, timeout: float = 5.0) -> None:
+        """One Handshake on the request channel (so round_robin picks a pod as it does for Prefill).
+
+        Raises PrefillRefused on a layout mismatch, PrefillFailed when unreachable or loading."""
+        req = pb.HandshakeRequest(layout=self._layout_pb, backend="inline")
+        try:
+            await self._get_stub().Handshake(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise _failure(e) from e
 
     async def prefill(
         self, rid: str, prompt: list[int], sampling: gen_pb.SamplingParams, history: bool,
@@ -84,7 +108,10 @@ class PrefillClient:
     ) -> PrefillResult:  # fmt: skip
         """Run one prefill; `deliver` gets the KV chunks in order. `metadata` carries the traceparent."""
         timeout = self.timeout if client_remaining is None else min(self.timeout, client_remaining)
-        req = pb.PrefillRequest(request_id=rid, prompt=prompt, sampling=sampling, send_window_history=history)
+        req = pb.PrefillRequest(
+            request_id=rid, prompt=prompt, sampling=sampling, send_window_history=history,
+            layout=self._layout_pb,
+        )  # fmt: skip
         # wait_for_ready: a restarting prefill service is waited for (within the deadline).
         call = self._get_stub().Prefill(
             req, timeout=max(timeout, 0.0), wait_for_ready=True, metadata=tuple(metadata) or None
@@ -98,9 +125,11 @@ class PrefillClient:
                     nbytes += chunk.nbytes
                     deliver([chunk])
                 elif msg.HasField("done"):
-                    return PrefillResult(msg.done.first_token, nbytes, first_ns, time.time_ns())
+                    d = msg.done
+                    now = time.time_ns()
+                    return PrefillResult(d.first_token, nbytes, first_ns, now, d.queued_prompt_tokens)
             raise PrefillFailed("the stream ended without PrefillDone")
         except grpc.RpcError as e:
-            raise PrefillFailed(f"{e.code().name}: {e.details()}") from e
+            raise _failure(e) from e
         finally:
             call.cancel()  # a no-op once done; otherwise the prefill side stops and drops its bytes

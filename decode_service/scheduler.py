@@ -6,7 +6,8 @@ the pool is full, retried after every step) and emits `Reserved`. The servicer t
 service; every KV chunk it receives comes back here through `deliver` and is written into the
 reservation on this thread (the engine and its cache are not thread-safe), and `prefilled` admits the
 request into continuous batching. An abort at any point releases the reservation exactly once; chunks
-that arrive for a released request are dropped.
+that arrive for a released request are dropped. `prefill_locally` turns a reserved request into a local
+one (the prefill service refused decode's KV layout): the client still gets a normal completion.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ class DecodeScheduler(Scheduler):
         """Every chunk has been delivered: admit the request into continuous batching."""
         self._post(lambda: self._admit(rid, first_token, history))
 
+    def prefill_locally(self, rid: str) -> None:
+        """No KV is coming for this reserved request: compute its prompt here instead."""
+        self._post(lambda: self._local(rid))
+
     # ---- the scheduler thread ----
 
     def _start(self, entry: _Entry) -> None:
@@ -149,3 +154,15 @@ class DecodeScheduler(Scheduler):
             self._engine.flush()  # bounded replay runs alone, not beside a step in flight
         self._engine.admit_prefilled(entry.req, first_token, history=history)
         self._active[rid] = entry
+
+    def _local(self, rid: str) -> None:
+        entry = self._reserved.pop(rid, None)
+        if entry is None:
+            return  # aborted meanwhile
+        assert entry.req is not None
+        # The engine has no public reserved -> prefill step, so the reservation goes back and the request
+        # queues as any local one; in this same iteration, so the pages it freed are there for it unless a
+        # request queued before it takes them (then it waits its turn: delayed, never lost).
+        self._engine.release(entry.req)
+        entry.opts = None
+        super()._start(entry)  # ValueError cannot happen: reserve() accepted the same prompt and params

@@ -3,7 +3,9 @@
 
 With --prefill-target, start-up handshakes with the prefill service before turning ready: a KV layout
 mismatch (dtype, page size, layer layout, window, ...) logs an error naming every mismatching field and
-the process exits 1, so an orchestrator sees a crash rather than a decode that is never ready.
+the process exits 1, so an orchestrator sees a crash rather than a decode that is never ready. Later
+mismatches (a prefill restarted with another configuration, another pod behind the same name) are
+caught per request: every Prefill carries decode's layout (decode_service/routing.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import grpc
 
 from decode_service.config import ServiceConfig
 from decode_service.prefill_client import PrefillClient, handshake
+from decode_service.routing import PrefillRouter
 from decode_service.scheduler import DecodeScheduler, Scheduler, SchedulerConfig
 from decode_service.servicer import SERVICE_NAME, GenerationServicer, Serving
 from shared.api.validation import Limits
@@ -28,16 +31,17 @@ def build_serving(cfg: ServiceConfig) -> Serving:
     loaded, engine = build_engine(cfg)
     prefill = None
     if cfg.prefill_target:
-        handshake(cfg.prefill_target, KVLayout.of(engine.cache, loaded.name))
-        prefill = PrefillClient(cfg.prefill_target, cfg.prefill_timeout)
+        layout = KVLayout.of(engine.cache, loaded.name)
+        handshake(cfg.prefill_target, layout)
+        prefill = PrefillClient(cfg.prefill_target, cfg.prefill_timeout, layout)
+    router = PrefillRouter(prefill, cfg.local_prefill_max_tokens, cfg.remote_prefill_max_queued_tokens)
     scheduler = DecodeScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue))
     scheduler.start()
     limits = Limits(vocab_size=loaded.config.vocab_size, max_context=engine.max_context())
     kv_dtype = str(engine.cache.k_pages.dtype).removeprefix("torch.")
     return Serving(
         loaded, scheduler, limits, cfg.page_size, kv_dtype,
-        prefill=prefill, local_prefill_max_tokens=cfg.local_prefill_max_tokens,
-        window_history=cfg.window_history,
+        router=router, window_history=cfg.window_history,
     )  # fmt: skip
 
 
@@ -55,6 +59,9 @@ async def serve(cfg: ServiceConfig) -> int:
 
     def attach(serving: Serving) -> Scheduler:
         servicer.serving = serving
+        if telemetry.metrics is not None:
+            router = serving.router
+            telemetry.metrics.watch_prefill(lambda: router.usable, router.queue.value)
         return serving.scheduler
 
     return await run_service(

@@ -1,10 +1,11 @@
 """`pdserve.v1.Generation` on grpc.aio: validate, hand to the scheduler, stream its events back.
 
-The servicer never touches the engine: it holds a scheduler. A prompt longer than
---local-prefill-max-tokens goes to the prefill service (conditional disaggregation): the scheduler
-reserves KV and emits Reserved, this coroutine runs the Prefill call and hands each chunk to the
-scheduler thread, then lets it admit the request. A prefill failure or timeout releases the reservation
-and the client gets UNAVAILABLE naming the prefill service.
+The servicer never touches the engine: it holds a scheduler. The router (decode_service/routing.py)
+says where each prompt is prefilled and why. A remote one: the scheduler reserves KV and emits Reserved,
+this coroutine runs the Prefill call and hands each chunk to the scheduler thread, then lets it admit
+the request. A prefill failure or timeout releases the reservation and the client gets UNAVAILABLE
+naming the prefill service; a layout refusal (FAILED_PRECONDITION, nothing computed) has the scheduler
+prefill the request here instead.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from opentelemetry import trace
 
 from decode_service.output import OutputProcessor
-from decode_service.prefill_client import PrefillClient, PrefillFailed
+from decode_service.prefill_client import PrefillFailed, PrefillRefused
+from decode_service.routing import PrefillRouter, Route
 from decode_service.scheduler import (
     AlreadyExists,
     DecodeScheduler,
@@ -65,8 +67,7 @@ class Serving:
     limits: Limits
     page_size: int
     kv_dtype: str
-    prefill: PrefillClient | None = None  # None: every prompt prefills locally
-    local_prefill_max_tokens: int = 0
+    router: PrefillRouter = field(default_factory=lambda: PrefillRouter(None))  # where each prompt prefills
     window_history: bool = True
 
 
@@ -79,7 +80,11 @@ def _complete(rid: str, reason: str, prompt_tokens: int, completion_tokens: int)
     return pb.GenerateResponse(request_id=rid, complete=pb.Complete(finish_reason=reason, usage=usage))
 
 
-def _genai_attrs(model: str, rid: str, params: SamplingParams, remote: bool) -> dict[str, Any]:
+def _route_attrs(route: Route) -> dict[str, str]:
+    return {"pdserve.prefill": route.where, "pdserve.prefill.reason": route.reason}
+
+
+def _genai_attrs(model: str, rid: str, params: SamplingParams, route: Route) -> dict[str, Any]:
     return {
         "gen_ai.operation.name": "text_completion",
         "gen_ai.provider.name": "pdserve",
@@ -88,7 +93,7 @@ def _genai_attrs(model: str, rid: str, params: SamplingParams, remote: bool) -> 
         "gen_ai.request.temperature": params.temperature,
         "gen_ai.request.top_p": params.top_p,
         "gen_ai.response.id": rid,
-        "pdserve.prefill": "remote" if remote else "local",
+        **_route_attrs(route),
     }
 
 
@@ -127,27 +132,27 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
                 loop.call_soon_threadsafe(events.put_nowait, ev)
 
-        remote = s.prefill is not None and len(prompt) > s.local_prefill_max_tokens
-        opts = RemoteOpts(s.window_history) if remote else None
+        route = s.router.route(len(prompt))
+        opts = RemoteOpts(s.window_history) if route.remote else None
         md = context.invocation_metadata()
-        rt = RequestTrace(
-            self.telemetry, rid, _GENERATE, md, _genai_attrs(s.loaded.name, rid, params, remote)
-        )
+        rt = RequestTrace(self.telemetry, rid, _GENERATE, md, _genai_attrs(s.loaded.name, rid, params, route))
         rt.decode_phase = True
         try:
             s.scheduler.submit(rid, prompt, params, emit, opts)
         except SubmitError as e:
+            s.router.done(route)
             await _fail(context, rt, _SUBMIT_CODES[type(e)], str(e))
         out = OutputProcessor(tok, params.stop)
         done = False
+        final = route  # where the prompt was prefilled in the end
         try:
             first: Any = None
-            if remote:
+            if route.remote:
                 first = await events.get()
                 if isinstance(first, Reserved):
                     rt.queued(first.at_ns)
                     first = None
-                    await self._remote_prefill(s, rid, prompt, request, context, rt)
+                    final = await self._remote_prefill(s, rid, prompt, request, context, rt, route)
             while not done:
                 batch = [first if first is not None else await events.get()]
                 first = None
@@ -177,6 +182,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     rt.finish(finish.reason, finish.prompt_tokens, finish.completion_tokens)
                     yield _complete(rid, finish.reason, finish.prompt_tokens, finish.completion_tokens)
         finally:
+            s.router.done(route)  # a remote prefill that never ran (aborted while waiting for pages)
+            if self.telemetry.metrics is not None:
+                self.telemetry.metrics.prefill_route(final.where, final.reason)
             if not done:  # cancelled, past its deadline, or the stream failed: free its KV now
                 s.scheduler.abort(rid)
             if not rt.ended:
@@ -184,32 +192,51 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _remote_prefill(
         self, s: Serving, rid: str, prompt: list[int], request: pb.GenerateRequest,
-        context: grpc.aio.ServicerContext, rt: RequestTrace,
-    ) -> None:  # fmt: skip
-        assert s.prefill is not None
-        attrs = {"server.address": s.prefill.target, "pdserve.window_history": s.window_history}
+        context: grpc.aio.ServicerContext, rt: RequestTrace, route: Route,
+    ) -> Route:  # fmt: skip
+        """Run the Prefill call; returns where the prompt is prefilled in the end."""
+        client = s.router.client
+        assert client is not None
+        attrs = {"server.address": client.target, "pdserve.window_history": s.window_history}
         failed: str | None = None
+        refused: str | None = None
+        metrics = self.telemetry.metrics
         with rt.client_call(_PREFILL, attrs) as (metadata, span):
             try:
-                res = await s.prefill.prefill(
+                res = await client.prefill(
                     rid, prompt, request.sampling, s.window_history, context.time_remaining(),
                     lambda chunks: s.scheduler.deliver(rid, chunks), metadata,
                 )  # fmt: skip
+            except PrefillRefused as e:
+                refused = str(e)
+                if span is not None:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, refused))
             except PrefillFailed as e:
-                failed = f"prefill service {s.prefill.target}: {e}"
+                failed = f"prefill service {client.target}: {e}"
                 if span is not None:
                     span.set_status(trace.Status(trace.StatusCode.ERROR, failed))
             else:
+                s.router.done(route, res.queued_tokens)
                 if res.first_chunk_ns:
                     dur = max(res.done_ns - res.first_chunk_ns, 1) / 1e9
                     rt.child("kv.transfer", res.first_chunk_ns, res.done_ns, transfer_attrs(
                         "inline", "receive", res.nbytes, dur), parent=span)  # fmt: skip
-                    if self.telemetry.metrics is not None:
-                        self.telemetry.metrics.transfer("inline", "receive", res.nbytes, dur)
+                    if metrics is not None:
+                        metrics.transfer("inline", "receive", res.nbytes, dur)
+        s.router.done(route)
+        if refused is not None:  # nothing was computed there: the reservation is prefilled here
+            s.router.refused(refused)
+            local = Route(False, "prefill_mismatch")
+            rt.set_attributes(_route_attrs(local))
+            if metrics is not None:
+                metrics.prefill_refused()
+            s.scheduler.prefill_locally(rid)
+            return local
         if failed is not None:
             s.scheduler.abort(rid)  # releases the reservation on the scheduler thread
             await _fail(context, rt, grpc.StatusCode.UNAVAILABLE, failed, len(prompt))
         s.scheduler.prefilled(rid, res.first_token, s.window_history)
+        return route
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         s = await self._ready(context)

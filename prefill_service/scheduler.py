@@ -5,6 +5,9 @@ batched with the other prompts). When one finishes, its KV is extracted here, on
 as CPU bytes (`Prefilled`), and released at once: the prefill pool holds no KV beyond extraction, so a
 decode that dies or never reads costs only the bytes in that stream. (A zero-copy backend, cuda_ipc or
 nixl, cannot release before the decode has read: it will need a lease with a timeout instead.)
+
+Each `Prefilled` also says how many prompt tokens the other live requests still had to compute at that
+moment (`queued_tokens`): decode reads it from PrefillDone to estimate this service's queue.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from shared.scheduler_base import Scheduler, _Entry
+from shared import faults
+from shared.engine import Engine
+from shared.scheduler_base import Scheduler, SchedulerConfig, _Entry
 from shared.transfer.base import Chunk
 from shared.transfer.inline import extract_chunks
 
@@ -36,10 +41,22 @@ class Prefilled:
     admitted_ns: int = 0
     computed_ns: int = 0
     extracted_ns: int = 0
+    queued_tokens: int = 0  # prompt tokens other live requests (waiting + in flight) still had to compute
 
 
 class PrefillScheduler(Scheduler):
     thread_name = "prefill-scheduler"
+
+    def __init__(self, engine: Engine, cfg: SchedulerConfig | None = None) -> None:
+        super().__init__(engine, cfg)
+        self.faults = faults.from_env()  # PDSERVE_TEST_FAULTS: tests only
+
+    def _queued_tokens(self, done: _Entry) -> int:
+        """Prompt tokens not yet computed over every live request but `done` (scheduler thread)."""
+        with self._cond:  # _live also changes under submit, on other threads
+            entries = [e for e in self._live.values() if e is not done]
+        # entry.req is written only on this thread; None: still in the inbox, nothing computed.
+        return sum(max(len(e.prompt) - (e.req.num_computed if e.req is not None else 0), 0) for e in entries)
 
     def _start(self, entry: _Entry) -> None:
         params = dataclasses.replace(entry.params, max_tokens=1)
@@ -61,6 +78,9 @@ class PrefillScheduler(Scheduler):
             full = sum(c.nbytes for c in chunks if not c.window)
             window = sum(c.nbytes for c in chunks) - full
             entry.emit(
-                Prefilled(req.output[0], chunks, full, window, req.admitted_ns, computed_ns, time.time_ns())
-            )
+                Prefilled(
+                    req.output[0], chunks, full, window, req.admitted_ns, computed_ns, time.time_ns(),
+                    self._queued_tokens(entry),
+                )
+            )  # fmt: skip
         self._engine.release(req)  # idempotent; deferred by the engine while a step may still write

@@ -1,9 +1,12 @@
 """`pdserve.v1.Prefill` on grpc.aio: Handshake, Prefill (stream the KV chunks) and GetModelInfo.
 
-Prefill validates the prompt and sampling as Generate does (the first token is sampled here), submits
-to the scheduler and waits for its `Prefilled` event, whose chunks are CPU bytes already released from
-the pool. A cancelled call aborts the request if it is still computing, and otherwise just drops the
-bytes.
+Every Prefill first compares the caller's KV layout with this service's, as Handshake does: a decode
+that handshook with an earlier process on this address (restarted with another page size, window, ...)
+or with another pod behind the same name gets FAILED_PRECONDITION naming every mismatching field before
+any work, never KV it would misread. Then Prefill validates the prompt and sampling as Generate does
+(the first token is sampled here), submits to the scheduler and waits for its `Prefilled` event, whose
+chunks are CPU bytes already released from the pool. A cancelled call aborts the request if it is still
+computing, and otherwise just drops the bytes.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ class PrefillServing:
     layout: KVLayout
 
 
+async def _refuse_mismatch(context: grpc.aio.ServicerContext, problems: list[str]) -> None:
+    if problems:
+        msg = "KV layout mismatch (decode != prefill): " + "; ".join(problems)
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+
+
 class PrefillServicer(pb_grpc.PrefillServicer):
     def __init__(self, telemetry: Telemetry | None = None) -> None:
         self.serving: PrefillServing | None = None  # set by the server once the model is loaded
@@ -70,15 +79,17 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         problems = mismatches(KVLayout.from_pb(request.layout), s.layout)
         if request.backend and request.backend not in BACKENDS:
             problems.append(f"backend: {request.backend!r} not in {list(BACKENDS)}")
-        if problems:
-            msg = "KV layout mismatch (decode != prefill): " + "; ".join(problems)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+        await _refuse_mismatch(context, problems)
         return pb.HandshakeResponse(layout=s.layout.to_pb(), backend=request.backend or BACKENDS[0])
 
     async def Prefill(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PrefillResponse]:
         s = await self._ready(context)
+        if request.HasField("layout"):
+            await _refuse_mismatch(context, mismatches(KVLayout.from_pb(request.layout), s.layout))
+        else:
+            await _refuse_mismatch(context, ["layout: missing from the PrefillRequest"])
         sampling = gen_pb.SamplingParams()
         sampling.CopyFrom(request.sampling)
         sampling.max_tokens = 1  # only the first token is sampled here
@@ -135,8 +146,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                         self.telemetry.metrics.transfer("inline", "send", nbytes, dur)
                     rt.finish("length", len(prompt), 1)
                     done = pb.PrefillDone(
-                        first_token=ev.first_token, full_bytes=ev.full_bytes, window_bytes=ev.window_bytes
-                    )
+                        first_token=ev.first_token, full_bytes=ev.full_bytes, window_bytes=ev.window_bytes,
+                        queued_prompt_tokens=ev.queued_tokens,
+                    )  # fmt: skip
                     yield pb.PrefillResponse(done=done)
                     return
                 if isinstance(ev, Finished):

@@ -4,6 +4,10 @@ Off unless `PDSERVE_TEST_FAULTS` names a fault; nothing in the public API reache
 
     PDSERVE_TEST_FAULTS=drop_swa_history        drop the SWA history of every request whose prompt
     PDSERVE_TEST_FAULTS=drop_swa_history:5      starts with the marker token (default 3, or the given id)
+    PDSERVE_TEST_FAULTS=step_delay:0.2          sleep this many seconds after every engine step (a slow
+                                                service: its queue builds up under a burst)
+
+Faults combine with commas (`drop_swa_history,step_delay:0.1`).
 
 The history is dropped (`ring_pos[:, slot] = -1`) when the request's first token is emitted, after its
 prompt's K/V went into the rings: its next decode step reads a window that is not there, and
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +37,12 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Faults:
     drop_swa_history_marker: int | None = None
+    step_delay_s: float = 0.0
+
+    def after_step(self) -> None:
+        """Scheduler thread, after every engine step."""
+        if self.step_delay_s > 0:
+            time.sleep(self.step_delay_s)
 
     def first_token(self, engine: Engine, prompt: list[int], req: Request) -> None:
         """Scheduler thread, once per request (its first emitted token)."""
@@ -46,11 +57,15 @@ def from_env(env: Mapping[str, str] | None = None) -> Faults | None:
     if not spec:
         return None
     marker: int | None = None
+    delay = 0.0
     for item in spec.split(","):
         name, _, arg = item.strip().partition(":")
         if name == "drop_swa_history":
             marker = int(arg) if arg else DEFAULT_MARKER
+        elif name == "step_delay":
+            delay = float(arg)
         else:
-            raise ValueError(f"{ENV_VAR}: unknown fault {name!r} (known: drop_swa_history[:TOKEN])")
+            known = "drop_swa_history[:TOKEN], step_delay:SECONDS"
+            raise ValueError(f"{ENV_VAR}: unknown fault {name!r} (known: {known})")
     log.warning("%s=%s: test faults are enabled", ENV_VAR, spec)
-    return Faults(drop_swa_history_marker=marker)
+    return Faults(drop_swa_history_marker=marker, step_delay_s=delay)

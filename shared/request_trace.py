@@ -80,6 +80,11 @@ class RequestTrace:
         s = self.tel.tracer.start_span(name, context=ctx, attributes=attrs, start_time=start_ns)
         s.end(end_time=max(end_ns, start_ns))
 
+    def set_attributes(self, attrs: Attrs) -> None:
+        """Set (or overwrite) attributes of the request span, e.g. a routing decision that changed."""
+        if self.span is not None:
+            self.span.set_attributes(attrs)
+
     def queued(self, admitted_ns: int) -> None:
         """The request got its pages and window at `admitted_ns` (scheduler clock, epoch ns)."""
         if not admitted_ns or self._admitted_ns:

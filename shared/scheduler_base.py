@@ -211,6 +211,8 @@ class Scheduler:
                     self._emit(active)
                     if not self._engine.idle:
                         self._engine.step()
+                        if self.faults is not None:
+                            self.faults.after_step()
                     self._emit(active)
                     self._after_step()
                 except Exception as exc:  # the engine's state is unknown now: fail everything, stop

@@ -25,6 +25,7 @@ class CommonConfig:
     max_queue: int = 128
     drain_timeout: float = 30.0  # seconds SIGTERM waits for running requests before aborting them
     metrics_port: int = 9090  # Prometheus /metrics; 0: any free port (printed); the prefill role: 9091
+    metrics_host: str = ""  # "" = --host; "::" / "[::]" = every IPv4 and IPv6 address (IPv4 without IPv6)
     metrics: bool = True  # --no-metrics: no /metrics endpoint
 
     def __post_init__(self) -> None:
@@ -51,6 +52,8 @@ COMMON_HELP = {
     "max_queue": "requests waiting to run beyond which new calls answer RESOURCE_EXHAUSTED",
     "drain_timeout": "seconds SIGTERM waits for running requests before aborting them",
     "metrics_port": "port of the Prometheus /metrics endpoint; 0 picks a free one (printed)",
+    "metrics_host": "address /metrics binds; empty = the --host address. [::] (or ::) = every IPv4 and "
+    "IPv6 address (every IPv4 address where the host has no IPv6)",
     "metrics": "serve Prometheus /metrics (--no-metrics: off)",
 }
 

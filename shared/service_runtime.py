@@ -130,7 +130,7 @@ async def run_service(
     await server.start()
     print(f"pdserve {role} listening on {cfg.host}:{port}", flush=True)
     if cfg.metrics and telemetry.metrics is not None:
-        serve_metrics(telemetry.metrics, cfg.host, cfg.metrics_port, role)
+        serve_metrics(telemetry.metrics, cfg.metrics_host or cfg.host, cfg.metrics_port, role)
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

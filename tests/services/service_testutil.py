@@ -21,7 +21,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from decode_service.config import ServiceConfig
 from decode_service.server import add_services, build_serving
 from decode_service.servicer import SERVICE_NAME, Serving
+from shared.api.model_source import load_served_model
 from shared.client import Client
+from shared.kv.cache import KVCache, KVConfig
+from shared.pb.pdserve.v1 import prefill_pb2
+from shared.transfer.base import KVLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"layers": "SSFS", "window": 8, "vocab": 97, "seed": 0}  # shared.api.model_source's random model
@@ -29,6 +33,13 @@ TINY = {"layers": "SSFS", "window": 8, "vocab": 97, "seed": 0}  # shared.api.mod
 
 def random_spec(**overrides: Any) -> str:
     return "random:" + json.dumps({**TINY, **overrides}, separators=(",", ":"))
+
+
+def kv_layout(page_size: int, **overrides: Any) -> prefill_pb2.KVLayout:
+    """The KV layout a service serving random_spec(**overrides) with --page-size announces."""
+    loaded = load_served_model(random_spec(**overrides))
+    cache = KVCache(loaded.config, KVConfig(page_size=page_size, num_pages=1, max_requests=1))
+    return KVLayout.of(cache, loaded.name).to_pb()
 
 
 class ServerProcess:

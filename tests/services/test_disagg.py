@@ -26,6 +26,7 @@ from shared.sampling import SamplingParams
 from tests.services.service_testutil import (
     ServerProcess,
     health_status,
+    kv_layout,
     random_spec,
     stop_all,
     wait_pool_idle,
@@ -101,7 +102,9 @@ def test_greedy_tokens_equal_the_colocated_engine(prefill, expected, flags):
 
 
 def _transfer(stub: pb_grpc.PrefillStub, n: int, **kw) -> tuple[list[pb.KVChunk], pb.PrefillDone]:  # type: ignore[no-untyped-def]
-    req = pb.PrefillRequest(request_id=f"bytes-{n}", prompt=_prompt(n), send_window_history=True, **kw)
+    req = pb.PrefillRequest(
+        request_id=f"bytes-{n}", prompt=_prompt(n), send_window_history=True, layout=kv_layout(4), **kw
+    )
     msgs = list(stub.Prefill(req, timeout=30))
     assert msgs[-1].HasField("done") and all(m.HasField("chunk") for m in msgs[:-1])
     return [m.chunk for m in msgs[:-1]], msgs[-1].done

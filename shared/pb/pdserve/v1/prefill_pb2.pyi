@@ -47,18 +47,20 @@ class HandshakeResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "send_window_history", "max_chunk_bytes")
+    __slots__ = ("request_id", "prompt", "sampling", "send_window_history", "max_chunk_bytes", "layout")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEND_WINDOW_HISTORY_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     send_window_history: bool
     max_chunk_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., send_window_history: _Optional[bool] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    layout: KVLayout
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., send_window_history: _Optional[bool] = ..., max_chunk_bytes: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer", "window", "token_start", "token_count", "k", "v")
@@ -77,14 +79,16 @@ class KVChunk(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., window: _Optional[bool] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token", "full_bytes", "window_bytes")
+    __slots__ = ("first_token", "full_bytes", "window_bytes", "queued_prompt_tokens")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FULL_BYTES_FIELD_NUMBER: _ClassVar[int]
     WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     full_bytes: int
     window_bytes: int
-    def __init__(self, first_token: _Optional[int] = ..., full_bytes: _Optional[int] = ..., window_bytes: _Optional[int] = ...) -> None: ...
+    queued_prompt_tokens: int
+    def __init__(self, first_token: _Optional[int] = ..., full_bytes: _Optional[int] = ..., window_bytes: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("chunk", "done")
