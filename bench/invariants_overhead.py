@@ -1,4 +1,5 @@
-"""What an SWA history check costs a decode step: none / naive / deferred flag / invariants OFF|WARN|STRICT.
+"""What an SWA history check costs a decode step: none / naive / deferred flag / invariants OFF|WARN|STRICT
+and WARN with the checks on a side stream (`inv_warn_conc`: the step inside `invariants.concurrent_checks`).
 
 A synthetic step of 40 layers; each layer does an MLP-sized matmul pair and checks its sliding-window
 ring (positions [batch, W]) against the request lengths. Scenarios: `cpu-bound` (batch 8),
@@ -109,12 +110,19 @@ def step_invariants(s: Setup) -> torch.Tensor:
     return h
 
 
+def step_concurrent(s: Setup) -> torch.Tensor:
+    # What the runner does: the layer loop inside the block, each check forked beside the layers.
+    with invariants.concurrent_checks(s.x.device):
+        return step_invariants(s)
+
+
 VARIANTS: dict[str, tuple[Callable[[Setup], torch.Tensor], str | None]] = {
     "none": (step_none, None),
     "naive": (step_naive, None),
     "deferred": (step_deferred, None),
     "inv_off": (step_invariants, "off"),
     "inv_warn": (step_invariants, "warn"),
+    "inv_warn_conc": (step_concurrent, "warn"),
     "inv_strict": (step_invariants, "strict"),
 }
 
@@ -241,7 +249,7 @@ def main() -> None:
                 rows.append(r)
                 mode = "graph" if graph else "eager"
                 print(
-                    f"{scenario:10s} {mode} {name:10s} step {r['step_ms']:8.3f} ms "
+                    f"{scenario:10s} {mode} {name:13s} step {r['step_ms']:8.3f} ms "
                     f"(±{r['spread_ms']:.3f})  enqueue {r['enqueue_ms']:8.3f} ms  "
                     f"syncs/step {r['syncs_per_step']:4d}  x{r['vs_none']:.4f}",
                     flush=True,

@@ -4,6 +4,7 @@
     expect(SWA_PRESENT, lambda: predicates.equal(stored_pos, wanted_pos), rows=request_slots)
     ...
     for v in invariants.checker(device).poll(): ...   # where the scheduler already waits
+    with invariants.concurrent_checks(device): ...     # its checks run beside its kernels (CUDA)
 
 Levels come from PDSERVE_INVARIANT_CHECK (off | warn | strict, with per-namespace overrides).
 """
@@ -11,7 +12,7 @@ Levels come from PDSERVE_INVARIANT_CHECK (off | warn | strict, with per-namespac
 from __future__ import annotations
 
 from invariants import predicates
-from invariants.api import checker, enabled, expect, reset_checkers
+from invariants.api import checker, concurrent_checks, enabled, expect, reset_checkers
 from invariants.checker import Checker, Listener
 from invariants.levels import Level, LevelConfig, configure, level_of, levels
 from invariants.registry import (
@@ -37,6 +38,7 @@ __all__ = [
     "Violation",
     "all_invariants",
     "checker",
+    "concurrent_checks",
     "configure",
     "enabled",
     "expect",

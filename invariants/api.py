@@ -1,18 +1,22 @@
-"""`expect` and `enabled`: the call sites' API. At OFF nothing is launched and nothing is evaluated."""
+"""`expect`, `enabled`, `concurrent_checks`: the call sites' API. At OFF nothing is launched and nothing
+is evaluated."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
+from types import TracebackType
 
 import torch
 
+from invariants import concurrent
 from invariants.checker import Checker
 from invariants.levels import Level, crashes, level_of
 from invariants.predicates import Predicate, is_true
 from invariants.registry import Invariant, InvariantError
 
-__all__ = ["checker", "enabled", "expect", "reset_checkers"]
+__all__ = ["checker", "concurrent_checks", "enabled", "expect", "reset_checkers"]
 
 PredicateLike = Predicate | torch.Tensor | Callable[[], "Predicate | torch.Tensor"]
 
@@ -78,3 +82,50 @@ def expect(inv: Invariant, predicate: PredicateLike, *, rows: torch.Tensor | Non
     device = predicate.device
     found = _checkers.get(device)  # fast path: a tensor's device carries its index
     (found or checker(device)).check(inv, predicate, rows, crash=crashes(inv.severity, level))
+
+
+class _ConcurrentBlock:
+    """A concurrent_checks block on a CUDA device: depth per thread and device, joins at the end."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __enter__(self) -> None:
+        concurrent.enter(self.device)
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        failed: Exception | None = None
+        for branch in concurrent.leave(self.device):  # the outermost block: everything it forked
+            try:
+                branch.join()
+            except Exception as err:  # join the others all the same
+                failed = failed or err
+        if failed is None:
+            return
+        if exc is None:
+            raise failed
+        # The block already failed (say, an invalidated capture): that is the error to see.
+        exc.add_note(f"and joining its concurrent invariant checks failed too: {failed!r}")
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def concurrent_checks(device: torch.device | str | None = None) -> contextlib.AbstractContextManager[None]:
+    """Run the checks of the block on a side stream, beside the block's own kernels.
+
+    On CUDA at WARN/STRICT each check inside forks (the side stream waits for everything enqueued
+    before the check) and the end of the block joins once (the current stream waits for every
+    check), so work after the block, `poll()` included, sees all their counts, and a CUDA graph
+    captured around the block holds the checks as parallel branches. Contract: a check reads its
+    inputs at any time until the block ends, so check only what the block does not overwrite after
+    the check. The block must lie wholly inside or outside a capture, and run on one stream. Blocks
+    nest (the outermost joins); an exception still joins. On CPU, or with every check OFF, it is a
+    no-op: checks inside behave exactly as outside (a CPU STRICT failure raises at once).
+    """
+    dev = _key(device)
+    return _ConcurrentBlock(dev) if dev.type == "cuda" else _NOTHING

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from invariants import concurrent
 from invariants.predicates import Predicate
 from invariants.registry import (
     Invariant,
@@ -84,6 +85,8 @@ class Checker:
                 self._counts_host = torch.zeros_like(self.counts, device="cpu").pin_memory()
                 self._bits_host = torch.zeros_like(self.bits, device="cpu").pin_memory()
                 self._event = torch.cuda.Event()
+        # Made now, like the slab, so that it exists before any capture that forks onto it.
+        self._side = concurrent.SideBranch(self.device) if self._on_cuda else None
         self._pending = False
         self._slots: dict[str, int] = {}
         self._invariants: list[Invariant] = []
@@ -131,13 +134,30 @@ class Checker:
         if self._use_triton:
             from invariants.kernels import check_rows
 
-            check_rows.launch(
+            side = self._side if self._side is not None and concurrent.depth(self.device) else None
+            used = check_rows.launch(
                 pred, counts=self.counts, bits=self.bits, scratch=self.scratch, ticket=self.ticket,
                 slot=slot, rows=rows,
                 assert_message=strict_message(inv.name) if crash else None,
+                fork=None if side is None else side.fork,
             )  # fmt: skip
+            if side is not None and used:
+                side.hold(used)
             return
         self._count_with_torch(pred, rows, slot)
+
+    @property
+    def side_stream(self) -> torch.cuda.Stream | None:
+        """The stream checks run on inside `invariants.concurrent_checks()` (None on CPU)."""
+        return None if self._side is None else self._side.stream
+
+    def join(self) -> None:
+        """Order the current stream after this thread's checks on the side stream (no-op if none).
+
+        The outermost `concurrent_checks()` block joins as it ends, and `poll()` before its copy.
+        """
+        if self._side is not None:
+            self._side.join()
 
     def _count_with_torch(self, pred: Predicate, rows: torch.Tensor | None, slot: int) -> None:
         bad = ~pred.row_ok()
@@ -188,6 +208,7 @@ class Checker:
         n = len(self._invariants)
         if n == 0:
             return
+        self.join()  # polled inside a block: the copy and the clearing must follow its checks
         with torch.cuda.device(self.device):
             self._counts_host[:n].copy_(self.counts[:n], non_blocking=True)
             self._bits_host[:n].copy_(self.bits[:n], non_blocking=True)

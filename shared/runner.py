@@ -1,7 +1,9 @@
 """ModelRunner: one forward of a ForwardBatch through the model, the KV cache and the sampler.
 
 `forward` only enqueues device work: no host sync inside. It returns the sampled tokens on device
-and an event the scheduler waits on (the one wait per step).
+and an event the scheduler waits on (the one wait per step). The checks of the inputs and of every
+sliding layer's history run inside `invariants.concurrent_checks`: on CUDA beside the layers, on a
+side stream, instead of one small kernel each in series with them.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from invariants import Invariant, Severity, expect, predicates
+from invariants import Invariant, Severity, concurrent_checks, expect, predicates
 from shared.attention import AttentionOps, ops_for
 from shared.batch import ChunkItem, ForwardBatch, Mode
 from shared.cuda_graph import DecodeGraphs
@@ -65,9 +67,19 @@ class BatchAttention:
             max_q=b.max_q, scale=self.scale, window=c.window,
         )  # fmt: skip
         # Only after attention: the chunk's tokens overwrite history its earlier queries still read.
+        # Their positions are stored by `store_ring_positions`, after the history checks.
         self.ops.store_kv(k, v, c.k_ring_flat[i], c.v_ring_flat[i], b.ring_store)
-        c.ring_pos_flat[i].index_copy_(0, b.ring_dst, b.ring_pos)
         return out
+
+    def store_ring_positions(self) -> None:
+        """Every sliding layer's ring now holds the chunk's positions, in one kernel for all layers
+        (each layer stores the same ring indices). Nothing in the forward reads them: attention
+        derives positions from the context lengths; only the history checks read `ring_pos`, and a
+        concurrent check may read it until its block ends, so this runs after the block."""
+        c, b = self.cache, self.batch
+        n = len(c.sliding_layers)
+        if n:
+            c.ring_pos.view(n, -1).index_copy_(1, b.ring_dst, b.ring_pos.expand(n, -1))
 
 
 @dataclass
@@ -94,13 +106,20 @@ class ModelRunner:
 
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Model + KV + checks up to each sequence's last-token logits (what a CUDA graph holds)."""
-        expect(TOKENS_IN_VOCAB, lambda: predicates.in_range(batch.input_ids, 0, self.vocab_size),
-               rows=batch.token_slots)  # fmt: skip
+        # In series, before the block: this assert must stop the process before attention reads
+        # through a bad page id (a concurrent check guarantees only "by the end of the block").
         expect(PAGE_IDS_IN_RANGE, lambda: predicates.in_range(batch.block_table, 0, self.num_pages))
-        expect(POSITIONS_CONSECUTIVE, lambda: predicates.equal(batch.positions, expected_positions(batch)),
-               rows=batch.token_slots)  # fmt: skip
         attn = BatchAttention(self.cache, batch, self.ops, self.scale)
-        hidden = self.model(batch.input_ids, batch.positions, attn)
+        # Every check in the block reads what the block never writes after it: the batch's inputs,
+        # and each sliding layer's `ring_pos`, whose only write in the step follows the block.
+        with concurrent_checks(self.cache.device):
+            expect(TOKENS_IN_VOCAB, lambda: predicates.in_range(batch.input_ids, 0, self.vocab_size),
+                   rows=batch.token_slots)  # fmt: skip
+            expect(POSITIONS_CONSECUTIVE,
+                   lambda: predicates.equal(batch.positions, expected_positions(batch)),
+                   rows=batch.token_slots)  # fmt: skip
+            hidden = self.model(batch.input_ids, batch.positions, attn)
+        attn.store_ring_positions()
         if batch.mode is Mode.REPLAY:
             return None
         logits = self.model.compute_logits(hidden.index_select(0, batch.last_index))

@@ -11,6 +11,9 @@ last program to finish (a ticket counter) counts the rows, records them and clea
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -134,8 +137,12 @@ def launch(
     slot: int,
     rows: torch.Tensor | None,
     assert_message: str | None,
-) -> None:
-    """Enqueue the check on the current stream. `assert_message` set = STRICT-style assert.
+    fork: Callable[[], torch.cuda.Stream] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Enqueue the check on the current stream, or on the stream `fork()` returns, called just
+    before the launch (after any copy the 2-D views need). `assert_message` set = STRICT-style
+    assert. Returns the tensors the kernel reads: a forked caller keeps them alive until it joins
+    (invariants/concurrent.py). Nothing to check: nothing launched, no fork, ().
 
     `scratch` (int32 [max rows], zeroed) and `ticket` (int32 [1], zeroed) serve split launches;
     launches sharing them must be stream-ordered, as one Checker per device and stream is.
@@ -143,7 +150,7 @@ def launch(
     a, b = pred.as_2d()
     R, C = pred.num_rows, a.shape[1]
     if R == 0 or C == 0 or (pred.op is Op.FINITE and not a.is_floating_point()):
-        return
+        return ()
     bb = a if b is None else b
     rr = a if rows is None else rows
     ii = a if pred.index is None else pred.index
@@ -165,20 +172,23 @@ def launch(
         type(pred.lo), type(pred.hi),
         tuple(p % 16 == 0 for p in ptrs), _spec((C, sa_r, sa_c, sb_r, sb_c, words, chunk)), consts, warps,
     )  # fmt: skip
+    stream = fork() if fork is not None else None
     compiled = _compiled.get(key)
     if compiled is not None:
         # What JITFunction.run does once it has found the compiled kernel, hooks included.
-        stream = torch._C._cuda_getCurrentRawStream(a.device.index)
+        raw = stream.cuda_stream if stream is not None else torch._C._cuda_getCurrentRawStream(a.device.index)
         hooks = triton.knobs.runtime
-        meta = compiled.launch_metadata(grid, stream, *args, *consts)
+        meta = compiled.launch_metadata(grid, raw, *args, *consts)
         compiled.run(
-            *grid, stream, compiled.function, compiled.packed_metadata, meta,
+            *grid, raw, compiled.function, compiled.packed_metadata, meta,
             hooks.launch_enter_hook, hooks.launch_exit_hook, *args, *consts,
         )  # fmt: skip
-        return
-    launched = kernel[grid](
-        *args, OP=consts[0], HAS_ROWS=consts[1], ASSERT=consts[2], MSG=msg, SPLIT=split,
-        HAS_INDEX=has_index, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
-    )  # fmt: skip
+        return tensors
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():  # Triton's choice
+        launched = kernel[grid](
+            *args, OP=consts[0], HAS_ROWS=consts[1], ASSERT=consts[2], MSG=msg, SPLIT=split,
+            HAS_INDEX=has_index, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        )  # fmt: skip
     if a.is_cuda:  # Triton's interpreter (CPU tests) has no compiled kernel to keep
         _compiled[key] = launched
+    return tensors
