@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from shared.service_config import COMMON_HELP, CommonConfig, parse_config
 
-__all__ = ["ServiceConfig", "parse_args"]
+__all__ = ["KV_TRANSFERS", "ServiceConfig", "parse_args"]
+
+KV_TRANSFERS = ("inline", "cuda_ipc")
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,7 @@ class ServiceConfig(CommonConfig):
     remote_prefill_max_queued_tokens: int = 0
     prefill_timeout: float = 30.0  # seconds one remote prefill (compute + transfer) may take
     window_history: bool = True  # ask prefill for the SWA rings; False: rebuild them by bounded replay
+    kv_transfer: str = "inline"  # inline | cuda_ipc (same node, CUDA: prefill writes into this pool)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -25,6 +28,11 @@ class ServiceConfig(CommonConfig):
             raise ValueError("local_prefill_max_tokens and remote_prefill_max_queued_tokens must be >= 0")
         if self.prefill_timeout <= 0:
             raise ValueError("prefill_timeout must be > 0")
+        if self.kv_transfer not in KV_TRANSFERS:
+            choices = ", ".join(KV_TRANSFERS)
+            raise ValueError(f"kv_transfer must be one of {choices}, got {self.kv_transfer!r}")
+        if self.kv_transfer == "cuda_ipc" and self.device == "cpu":
+            raise ValueError("kv_transfer cuda_ipc needs a CUDA device (--device cuda[:N] or auto)")
 
 
 _HELP = {
@@ -37,6 +45,9 @@ _HELP = {
     "(conditional disaggregation: a deep queue would cost more time to first token than computing the "
     "prompt here); 0 = no limit. A prompt is never kept here just for being long: an empty queue takes it",
     "prefill_timeout": "seconds a remote prefill may take before the request fails UNAVAILABLE",
+    "kv_transfer": "how prefill hands over the KV: inline (bytes in the gRPC stream; anywhere) or "
+    "cuda_ipc (same node: prefill writes into this service's GPU pool through CUDA IPC; both GPUs must be "
+    "visible to the prefill process and the two share an IPC namespace)",
     "window_history": "ask prefill for the sliding-window rings (--no-window-history: rebuild them here "
     "by bounded replay)",
 }

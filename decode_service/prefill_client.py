@@ -19,6 +19,7 @@ from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.service_runtime import StartupError
 from shared.transfer.base import Chunk, KVLayout
+from shared.transfer.cuda_ipc import IpcTarget, PoolExport
 
 __all__ = ["PrefillClient", "PrefillFailed", "PrefillRefused", "PrefillResult", "handshake"]
 
@@ -48,15 +49,25 @@ class PrefillResult:
     first_chunk_ns: int  # epoch ns: the transfer's start as decode sees it (0: no chunk)
     done_ns: int  # epoch ns: PrefillDone received
     queued_tokens: int = 0  # prompt tokens the prefill service still had to compute for others
+    cuda_ipc_event: bytes = b""  # cuda_ipc: decode's stream waits on it before reading the pages
 
 
-def handshake(target: str, layout: KVLayout, wait_s: float = _HANDSHAKE_WAIT_S) -> None:
-    """Agree on the KV layout with the prefill service at `target`, or raise StartupError.
+def _handshake_request(layout: pb.KVLayout, pool: PoolExport | None) -> pb.HandshakeRequest:
+    if pool is None:
+        return pb.HandshakeRequest(layout=layout, backend="inline")
+    return pb.HandshakeRequest(layout=layout, backend="cuda_ipc", cuda_ipc_pool=pool.to_pb())
+
+
+def handshake(
+    target: str, layout: KVLayout, wait_s: float = _HANDSHAKE_WAIT_S, pool: PoolExport | None = None
+) -> None:
+    """Agree on the KV layout (and, with `pool`, the cuda_ipc backend) with the prefill service at
+    `target`, or raise StartupError.
 
     Retries while the prefill service is unreachable or loading; a mismatch fails at once.
     """
     deadline = time.monotonic() + wait_s
-    req = pb.HandshakeRequest(layout=layout.to_pb(), backend="inline")
+    req = _handshake_request(layout.to_pb(), pool)
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.PrefillStub(channel)
         while True:
@@ -79,10 +90,12 @@ def _failure(e: grpc.RpcError) -> PrefillFailed:
 
 
 class PrefillClient:
-    def __init__(self, target: str, timeout: float, layout: KVLayout) -> None:
+    def __init__(self, target: str, timeout: float, layout: KVLayout, pool: PoolExport | None = None) -> None:
         self.target = target
         self.timeout = timeout
         self.layout = layout
+        self.pool = pool  # set: the cuda_ipc backend (prefill writes into this pool)
+        self.backend = "inline" if pool is None else "cuda_ipc"
         self._layout_pb = layout.to_pb()
         self._stub: pb_grpc.PrefillStub | None = None
 
@@ -91,11 +104,15 @@ class PrefillClient:
             self._stub = pb_grpc.PrefillStub(grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS))
         return self._stub
 
+    def call_timeout(self, client_remaining: float | None) -> float:
+        """Seconds one Prefill call may take: --prefill-timeout, or less when the client's deadline is."""
+        return self.timeout if client_remaining is None else max(min(self.timeout, client_remaining), 0.0)
+
     async def handshake(self, timeout: float = 5.0) -> None:
         """One Handshake on the request channel (so round_robin picks a pod as it does for Prefill).
 
         Raises PrefillRefused on a layout mismatch, PrefillFailed when unreachable or loading."""
-        req = pb.HandshakeRequest(layout=self._layout_pb, backend="inline")
+        req = _handshake_request(self._layout_pb, self.pool)
         try:
             await self._get_stub().Handshake(req, timeout=timeout)
         except grpc.RpcError as e:
@@ -104,17 +121,19 @@ class PrefillClient:
     async def prefill(
         self, rid: str, prompt: list[int], sampling: gen_pb.SamplingParams, history: bool,
         client_remaining: float | None, deliver: Callable[[list[Chunk]], None],
-        metadata: Sequence[tuple[str, str]] = (),
+        metadata: Sequence[tuple[str, str]] = (), target: IpcTarget | None = None,
     ) -> PrefillResult:  # fmt: skip
-        """Run one prefill; `deliver` gets the KV chunks in order. `metadata` carries the traceparent."""
-        timeout = self.timeout if client_remaining is None else min(self.timeout, client_remaining)
+        """Run one prefill; `deliver` gets the KV chunks in order. `metadata` carries the traceparent.
+
+        With `target` (cuda_ipc) prefill writes into decode's pool instead and no chunk comes."""
+        timeout = self.call_timeout(client_remaining)
         req = pb.PrefillRequest(
             request_id=rid, prompt=prompt, sampling=sampling, send_window_history=history,
-            layout=self._layout_pb,
+            layout=self._layout_pb, cuda_ipc=target.to_pb() if target is not None else None,
         )  # fmt: skip
         # wait_for_ready: a restarting prefill service is waited for (within the deadline).
         call = self._get_stub().Prefill(
-            req, timeout=max(timeout, 0.0), wait_for_ready=True, metadata=tuple(metadata) or None
+            req, timeout=timeout, wait_for_ready=True, metadata=tuple(metadata) or None
         )
         nbytes = first_ns = 0
         try:
@@ -127,7 +146,11 @@ class PrefillClient:
                 elif msg.HasField("done"):
                     d = msg.done
                     now = time.time_ns()
-                    return PrefillResult(d.first_token, nbytes, first_ns, now, d.queued_prompt_tokens)
+                    if d.cuda_ipc_event:  # the bytes went GPU to GPU: count what prefill wrote
+                        nbytes, first_ns = d.full_bytes + d.window_bytes, first_ns or now
+                    return PrefillResult(
+                        d.first_token, nbytes, first_ns, now, d.queued_prompt_tokens, d.cuda_ipc_event
+                    )
             raise PrefillFailed("the stream ended without PrefillDone")
         except grpc.RpcError as e:
             raise _failure(e) from e

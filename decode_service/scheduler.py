@@ -12,11 +12,14 @@ one (the prefill service refused decode's KV layout): the client still gets a no
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from shared import faults
 from shared.engine import Engine
+from shared.request import Request
 from shared.scheduler_base import (
     AlreadyExists,
     Event,
@@ -31,6 +34,7 @@ from shared.scheduler_base import (
     _Entry,
 )
 from shared.transfer.base import Chunk
+from shared.transfer.cuda_ipc import IpcReceiver
 from shared.transfer.inline import apply_chunk, begin_receive
 
 __all__ = [
@@ -50,6 +54,11 @@ __all__ = [
 ]
 
 
+# After a cuda_ipc lease ends, how long a write prefill launched just before it may still take to land:
+# it runs behind at most the prefill steps already queued on prefill's stream (milliseconds each).
+WRITE_GRACE_S = 5.0
+
+
 @dataclass(frozen=True)
 class RemoteOpts:
     """Prefill this request on the prefill service."""
@@ -62,16 +71,24 @@ class Reserved:
     """Pages and a window are reserved: the KV may now be transferred in."""
 
     at_ns: int = 0  # when (epoch ns): the request's queue time ends here
+    pages: tuple[int, ...] = ()
+    slot: int = 0
+    ready_event: bytes = b""  # cuda_ipc: recorded once the reservation's own writes are enqueued
 
 
 class DecodeScheduler(Scheduler):
     thread_name = "decode-scheduler"
 
-    def __init__(self, engine: Engine, cfg: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self, engine: Engine, cfg: SchedulerConfig | None = None, ipc: IpcReceiver | None = None
+    ) -> None:
         super().__init__(engine, cfg)
         self._pending: deque[_Entry] = deque()  # remote requests waiting for room; scheduler thread only
         self._reserved: dict[str, _Entry] = {}  # reserved, KV in transfer; scheduler thread only
         self.faults = faults.from_env()  # PDSERVE_TEST_FAULTS: tests only
+        self.ipc = ipc  # cuda_ipc: prefill writes into this pool
+        self._leases: dict[str, int] = {}  # rid -> cuda_ipc write lease deadline (epoch ns)
+        self._quarantined: dict[str, Request] = {}  # abandoned cuda_ipc reservations, freed at lease end
 
     # ---- any thread ----
 
@@ -79,9 +96,17 @@ class DecodeScheduler(Scheduler):
         """KV chunks for a reserved request (dropped if it was aborted meanwhile)."""
         self._post(lambda: self._apply_chunks(rid, chunks))
 
-    def prefilled(self, rid: str, first_token: int, history: bool) -> None:
-        """Every chunk has been delivered: admit the request into continuous batching."""
-        self._post(lambda: self._admit(rid, first_token, history))
+    def prefilled(self, rid: str, first_token: int, history: bool, cuda_ipc_event: bytes = b"") -> None:
+        """Every chunk has been delivered (or, cuda_ipc, the writes' event has come): admit the request."""
+        self._post(lambda: self._admit(rid, first_token, history, cuda_ipc_event))
+
+    def leased(self, rid: str, deadline_ns: int) -> None:
+        """Prefill may write into this reservation until `deadline_ns` (cuda_ipc): call before sending.
+
+        An abort before the writes are known done then keeps the pages until the lease and a grace have
+        passed, so a late write never lands in pages another request holds.
+        """
+        self._post(lambda: self._leases.__setitem__(rid, deadline_ns) if rid in self._reserved else None)
 
     def prefill_locally(self, rid: str) -> None:
         """No KV is coming for this reserved request: compute its prompt here instead."""
@@ -106,7 +131,8 @@ class DecodeScheduler(Scheduler):
             entry.req = req
             begin_receive(self._engine.cache, req.slot)
             self._reserved[entry.rid] = entry
-            entry.emit(Reserved(req.admitted_ns))
+            ready = self.ipc.ready() if self.ipc is not None else b""
+            entry.emit(Reserved(req.admitted_ns, tuple(req.pages), req.slot, ready))
 
     def _after_step(self) -> None:
         if self._pending:
@@ -125,11 +151,29 @@ class DecodeScheduler(Scheduler):
         entry = self._reserved.pop(rid, None)
         if entry is not None:
             assert entry.req is not None
-            self._engine.release(entry.req)
+            lease = self._leases.pop(rid, None)
+            if lease is None:
+                self._engine.release(entry.req)
+            else:
+                self._quarantine(rid, entry.req, lease)
             self._finish(entry, Finished("abort", len(entry.prompt), 0))
             self._publish()
             return
         super()._abort_one(rid)
+
+    def _quarantine(self, rid: str, req: Request, lease_ns: int) -> None:
+        """Hold an abandoned cuda_ipc reservation until no write of prefill's can still land in it."""
+        self._quarantined[rid] = req
+        delay = max(lease_ns - time.time_ns(), 0) / 1e9 + WRITE_GRACE_S
+        timer = threading.Timer(delay, lambda: self._post(lambda: self._unquarantine(rid)))
+        timer.daemon = True
+        timer.start()
+
+    def _unquarantine(self, rid: str) -> None:
+        req = self._quarantined.pop(rid, None)
+        if req is not None:
+            self._engine.release(req)
+            self._publish()
 
     def _apply_chunks(self, rid: str, chunks: list[Chunk]) -> None:
         entry = self._reserved.get(rid)
@@ -145,11 +189,15 @@ class DecodeScheduler(Scheduler):
             self._engine.release(req)
             self._finish(entry, Finished("abort", len(entry.prompt), 0, error=f"bad KV chunk: {exc}"))
 
-    def _admit(self, rid: str, first_token: int, history: bool) -> None:
+    def _admit(self, rid: str, first_token: int, history: bool, cuda_ipc_event: bytes) -> None:
         entry = self._reserved.pop(rid, None)
         if entry is None:
             return
         assert entry.req is not None
+        self._leases.pop(rid, None)
+        if cuda_ipc_event:
+            assert self.ipc is not None
+            self.ipc.wait(cuda_ipc_event)  # this stream's next step runs after prefill's writes
         if not history:
             self._engine.flush()  # bounded replay runs alone, not beside a step in flight
         self._engine.admit_prefilled(entry.req, first_token, history=history)
@@ -160,6 +208,7 @@ class DecodeScheduler(Scheduler):
         if entry is None:
             return  # aborted meanwhile
         assert entry.req is not None
+        self._leases.pop(rid, None)  # refused before any work: nothing was written
         # The engine has no public reserved -> prefill step, so the reservation goes back and the request
         # queues as any local one; in this same iteration, so the pages it freed are there for it unless a
         # request queued before it takes them (then it waits its turn: delayed, never lost).

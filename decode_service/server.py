@@ -19,9 +19,10 @@ from decode_service.scheduler import DecodeScheduler, Scheduler, SchedulerConfig
 from decode_service.servicer import SERVICE_NAME, GenerationServicer, Serving
 from shared.api.validation import Limits
 from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from shared.service_runtime import add_health, build_engine, run_service, service_telemetry
+from shared.service_runtime import StartupError, add_health, build_engine, run_service, service_telemetry
 from shared.telemetry import Telemetry
 from shared.transfer.base import KVLayout
+from shared.transfer.cuda_ipc import IpcReceiver, IpcUnavailable
 
 __all__ = ["add_services", "build_serving", "serve"]
 
@@ -29,13 +30,19 @@ __all__ = ["add_services", "build_serving", "serve"]
 def build_serving(cfg: ServiceConfig) -> Serving:
     """Load the model, build the Engine, handshake with prefill, start the scheduler (blocking)."""
     loaded, engine = build_engine(cfg)
-    prefill = None
+    prefill = ipc = None
     if cfg.prefill_target:
         layout = KVLayout.of(engine.cache, loaded.name)
-        handshake(cfg.prefill_target, layout)
-        prefill = PrefillClient(cfg.prefill_target, cfg.prefill_timeout, layout)
+        if cfg.kv_transfer == "cuda_ipc":
+            try:
+                ipc = IpcReceiver(engine.cache)  # the pool's IPC handles, made once
+            except IpcUnavailable as e:
+                raise StartupError(f"--kv-transfer cuda_ipc: {e}") from e
+        pool = ipc.export if ipc is not None else None
+        handshake(cfg.prefill_target, layout, pool=pool)
+        prefill = PrefillClient(cfg.prefill_target, cfg.prefill_timeout, layout, pool)
     router = PrefillRouter(prefill, cfg.local_prefill_max_tokens, cfg.remote_prefill_max_queued_tokens)
-    scheduler = DecodeScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue))
+    scheduler = DecodeScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue), ipc)
     scheduler.start()
     limits = Limits(vocab_size=loaded.config.vocab_size, max_context=engine.max_context())
     kv_dtype = str(engine.cache.k_pages.dtype).removeprefix("torch.")

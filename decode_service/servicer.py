@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from shared.request_trace import RequestTrace, transfer_attrs
 from shared.sampling import SamplingParams
 from shared.telemetry import Telemetry
+from shared.transfer.cuda_ipc import IpcTarget
 
 __all__ = ["SERVICE_NAME", "GenerationServicer", "Serving"]
 
@@ -151,8 +153,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 first = await events.get()
                 if isinstance(first, Reserved):
                     rt.queued(first.at_ns)
-                    first = None
-                    final = await self._remote_prefill(s, rid, prompt, request, context, rt, route)
+                    reserved, first = first, None
+                    final = await self._remote_prefill(s, rid, prompt, request, context, rt, route, reserved)
             while not done:
                 batch = [first if first is not None else await events.get()]
                 first = None
@@ -192,11 +194,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _remote_prefill(
         self, s: Serving, rid: str, prompt: list[int], request: pb.GenerateRequest,
-        context: grpc.aio.ServicerContext, rt: RequestTrace, route: Route,
+        context: grpc.aio.ServicerContext, rt: RequestTrace, route: Route, reserved: Reserved,
     ) -> Route:  # fmt: skip
         """Run the Prefill call; returns where the prompt is prefilled in the end."""
         client = s.router.client
         assert client is not None
+        target = None
+        if client.pool is not None:  # cuda_ipc: prefill writes into the reservation until the lease ends
+            deadline = time.time_ns() + int(client.call_timeout(context.time_remaining()) * 1e9)
+            s.scheduler.leased(rid, deadline)  # before the call: an abort from now on quarantines
+            target = IpcTarget(client.pool, reserved.pages, reserved.slot, reserved.ready_event, deadline)
         attrs = {"server.address": client.target, "pdserve.window_history": s.window_history}
         failed: str | None = None
         refused: str | None = None
@@ -205,7 +212,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             try:
                 res = await client.prefill(
                     rid, prompt, request.sampling, s.window_history, context.time_remaining(),
-                    lambda chunks: s.scheduler.deliver(rid, chunks), metadata,
+                    lambda chunks: s.scheduler.deliver(rid, chunks), metadata, target,
                 )  # fmt: skip
             except PrefillRefused as e:
                 refused = str(e)
@@ -220,9 +227,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if res.first_chunk_ns:
                     dur = max(res.done_ns - res.first_chunk_ns, 1) / 1e9
                     rt.child("kv.transfer", res.first_chunk_ns, res.done_ns, transfer_attrs(
-                        "inline", "receive", res.nbytes, dur), parent=span)  # fmt: skip
+                        client.backend, "receive", res.nbytes, dur), parent=span)  # fmt: skip
                     if metrics is not None:
-                        metrics.transfer("inline", "receive", res.nbytes, dur)
+                        metrics.transfer(client.backend, "receive", res.nbytes, dur)
         s.router.done(route)
         if refused is not None:  # nothing was computed there: the reservation is prefilled here
             s.router.refused(refused)
@@ -235,7 +242,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if failed is not None:
             s.scheduler.abort(rid)  # releases the reservation on the scheduler thread
             await _fail(context, rt, grpc.StatusCode.UNAVAILABLE, failed, len(prompt))
-        s.scheduler.prefilled(rid, res.first_token, s.window_history)
+        s.scheduler.prefilled(rid, res.first_token, s.window_history, res.cuda_ipc_event)
         return route
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

@@ -3,8 +3,11 @@
 Requests run with max_tokens=1 and `hold_kv=True` (chunked prefill under the engine's token budget,
 batched with the other prompts). When one finishes, its KV is extracted here, on the scheduler thread,
 as CPU bytes (`Prefilled`), and released at once: the prefill pool holds no KV beyond extraction, so a
-decode that dies or never reads costs only the bytes in that stream. (A zero-copy backend, cuda_ipc or
-nixl, cannot release before the decode has read: it will need a lease with a timeout instead.)
+decode that dies or never reads costs only the bytes in that stream. With cuda_ipc the writes into
+decode's pool are enqueued instead (after decode's ready event; shared/transfer/cuda_ipc.py) and the
+pages released at once too: later work on this stream runs after the writes, so nothing is held for
+a decode that dies. No write is launched past the request's lease deadline, which is what lets decode
+reuse the pages of an abandoned transfer once the lease (plus a grace) has passed.
 
 Each `Prefilled` also says how many prompt tokens the other live requests still had to compute at that
 moment (`queued_tokens`): decode reads it from PrefillDone to estimate this service's queue.
@@ -13,6 +16,7 @@ moment (`queued_tokens`): decode reads it from PrefillDone to estimate this serv
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 
@@ -20,6 +24,7 @@ from shared import faults
 from shared.engine import Engine
 from shared.scheduler_base import Scheduler, SchedulerConfig, _Entry
 from shared.transfer.base import Chunk
+from shared.transfer.cuda_ipc import IpcTarget, IpcUnavailable, IpcWriter
 from shared.transfer.inline import extract_chunks
 
 __all__ = ["PrefillOpts", "PrefillScheduler", "Prefilled"]
@@ -29,6 +34,7 @@ __all__ = ["PrefillOpts", "PrefillScheduler", "Prefilled"]
 class PrefillOpts:
     window_history: bool = True
     max_chunk_bytes: int = 0  # 0: the backend's default
+    cuda_ipc: IpcTarget | None = None  # set: write into decode's pool instead of extracting chunks
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,9 @@ class Prefilled:
     computed_ns: int = 0
     extracted_ns: int = 0
     queued_tokens: int = 0  # prompt tokens other live requests (waiting + in flight) still had to compute
+    cuda_ipc_event: bytes = b""  # cuda_ipc: recorded after the writes into decode's pool (no chunks then)
+    # The request could not be handed over (nothing was written): (gRPC status code name, message).
+    error: tuple[str, str] | None = None
 
 
 class PrefillScheduler(Scheduler):
@@ -50,6 +59,15 @@ class PrefillScheduler(Scheduler):
     def __init__(self, engine: Engine, cfg: SchedulerConfig | None = None) -> None:
         super().__init__(engine, cfg)
         self.faults = faults.from_env()  # PDSERVE_TEST_FAULTS: tests only
+        self._ipc: IpcWriter | None = None
+        self._ipc_lock = threading.Lock()
+
+    def ipc_writer(self) -> IpcWriter:
+        """The cuda_ipc half of this service (made on first use; raises IpcUnavailable on CPU)."""
+        with self._ipc_lock:
+            if self._ipc is None:
+                self._ipc = IpcWriter(self._engine.cache)
+            return self._ipc
 
     def _queued_tokens(self, done: _Entry) -> int:
         """Prompt tokens not yet computed over every live request but `done` (scheduler thread)."""
@@ -69,6 +87,10 @@ class PrefillScheduler(Scheduler):
         if req.finish_reason != "abort" and req.output:
             computed_ns = time.time_ns()
             opts = entry.opts if isinstance(entry.opts, PrefillOpts) else PrefillOpts()
+            if opts.cuda_ipc is not None:
+                entry.emit(self._write_ipc(entry, opts, computed_ns))
+                self._engine.release(req)  # at once: later work on this stream runs after the writes
+                return
             chunks = tuple(
                 extract_chunks(
                     self._engine.cache, req.pages, req.slot, len(req.prompt),
@@ -84,3 +106,23 @@ class PrefillScheduler(Scheduler):
                 )
             )  # fmt: skip
         self._engine.release(req)  # idempotent; deferred by the engine while a step may still write
+
+    def _write_ipc(self, entry: _Entry, opts: PrefillOpts, computed_ns: int) -> Prefilled:
+        req, target = entry.req, opts.cuda_ipc
+        assert req is not None and target is not None
+        first = req.output[0]
+        if time.time_ns() >= target.lease_deadline_ns:  # decode may already be reusing those pages
+            msg = "the cuda_ipc write lease expired before the prompt was computed"
+            return Prefilled(first, (), 0, 0, error=("DEADLINE_EXCEEDED", msg))
+        try:
+            full, window, event = self.ipc_writer().write(
+                req.pages, req.slot, len(req.prompt), target, window=opts.window_history
+            )
+        except IpcUnavailable as e:  # decode's pool cannot be mapped here: nothing was written
+            return Prefilled(first, (), 0, 0, error=("FAILED_PRECONDITION", f"cuda_ipc: {e}"))
+        except ValueError as e:  # a descriptor that does not fit decode's pool
+            return Prefilled(first, (), 0, 0, error=("INVALID_ARGUMENT", f"cuda_ipc target: {e}"))
+        return Prefilled(
+            first, (), full, window, req.admitted_ns, computed_ns, time.time_ns(),
+            self._queued_tokens(entry), cuda_ipc_event=event,
+        )  # fmt: skip

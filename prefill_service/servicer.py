@@ -5,8 +5,10 @@ that handshook with an earlier process on this address (restarted with another p
 or with another pod behind the same name gets FAILED_PRECONDITION naming every mismatching field before
 any work, never KV it would misread. Then Prefill validates the prompt and sampling as Generate does
 (the first token is sampled here), submits to the scheduler and waits for its `Prefilled` event, whose
-chunks are CPU bytes already released from the pool. A cancelled call aborts the request if it is still
-computing, and otherwise just drops the bytes.
+chunks are CPU bytes already released from the pool. With a `cuda_ipc` target there are no chunks:
+the scheduler has enqueued the writes into decode's pool and PrefillDone carries the event that says
+when they are done. A cancelled call aborts the request if it is still computing, and otherwise just
+drops the bytes.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from shared.request_trace import RequestTrace, transfer_attrs
 from shared.scheduler_base import AlreadyExists, Finished, NotAccepting, QueueFull, SubmitError
 from shared.telemetry import Telemetry
 from shared.transfer.base import KVLayout, mismatches
+from shared.transfer.cuda_ipc import IpcTarget, IpcUnavailable, PoolExport
 
 __all__ = ["BACKENDS", "SERVICE_NAME", "PrefillServicer", "PrefillServing"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Prefill"].full_name
 _PREFILL = f"{SERVICE_NAME}/Prefill"
-BACKENDS = ("inline",)
+BACKENDS = ("inline", "cuda_ipc")
 
 _SUBMIT_CODES: dict[type[SubmitError], grpc.StatusCode] = {
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -79,6 +82,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         problems = mismatches(KVLayout.from_pb(request.layout), s.layout)
         if request.backend and request.backend not in BACKENDS:
             problems.append(f"backend: {request.backend!r} not in {list(BACKENDS)}")
+        if request.backend == "cuda_ipc" and not problems:
+            problems += await self._map_pool(s, request)
         await _refuse_mismatch(context, problems)
         return pb.HandshakeResponse(layout=s.layout.to_pb(), backend=request.backend or BACKENDS[0])
 
@@ -108,7 +113,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(events.put_nowait, ev)
 
-        opts = PrefillOpts(request.send_window_history, request.max_chunk_bytes)
+        target = IpcTarget.from_pb(request.cuda_ipc) if request.HasField("cuda_ipc") else None
+        opts = PrefillOpts(request.send_window_history, request.max_chunk_bytes, target)
+        backend = "inline" if target is None else "cuda_ipc"
         attrs = {
             "gen_ai.operation.name": "text_completion",
             "gen_ai.request.model": s.loaded.name,
@@ -126,8 +133,13 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         try:
             while True:
                 ev = await events.get()
+                if isinstance(ev, Prefilled) and ev.error is not None:
+                    finished = True  # nothing was written; the pool no longer holds it
+                    code = grpc.StatusCode[ev.error[0]]
+                    rt.fail(code, ev.error[1], len(prompt))
+                    await context.abort(code, ev.error[1])
                 if isinstance(ev, Prefilled):
-                    finished = True  # the pool no longer holds it: only these bytes are left
+                    finished = True  # the pool no longer holds it: only these bytes (or writes) are left
                     self._phases(rt, ev, len(prompt))
                     start = time.time_ns()
                     for chunk in ev.chunks:
@@ -137,17 +149,17 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     end = time.time_ns()
                     nbytes = ev.full_bytes + ev.window_bytes
                     dur = max(end - start, 1) / 1e9
-                    attrs = transfer_attrs("inline", "send", nbytes, dur)
+                    attrs = transfer_attrs(backend, "send", nbytes, dur)
                     attrs.update(
                         {"pdserve.kv.full_bytes": ev.full_bytes, "pdserve.kv.window_bytes": ev.window_bytes}
                     )
                     rt.child("kv.transfer", start, end, attrs)
                     if self.telemetry.metrics is not None:
-                        self.telemetry.metrics.transfer("inline", "send", nbytes, dur)
+                        self.telemetry.metrics.transfer(backend, "send", nbytes, dur)
                     rt.finish("length", len(prompt), 1)
                     done = pb.PrefillDone(
                         first_token=ev.first_token, full_bytes=ev.full_bytes, window_bytes=ev.window_bytes,
-                        queued_prompt_tokens=ev.queued_tokens,
+                        queued_prompt_tokens=ev.queued_tokens, cuda_ipc_event=ev.cuda_ipc_event,
                     )  # fmt: skip
                     yield pb.PrefillResponse(done=done)
                     return
@@ -166,6 +178,18 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 rt.fail(grpc.StatusCode.CANCELLED, "cancelled or past its deadline", len(prompt))
 
     @staticmethod
+    async def _map_pool(s: PrefillServing, request: pb.HandshakeRequest) -> list[str]:
+        """Map decode's pool now: a pool this process cannot reach fails the handshake, not a request."""
+        if not request.HasField("cuda_ipc_pool"):
+            return ["cuda_ipc_pool: missing (the cuda_ipc backend needs decode's pool export)"]
+        try:
+            writer = s.scheduler.ipc_writer()
+            await asyncio.to_thread(writer.map, PoolExport.from_pb(request.cuda_ipc_pool))
+        except IpcUnavailable as e:
+            return [f"cuda_ipc: {e}"]
+        return []
+
+    @staticmethod
     def _phases(rt: RequestTrace, ev: Prefilled, prompt_tokens: int) -> None:
         """Queue, forward and extraction spans from the times the scheduler thread stamped."""
         rt.queued(ev.admitted_ns)
@@ -178,7 +202,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 {"gen_ai.usage.input_tokens": prompt_tokens},
             )
         if ev.computed_ns:
-            rt.child("kv.extract", ev.computed_ns, ev.extracted_ns, {"pdserve.kv.backend": "inline"})
+            backend = "cuda_ipc" if ev.cuda_ipc_event else "inline"  # cuda_ipc: the writes enqueued
+            rt.child("kv.extract", ev.computed_ns, ev.extracted_ns, {"pdserve.kv.backend": backend})
 
     async def GetModelInfo(
         self, request: gen_pb.GetModelInfoRequest, context: grpc.aio.ServicerContext

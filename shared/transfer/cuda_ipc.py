@@ -16,6 +16,7 @@ released as soon as the writes are enqueued: later work on its stream runs after
 from __future__ import annotations
 
 import math
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -26,10 +27,11 @@ import torch
 from shared.kv.cache import KVCache
 from shared.pb.pdserve.v1 import cuda_ipc_pb2 as pb
 from shared.transfer.copy_rows import copy_rows
+from shared.transfer.ipc_events import EventRing, OpenedEvents
 
 __all__ = [
-    "EventRing", "IpcUnavailable", "OpenedEvents", "PeerPool", "PeerPools", "PoolExport",
-    "export_pool", "push",
+    "EventRing", "IpcReceiver", "IpcTarget", "IpcUnavailable", "IpcWriter", "OpenedEvents", "PeerPool",
+    "PeerPools", "PoolExport", "export_pool", "push",
 ]  # fmt: skip
 
 POOL_TENSORS = ("k_pages", "v_pages", "k_ring", "v_ring", "ring_pos")
@@ -188,42 +190,6 @@ class PeerPools:
         return pool
 
 
-class EventRing:
-    """Interprocess events reused in turn: a peer keeps the handles it has opened (OpenedEvents).
-
-    Re-recording an event a peer has not waited on yet only makes that wait later, never wrong.
-    """
-
-    def __init__(self, device: torch.device, size: int = 256) -> None:
-        self.device = device
-        with torch.cuda.device(device):
-            self._events = [torch.cuda.Event(interprocess=True) for _ in range(size)]
-            self._handles = [bytes(e.ipc_handle()) for e in self._events]
-        self._next = 0
-
-    def record(self) -> bytes:
-        """Record on the current stream; the handle a peer waits on."""
-        i, self._next = self._next, (self._next + 1) % len(self._events)
-        self._events[i].record(torch.cuda.current_stream(self.device))
-        return self._handles[i]
-
-
-class OpenedEvents:
-    """A peer's interprocess events, opened once each; `wait` orders this stream after one."""
-
-    def __init__(self, device: torch.device, limit: int = 4096) -> None:
-        self.device, self.limit = device, limit
-        self._opened: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
-
-    def wait(self, handle: bytes) -> None:
-        ev = self._opened.get(handle)
-        if ev is None:
-            ev = self._opened[handle] = torch.cuda.Event.from_ipc_handle(self.device, handle)
-            if len(self._opened) > self.limit:
-                self._opened.popitem(last=False)
-        torch.cuda.current_stream(self.device).wait_event(ev)
-
-
 def _upload(values: Sequence[int], device: torch.device) -> torch.Tensor:
     # Pinned, so the copy is asynchronous: a copy from pageable memory would make the host wait.
     return torch.tensor(values, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
@@ -272,3 +238,72 @@ def push(
             window_bytes += pool.shape[0] * filled * per_entry * pool.element_size()
         copy_rows(src.ring_pos, t["ring_pos"], t["ring_pos"].shape, s, d)
     return full, window_bytes
+
+
+@dataclass(frozen=True)
+class IpcTarget:
+    """Where one request's KV goes in decode's pool, and the events and lease that guard it."""
+
+    pool: PoolExport
+    pages: tuple[int, ...]
+    slot: int
+    ready_event: bytes  # recorded by decode once the reservation is ready; empty: nothing to wait on
+    lease_deadline_ns: int  # unix epoch ns; no write may be launched after it
+
+    def to_pb(self) -> pb.CudaIpcTarget:
+        return pb.CudaIpcTarget(
+            pool=self.pool.to_pb(), pages=list(self.pages), slot=self.slot, ready_event=self.ready_event,
+            lease_deadline_unix_ns=self.lease_deadline_ns,
+        )  # fmt: skip
+
+    @classmethod
+    def from_pb(cls, msg: pb.CudaIpcTarget) -> IpcTarget:
+        pool = PoolExport.from_pb(msg.pool)
+        return cls(pool, tuple(msg.pages), msg.slot, msg.ready_event, msg.lease_deadline_unix_ns)
+
+
+class IpcWriter:
+    """Prefill's half: the decode pools it has mapped, decode's events it has opened, its own events."""
+
+    def __init__(self, cache: KVCache) -> None:
+        if cache.device.type != "cuda":
+            raise IpcUnavailable("cuda_ipc needs the KV cache on a CUDA device")
+        self.cache = cache
+        self._lock = threading.Lock()  # handshakes map on the event loop, writes run on the scheduler
+        self._pools = PeerPools(cache.device, cache)
+        self._opened = OpenedEvents(cache.device)
+        self._ring = EventRing(cache.device)
+
+    def map(self, export: PoolExport) -> None:
+        """Map decode's pool now (a handshake), so an unreachable one fails before any request."""
+        with self._lock:
+            self._pools.get(export)
+
+    def write(
+        self, pages: Sequence[int], slot: int, num_tokens: int, target: IpcTarget, *, window: bool
+    ) -> tuple[int, int, bytes]:
+        """Enqueue the request's KV writes after decode's ready event; (full, window bytes, done event)."""
+        with self._lock:
+            pool = self._pools.get(target.pool)
+        if target.ready_event:
+            self._opened.wait(target.ready_event)
+        full, window_bytes = push(self.cache, pages, slot, num_tokens, pool, target.pages, target.slot,
+                                  window=window)  # fmt: skip
+        return full, window_bytes, self._ring.record()
+
+
+class IpcReceiver:
+    """Decode's half: its exported pool, the events it records, and prefill's events it waits on."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.export = export_pool(cache)
+        self._ring = EventRing(cache.device)
+        self._opened = OpenedEvents(cache.device)
+
+    def ready(self) -> bytes:
+        """An event after everything enqueued so far (the reservation's own writes)."""
+        return self._ring.record()
+
+    def wait(self, handle: bytes) -> None:
+        """Order this stream after prefill's writes (its PrefillDone.cuda_ipc_event)."""
+        self._opened.wait(handle)

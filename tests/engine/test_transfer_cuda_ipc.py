@@ -83,12 +83,14 @@ def _decode_side(device: str, conn) -> None:  # type: ignore[no-untyped-def]
         torch.cuda.set_device(device)
         cache = _kv(device)
         cache.k_pages.fill_(7.0)  # stale bytes the transfer must overwrite
-        cache.ring_pos[:, SLOT].fill_(-1)
-        ring = EventRing(cache.device, size=4)
-        conn.send((export_pool(cache).to_pb().SerializeToString(), ring.record()))
+        ring, export = EventRing(cache.device, size=4), export_pool(cache)
+        with no_host_sync():  # the reservation's side of decode's receive path
+            cache.ring_pos[:, SLOT].fill_(-1)
+            ready = ring.record()
+        conn.send((export.to_pb().SerializeToString(), ready))
         done_event, n, ref = conn.recv()
         opened = OpenedEvents(cache.device)
-        with no_host_sync():
+        with no_host_sync():  # and the admission's: its stream waits on prefill's event
             opened.wait(done_event)
         got = {name: getattr(cache, name).cpu() for name in ref}
         rows = torch.tensor([PAGES[p // 4] * 4 + p % 4 for p in range(n)])

@@ -1,0 +1,93 @@
+"""The cuda_ipc backend between real processes: prefill writes into decode's GPU pool.
+
+GPU (one H200: both services on it; two: prefill on cuda:0, decode on cuda:1): greedy tokens equal an
+inline decode's against the same prefill, with and without window history; a client cancel while the
+writes may be in flight frees decode's reservation only after the lease, and both pools come back to
+idle; a prefill that cannot map decode's pool fails decode's start-up naming cuda_ipc. CPU: the flag
+is validated at start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from decode_service.config import ServiceConfig
+from shared.client import Client, GenerationError
+from tests.services.service_testutil import ServerProcess, random_spec, stop_all, wait_pool_idle
+from tests.services.test_disagg import COMMON, GREEDY, LENGTHS, _prefill, _PrefillInfo, _prompt
+
+gpu = pytest.mark.gpu
+
+
+def test_cuda_ipc_is_refused_at_start_up_without_a_cuda_device():
+    with pytest.raises(ValueError, match="cuda_ipc needs a CUDA device"):
+        ServiceConfig(kv_transfer="cuda_ipc", device="cpu", prefill_target="127.0.0.1:1")
+    with pytest.raises(ValueError, match="kv_transfer must be one of inline, cuda_ipc"):
+        ServiceConfig(kv_transfer="nvlink")
+
+
+def _decode_device() -> str:
+    return "cuda:1" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cuda:0"
+
+
+def _decode(prefill: ServerProcess, transfer: str, *extra: str, ready: bool = True) -> ServerProcess:
+    return ServerProcess(
+        random_spec(), *COMMON, "--device", _decode_device(), "--prefill-target", prefill.target,
+        "--local-prefill-max-tokens", "0", "--kv-transfer", transfer, *extra, wait_ready=ready,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gpu_prefill() -> Iterator[ServerProcess]:
+    p = _prefill("--device", "cuda:0")
+    yield p
+    stop_all(p)
+
+
+@gpu
+@pytest.mark.parametrize("history", [True, False])
+def test_cuda_ipc_tokens_equal_inline_tokens(gpu_prefill, history):
+    flags = () if history else ("--no-window-history",)
+    ipc, inline = _decode(gpu_prefill, "cuda_ipc", *flags), _decode(gpu_prefill, "inline", *flags)
+    try:
+        with Client(ipc.target) as a, Client(inline.target) as b:
+            for n in LENGTHS:
+                want = b.complete(_prompt(n), **GREEDY).token_ids
+                assert a.complete(_prompt(n), **GREEDY).token_ids == want, n
+            wait_pool_idle(a)
+    finally:
+        stop_all(ipc, inline)
+
+
+@gpu
+def test_a_cancel_during_the_writes_frees_the_reservation_after_the_lease(gpu_prefill):
+    decode = _decode(gpu_prefill, "cuda_ipc", "--prefill-timeout", "2")
+    info = _PrefillInfo(gpu_prefill.target)
+    try:
+        with Client(decode.target) as c:
+            for timeout in (0.01, 0.03, 0.06, 0.1, 0.2):  # ends in the queue, the compute or the writes
+                with pytest.raises(GenerationError):
+                    c.complete(_prompt(200), **{**GREEDY, "max_tokens": 200}, timeout=timeout)
+            # The lease (2 s) and the write grace (5 s) pass before the pages come back.
+            wait_pool_idle(c, timeout=20)
+            wait_pool_idle(info, timeout=20)  # type: ignore[arg-type]
+            assert c.complete(_prompt(9), **GREEDY).finish_reason == "length"
+    finally:
+        info.close()
+        stop_all(decode)
+
+
+@gpu
+def test_a_prefill_that_cannot_map_the_pool_fails_decode_start_up():
+    cpu_prefill = _prefill("--device", "cpu")
+    try:
+        decode = _decode(cpu_prefill, "cuda_ipc", ready=False)
+        assert decode.wait(timeout=120) == 1
+        log = decode.log()
+        assert "refused the handshake" in log and "cuda_ipc" in log and "CUDA device" in log, log[-2000:]
+        decode.kill()
+    finally:
+        stop_all(cpu_prefill)
