@@ -3,6 +3,7 @@
 
     python bench/engine.py                     # batches 1,16,64; prompt 512; 64 decode steps
     python bench/engine.py --batches 64 --no-hf
+    python bench/engine.py --batches 64 --no-hf --prefill-prompt 0 --kernels torch   # unfused, to compare
 
 Model: hidden 2048, 28 layers, 16/8 heads x 128, intermediate 6144, 3 of 4 layers sliding (W=1024),
 vocab 128256, random bf16 weights (~1.9B parameters). The roofline of a decode step is the bytes it
@@ -65,7 +66,7 @@ def make_models(with_hf: bool):
             for p in model.parameters():
                 if p.dim() >= 2:
                     p.normal_(0, 0.02)
-    model.rotary.float()  # RoPE tables stay fp32
+    model.rotary.reset_buffers("cuda")  # fp32 tables computed afresh: .to(bf16) above rounded them
     return cfg, model.eval(), hf
 
 
@@ -206,11 +207,14 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--prefill-prompt", type=int, default=4096, help="0: skip the prefill benchmark")
     ap.add_argument("--profile", type=int, default=0, help="profile decode at this batch (graphs and eager)")
+    ap.add_argument("--kernels", choices=["auto", "torch"], default="auto",
+                    help="fused Triton elementwise ops (auto, on CUDA) or unfused torch")  # fmt: skip
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
     cfg, model, hf = make_models(not args.no_hf)
+    model.kernel_backend = args.kernels
     params = sum(p.numel() for p in model.parameters()) / 1e9
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B")
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B; kernels {args.kernels}")
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         row = bench_engine(model, cfg, batch, args.prompt, args.steps, bandwidth)
@@ -226,7 +230,8 @@ def main() -> None:
         profile_decode(model, cfg, args.profile, args.prompt)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "kernels": args.kernels, "rows": rows}, f)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Building blocks of the decoder: RMSNorm, rotary embedding tables, SwiGLU MLP.
 
 Numerics follow Hugging Face's Llama family (norm in float32, RoPE tables in float32, cast to the
-activation dtype) so that parity tests can hold a tight tolerance.
+activation dtype) so that parity tests can hold a tight tolerance. The modules hold weights; the math
+is a `ModelKernels` the caller passes (fused Triton on CUDA), torch's reference when none is given.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import ModelConfig, RopeScaling
+from shared.model.kernels import ModelKernels, kernels_for
+
+_TORCH = kernels_for("cpu", "torch")
 
 
 class RMSNorm(nn.Module):
@@ -21,11 +24,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(self, x: torch.Tensor, kernels: ModelKernels = _TORCH) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor, kernels: ModelKernels = _TORCH
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): a residual add and the norm after it, in one kernel."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -72,18 +78,19 @@ class Rotary(nn.Module):
         self.cos_sin = self._table(device)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        kernels: ModelKernels = _TORCH,
+        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, D/2] each
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Hugging Face's rotate_half convention: the two halves of a head are the (real, imag) pair.
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        """q [T, Hq, D], k [T, Hkv, D] rotated to `positions`; with `qk_norm` (Qwen3's q_norm and k_norm)
+        each head is normed first, in the same kernel."""
+        if qk_norm is None:
+            return kernels.rope(q, k, positions, self.cos_sin)
+        q_norm, k_norm = qk_norm
+        return kernels.rope(q, k, positions, self.cos_sin, q_norm.weight, k_norm.weight, q_norm.eps)
 
 
 class SwiGLU(nn.Module):
@@ -95,6 +102,5 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, kernels: ModelKernels = _TORCH) -> torch.Tensor:
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))

@@ -3,6 +3,10 @@
 The model never does attention itself: each layer hands RoPE'd q, k and v to an `AttentionFn`, which
 owns KV storage and masking (paged caches in the engine, a dense mask in `reference.py`). That keeps
 this file free of batch structure, and its forward free of host syncs, so it can be graph-captured.
+
+Elementwise work goes through `ModelKernels` (fused Triton kernels on CUDA, torch elsewhere), and the
+residual stream travels beside the hidden state as in vLLM: each norm adds the residual it follows in
+the same kernel, so a layer costs its four GEMMs, attention and four small kernels.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
+from shared.model.kernels import Backend, ModelKernels, kernels_for
 from shared.model.layers import RMSNorm, Rotary, SwiGLU
 
 
@@ -45,16 +50,16 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionFn
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionFn,
+        kernels: ModelKernels,
+    ) -> torch.Tensor:  # fmt: skip
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
+        q, k = rotary(positions, q, k, kernels, qk_norm)
         out = attn(self.layer, q, k, v)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -68,10 +73,21 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionFn
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: Rotary,
+        attn: AttentionFn, kernels: ModelKernels,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(mlp output, residual stream before it): the stream is `residual + x` for the next norm to add.
+
+        x is the previous layer's MLP output (the embedding, with residual None, for the first layer).
+        The adds round exactly where `h = h + sublayer(norm(h))` would, so the stream is unchanged.
+        """
+        if residual is None:
+            h, residual = self.input_layernorm(x, kernels), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual, kernels)
+        h = self.self_attn(h, positions, rotary, attn, kernels)
+        h, residual = self.post_attention_layernorm.add(h, residual, kernels)
+        return self.mlp(h, kernels), residual
 
 
 # Checkpoint (Hugging Face) names -> (our parameter, shard index in a fused parameter or None).
@@ -86,9 +102,11 @@ _FUSED = {
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Backend = "auto") -> None:
         super().__init__()
         self.cfg = cfg
+        # "auto": fused Triton kernels when the input is on CUDA, torch otherwise (see kernels_for).
+        self.kernel_backend: Backend = kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -104,10 +122,13 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions: [T] (the batch's sequences, concatenated). Returns normed hidden [T, H]."""
-        x = self.embed_tokens(input_ids)
+        kernels = kernels_for(input_ids.device, self.kernel_backend)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, attn, kernels)
+        if residual is None:
+            return self.norm(x, kernels)
+        return self.norm.add(x, residual, kernels)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] (rows the caller picked, e.g. each sequence's last). Returns float32 [N, V]."""

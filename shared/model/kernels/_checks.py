@@ -1,0 +1,46 @@
+"""Argument checks of the Triton wrappers: shapes, dtypes, strides and devices, never values (a check
+that read a value would make the host wait for the device)."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.attention._checks import FLOAT_DTYPES, check_dims, check_dtype, check_same_device
+from shared.attention._launch import check_triton_device
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "check_activation",
+    "check_eps",
+    "check_same_device",
+    "check_triton_device",
+    "check_weight",
+    "fail",
+]
+
+
+def fail(op: str, msg: str) -> None:
+    raise ValueError(f"{op}: {msg}")
+
+
+def check_activation(op: str, name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    """A float activation whose rows the kernel addresses by stride and whose last dim it reads as one run."""
+    check_dims(op, name, t, ndim, layout)
+    check_dtype(op, name, t, FLOAT_DTYPES)
+    if t.stride(-1) != 1:
+        fail(op, f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
+
+
+def check_weight(op: str, name: str, w: torch.Tensor, size: int, dtype: torch.dtype) -> None:
+    check_dims(op, name, w, 1, f"[{size}]")
+    if w.shape[0] != size:
+        fail(op, f"{name} must have {size} entries, got {w.shape[0]}")
+    if w.dtype != dtype:
+        fail(op, f"{name} dtype {w.dtype} != activation dtype {dtype}")
+    if not w.is_contiguous():
+        fail(op, f"{name} must be contiguous")
+
+
+def check_eps(op: str, eps: float) -> None:
+    if not isinstance(eps, float | int) or isinstance(eps, bool) or eps < 0:
+        fail(op, f"eps must be a non-negative Python float, got {eps!r}")

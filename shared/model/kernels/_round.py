@@ -1,0 +1,24 @@
+"""Rounding a float32 value to the activation dtype, as a torch op on that dtype rounds its result."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """x (float32) rounded to nearest-even in `dtype`, returned as float32 (exact in `dtype`).
+
+    bf16 is rounded by bits: a GPU rounds a float32 -> bf16 cast to nearest, but Triton's interpreter
+    (where the CPU tests run) truncates, which would hide real mismatches behind a one-ulp tolerance.
+    Storing the result with a plain `.to(dtype)` is then exact on both.
+    """
+    if dtype == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, u.to(tl.float32, bitcast=True))  # NaN payloads must not carry
+    elif dtype == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x

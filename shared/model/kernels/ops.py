@@ -1,0 +1,111 @@
+"""The decoder's elementwise seam: one interface, torch on CPU and fused Triton kernels on CUDA.
+
+Mirrors shared/attention/ops.py: `kernels_for(device)` picks the implementation, and a backend can be
+forced (Triton on CPU needs TRITON_INTERPRET=1, as the tests set). Neither implementation reads a
+value on the host, so a forward through either stays sync-free and CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from typing import Literal
+
+import torch
+
+from shared.model.kernels import reference
+
+Tensor = torch.Tensor
+Backend = Literal["auto", "torch", "triton"]
+
+
+class ModelKernels(ABC):
+    name: str
+
+    @abstractmethod
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """x [T, H] -> LlamaRMSNorm(x), a new tensor."""
+
+    @abstractmethod
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """(rms_norm(residual + x), residual + x): the next residual stream and its norm."""
+
+    @abstractmethod
+    def rope(
+        self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor,
+        q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 0.0,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """q [T, Hq, D] and k [T, Hkv, D] rotated to `positions` (per-head RMSNorm first with weights)."""
+
+    @abstractmethod
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
+
+
+class TorchKernels(ModelKernels):
+    """Plain torch ops (any device): the CPU path and the reference of the Triton kernels."""
+
+    name = "torch"
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return reference.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        return reference.add_rms_norm(x, residual, weight, eps)
+
+    def rope(
+        self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor,
+        q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 0.0,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        return reference.rope(q, k, positions, cos_sin, q_weight, k_weight, eps)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        return reference.silu_mul(gate_up)
+
+
+class TritonKernels(ModelKernels):
+    """Fused Triton kernels: CUDA, or CPU tensors under TRITON_INTERPRET=1 (tests)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Imported here, not at module load: the interpreter is chosen when a kernel is decorated.
+        from shared.model.kernels import rms_norm, rope, silu_mul
+
+        self._rms_norm, self._add_rms_norm = rms_norm.rms_norm, rms_norm.add_rms_norm
+        self._rope, self._silu_mul = rope.rope, silu_mul.silu_mul
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return self._rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        return self._add_rms_norm(x, residual, weight, eps)
+
+    def rope(
+        self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor,
+        q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 0.0,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        return self._rope(q, k, positions, cos_sin, q_weight, k_weight, eps)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        return self._silu_mul(gate_up)
+
+
+@functools.cache
+def _instance(backend: str) -> ModelKernels:
+    return TorchKernels() if backend == "torch" else TritonKernels()
+
+
+def kernels_for(device: torch.device | str, backend: Backend = "auto") -> ModelKernels:
+    """Triton on CUDA, torch elsewhere; `backend` forces one. Instances are shared (they hold no state)."""
+    device = torch.device(device)
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "torch":
+        return _instance("torch")
+    if backend == "triton":
+        from shared.attention._launch import check_triton_device
+
+        check_triton_device("kernels_for", device)
+        return _instance("triton")
+    raise ValueError(f"kernels_for: backend must be 'auto', 'torch' or 'triton', got {backend!r}")

@@ -1,0 +1,59 @@
+"""Torch versions of the decoder's elementwise ops: the CPU path, and what the Triton kernels match.
+
+Every op rounds to the activation dtype exactly where Hugging Face's Llama family does (each torch op on
+a bf16 tensor rounds its result), so the fused kernels can reproduce these results to the bit, up to
+the order of a float32 sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm over the last dim: weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x): the sum is rounded to the dtype before it is normed."""
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [T, H, D] with cos/sin [T, 1, D/2] (Hugging Face's rotate_half: the two halves of a
+    head are the real and imaginary parts). Tables are rounded to x's dtype first, as HF does."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hkv, D] rotated by the rows `positions` [T] of cos_sin [P, D] (cos half |
+    sin half). With q_weight and k_weight (Qwen3), each head is RMS-normed first."""
+    if q_weight is not None and k_weight is not None:
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from gate_up [T, 2I] (gate | up, one fused projection's output) -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,177 @@
+"""The fused Triton kernels (interpreted on CPU, compiled on CUDA) against the torch reference, on small
+and odd shapes: rows strided like the views the model passes, sizes that are not powers of two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testutil import assert_matches
+
+from shared.model.kernels import TorchKernels, TritonKernels, kernels_for, reference
+from shared.model.kernels.rms_norm import add_rms_norm, rms_norm
+from shared.model.kernels.rope import rope
+from shared.model.kernels.silu_mul import silu_mul
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def rand(*shape: int, dtype: torch.dtype, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(device=DEVICE, dtype=dtype)
+
+
+def norm_weight(size: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    return 1.0 + rand(size, dtype=dtype, scale=0.2, seed=seed)
+
+
+def rope_table(positions: int, head_dim: int) -> torch.Tensor:
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(positions).float()[:, None] * inv[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "size"), [(1, 1), (7, 33), (5, 100), (3, 256)])
+def test_rms_norm_matches_reference(rows: int, size: int, dtype: torch.dtype) -> None:
+    wide = rand(rows, size + 5, dtype=dtype, scale=3.0)
+    x = wide[:, 2 : 2 + size]  # strided rows, as a slice of a wider activation
+    w = norm_weight(size, dtype)
+    assert_matches(rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "size"), [(1, 3), (6, 45), (4, 128)])
+def test_add_rms_norm_matches_reference(rows: int, size: int, dtype: torch.dtype) -> None:
+    x, residual = rand(rows, size, dtype=dtype, seed=2), rand(rows, size, dtype=dtype, scale=4.0, seed=3)
+    w = norm_weight(size, dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    out, new_residual = add_rms_norm(x, residual, w, 1e-5)
+    ref_out, ref_residual = reference.add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(new_residual, ref_residual)  # one rounded add: exact
+    assert_matches(out, ref_out)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # out of place
+
+
+def test_rms_norm_eps_dominates_a_zero_row() -> None:
+    x = torch.zeros(2, 16, device=DEVICE)
+    x[1] = 1e-4
+    w = torch.ones(16, device=DEVICE)
+    assert_matches(rms_norm(x, w, 1e-2), reference.rms_norm(x, w, 1e-2))
+    assert not rms_norm(x, w, 1e-2).isnan().any()
+
+
+def qk_views(tokens: int, hq: int, hkv: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as the model has them: strided views of one fused qkv projection's output."""
+    qkv = rand(tokens, (hq + 2 * hkv) * d, dtype=dtype, scale=2.0, seed=4)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(tokens, hq, d), k.view(tokens, hkv, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize(
+    ("tokens", "hq", "hkv", "d"), [(1, 1, 1, 2), (6, 3, 1, 10), (9, 4, 2, 16), (3, 8, 8, 64)]
+)
+def test_rope_matches_reference(
+    tokens: int, hq: int, hkv: int, d: int, qk_norm: bool, dtype: torch.dtype
+) -> None:
+    q, k = qk_views(tokens, hq, hkv, d, dtype)
+    table = rope_table(40, d)
+    # -1 is a CUDA-graph padding row (torch indexing wraps it to the last row); 39 the table's last.
+    positions = torch.tensor([0, 39, -1, 17, 5, 23, 1, 2, 3][:tokens], device=DEVICE)
+    weights = (norm_weight(d, dtype, seed=5), norm_weight(d, dtype, seed=6)) if qk_norm else (None, None)
+    got = rope(q, k, positions, table, *weights, eps=1e-6)
+    expected = reference.rope(q, k, positions, table, *weights, eps=1e-6)
+    for actual, ref in zip(got, expected, strict=True):
+        assert actual.is_contiguous()
+        assert_matches(actual, ref)
+
+
+def test_rope_takes_int32_positions_and_clamps_past_the_table() -> None:
+    q, k = qk_views(3, 2, 1, 8, torch.float32)
+    table = rope_table(10, 8)
+    got = rope(q, k, torch.tensor([3, 9, 0], dtype=torch.int32, device=DEVICE), table)
+    expected = reference.rope(q, k, torch.tensor([3, 9, 0], device=DEVICE), table)
+    for actual, ref in zip(got, expected, strict=True):
+        assert_matches(actual, ref)
+    # Past the end, torch would raise; the kernel must not read out of bounds (it uses the last row).
+    past, last = (rope(q, k, torch.tensor([p] * 3, device=DEVICE), table)[0] for p in (10_000, 9))
+    assert torch.equal(past, last)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "size"), [(1, 1), (3, 7), (4, 1500)])
+def test_silu_mul_matches_reference(rows: int, size: int, dtype: torch.dtype) -> None:
+    gate_up = rand(rows, 2 * size, dtype=dtype, scale=4.0, seed=7)
+    assert_matches(silu_mul(gate_up), reference.silu_mul(gate_up))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # numpy, interpreting
+def test_silu_mul_saturates_without_nan() -> None:
+    gate_up = torch.tensor([[-200.0, 0.0, 90.0, 2.0, 3.0, 4.0]], device=DEVICE)
+    out = silu_mul(gate_up)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, reference.silu_mul(gate_up))
+
+
+def test_empty_batches() -> None:
+    w = torch.ones(8, device=DEVICE)
+    assert rms_norm(torch.zeros(0, 8, device=DEVICE), w, 1e-6).shape == (0, 8)
+    assert silu_mul(torch.zeros(0, 8, device=DEVICE)).shape == (0, 4)
+    q, k = rope(torch.zeros(0, 2, 4, device=DEVICE), torch.zeros(0, 1, 4, device=DEVICE),
+                torch.zeros(0, dtype=torch.int64, device=DEVICE), rope_table(4, 4))  # fmt: skip
+    assert q.shape == (0, 2, 4) and k.shape == (0, 1, 4)
+
+
+def _rope_args(**change: object) -> dict[str, object]:
+    args: dict[str, object] = {
+        "q": torch.zeros(3, 2, 8), "k": torch.zeros(3, 1, 8), "positions": torch.zeros(3, dtype=torch.int64),
+        "cos_sin": torch.zeros(10, 8),
+    }  # fmt: skip
+    args.update(change)
+    return {n: v.to(DEVICE) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v
+            for n, v in args.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: rms_norm(torch.zeros(2, 3, 4), torch.ones(4), 1e-6), r"x must be \[T, H\]"),
+        (lambda: rms_norm(torch.zeros(2, 4), torch.ones(5), 1e-6), "weight must have 4 entries"),
+        (lambda: rms_norm(torch.zeros(2, 4), torch.ones(4, dtype=torch.float16), 1e-6), "weight dtype"),
+        (lambda: rms_norm(torch.zeros(4, 2).t(), torch.ones(4), 1e-6), "contiguous last dimension"),
+        (lambda: rms_norm(torch.zeros(2, 4, dtype=torch.int32), torch.ones(4), 1e-6), "x must have dtype"),
+        (lambda: rms_norm(torch.zeros(2, 4), torch.ones(4), -1.0), "eps must be"),
+        (lambda: add_rms_norm(torch.zeros(2, 4), torch.zeros(3, 4), torch.ones(4), 1e-6), "residual"),
+        (
+            lambda: add_rms_norm(torch.zeros(2, 4), torch.zeros(2, 4, device="meta"), torch.ones(4), 1e-6),
+            "one device",
+        ),
+        (lambda: silu_mul(torch.zeros(2, 5)), "equal width"),
+        (lambda: silu_mul(torch.zeros(10)), r"gate_up must be \[T, 2I\]"),
+        (lambda: rope(**_rope_args(k=torch.zeros(3, 1, 6))), "k .* must be"),
+        (lambda: rope(**_rope_args(k=torch.zeros(3, 1, 8, dtype=torch.float16))), "k dtype"),
+        (lambda: rope(**_rope_args(positions=torch.zeros(4, dtype=torch.int64))), "positions has 4"),
+        (lambda: rope(**_rope_args(positions=torch.zeros(3))), "positions must have dtype"),
+        (lambda: rope(**_rope_args(cos_sin=torch.zeros(10, 6))), "cos_sin must be"),
+        (
+            lambda: rope(
+                **_rope_args(q=torch.zeros(3, 2, 7), k=torch.zeros(3, 1, 7), cos_sin=torch.zeros(10, 7))
+            ),
+            "head dim must be even",
+        ),
+        (lambda: rope(**_rope_args(q_weight=torch.ones(8))), "both q_weight and k_weight"),
+        (lambda: rope(**_rope_args(q_weight=torch.ones(8), k_weight=torch.ones(4))), "k_weight must have 8"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_kernels_for_picks_by_device() -> None:
+    assert isinstance(kernels_for("cpu"), TorchKernels)
+    assert isinstance(kernels_for("cpu", "triton"), TritonKernels)  # the interpreter, as set by conftest
+    with pytest.raises(ValueError, match="backend must be"):
+        kernels_for("cpu", "cuda")  # type: ignore[arg-type]
