@@ -14,11 +14,13 @@ def round_to(x, dtype: tl.constexpr):
     (where the CPU tests run) truncates, which would hide real mismatches behind a one-ulp tolerance.
     Storing the result with a plain `.to(dtype)` is then exact on both.
     """
+    # One return at the end: a compiled Triton function may not return from inside an if.
     if dtype == tl.bfloat16:
         u = x.to(tl.uint32, bitcast=True)
         u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-        return tl.where(x != x, x, u.to(tl.float32, bitcast=True))  # NaN payloads must not carry
+        y = tl.where(x != x, x, u.to(tl.float32, bitcast=True))  # NaN payloads must not carry
     elif dtype == tl.float16:
-        return x.to(tl.float16).to(tl.float32)
+        y = x.to(tl.float16).to(tl.float32)
     else:
-        return x
+        y = x
+    return y
