@@ -21,15 +21,26 @@ HYBRID_2B = {"layers": "SSSF" * 7, "window": 1024, "vocab": 32000, "hidden": 204
 
 
 def start(mode: str, model: str, device: str, extra: list[str]) -> list[_Child]:
-    common = ["--model", model, "--device", device, *extra]
+    """colocated: decode alone on GPU 0. disaggregated: prefill on GPU 0, decode on GPU 1, KV inline.
+    disaggregated-cuda_ipc: the same with both GPUs visible to both, prefill writing into decode's pool."""
+    common = ["--model", model, *extra]
     if mode == "colocated":
-        decode = _Child("decode_service", "0", *common, env={"CUDA_VISIBLE_DEVICES": "0"})
+        decode = _Child("decode_service", "0", *common, "--device", device, env={"CUDA_VISIBLE_DEVICES": "0"})
         return [decode]
-    prefill = _Child("prefill_service", "0", *common, env={"CUDA_VISIBLE_DEVICES": "0"})
+    ipc = mode == "disaggregated-cuda_ipc"
+    if device == "cpu":
+        devices, prefill_dev, decode_dev = ("", ""), "cpu", "cpu"
+    elif ipc:  # cuda_ipc maps decode's GPU into prefill's process: both see both GPUs
+        devices, prefill_dev, decode_dev = ("0,1", "0,1"), "cuda:0", "cuda:1"
+    else:
+        devices, prefill_dev, decode_dev = ("0", "1"), "cuda", "cuda"
+    env = [{"CUDA_VISIBLE_DEVICES": d} if d else {} for d in devices]
+    prefill = _Child("prefill_service", "0", *common, "--device", prefill_dev, env=env[0])
     if not prefill.wait_ready(600):
         raise SystemExit("prefill did not start")
     remote = ["--prefill-target", prefill.target, "--local-prefill-max-tokens", "0"]
-    decode = _Child("decode_service", "0", *common, *remote, env={"CUDA_VISIBLE_DEVICES": "1"})
+    remote += ["--kv-transfer", "cuda_ipc"] if ipc else []
+    decode = _Child("decode_service", "0", *common, "--device", decode_dev, *remote, env=env[1])
     return [decode, prefill]
 
 
@@ -39,7 +50,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rates", default="1,2,4")
-    ap.add_argument("--modes", default="colocated,disaggregated")
+    ap.add_argument("--modes", default="colocated,disaggregated,disaggregated-cuda_ipc")
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--prefix-tokens", type=int, default=2048)

@@ -117,6 +117,16 @@ def _reference(prefill, p, n: int, device: str) -> dict[str, torch.Tensor]:  # t
     return {name: getattr(ref, name).cpu() for name in ("k_pages", "v_pages", "k_ring", "v_ring", "ring_pos")}
 
 
+def _recv(conn, proc, timeout: float = 120.0):  # type: ignore[no-untyped-def]
+    """The child's next message; a child that died or hangs fails the test instead of hanging it."""
+    if not conn.poll(timeout):
+        raise AssertionError(f"the decode process sent nothing in {timeout} s (exit code {proc.exitcode})")
+    msg = conn.recv()
+    if isinstance(msg, str) and msg != "ok":
+        raise AssertionError(f"the decode process failed:\n{msg}")
+    return msg
+
+
 def _pairs() -> list[tuple[str, str]]:
     two = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     return [("cuda:0", "cuda:0")] + ([("cuda:0", "cuda:1"), ("cuda:1", "cuda:0")] if two else [])
@@ -144,7 +154,7 @@ def test_prefill_writes_into_another_processes_pages_what_inline_would(prefill_d
         while not p.finished:
             prefill.step()
         prefill.flush()
-        export_bytes, ready = parent.recv()
+        export_bytes, ready = _recv(parent, proc)
         pools = PeerPools(prefill.cache.device, prefill.cache)
         opened, ring = OpenedEvents(prefill.cache.device), EventRing(prefill.cache.device, size=4)
         export = PoolExport.from_pb(type(PoolExport("", "", ()).to_pb()).FromString(export_bytes))
@@ -160,7 +170,7 @@ def test_prefill_writes_into_another_processes_pages_what_inline_would(prefill_d
         # SSFS: one full layer, whole pages of 4 tokens; three sliding layers, their rings' filled part.
         assert (full, window) == (-(-n // 4) * 4 * row, 3 * min(n, W) * row)
         parent.send((done, n, ref))
-        assert parent.recv() == "ok"
+        assert _recv(parent, proc) == "ok"
     finally:
         proc.join(timeout=60)
         if proc.is_alive():
