@@ -14,7 +14,7 @@ import torch
 from shared.kv.cache import KVCache
 from shared.kv.window import ring_store_index
 
-__all__ = ["ChunkItem", "ForwardBatch", "Mode"]
+__all__ = ["I32_FIELDS", "I64_FIELDS", "ChunkItem", "ForwardBatch", "Mode", "packed_sizes"]
 
 
 class Mode(enum.Enum):
@@ -58,9 +58,14 @@ class ForwardBatch:
         if self.num_real < 0:
             self.num_real = self.num_seqs
 
-    def take_inputs_from(self, tokens: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    def take_inputs_from(self, tokens: torch.Tensor, pairs: list[tuple[int, int]] | None = None) -> None:
         """Overlap scheduling: input token i is the not-yet-read output `tokens[j]` of the step in
-        flight, for each (i, j). Gathered on the device, so the host never waits for it."""
+        flight, for each (i, j); `pairs=None`: row i takes `tokens[i]` for every row of `tokens` (the
+        steady state, the same requests in the same rows: no index upload). Gathered on the device,
+        so the host never waits for it."""
+        if pairs is None:
+            self.input_ids[: tokens.shape[0]].copy_(tokens)
+            return
         if not pairs:
             return
         dst = torch.tensor([i for i, _ in pairs], dtype=torch.int64)
@@ -71,13 +76,31 @@ class ForwardBatch:
         self.input_ids.index_copy_(0, dst, tokens.index_select(0, src))
 
     @classmethod
+    def from_packed(
+        cls, mode: Mode, buf32: torch.Tensor, buf64: torch.Tensor, *, rows: int, tokens: int, ring: int,
+        width: int, max_q: int, num_real: int,
+    ) -> ForwardBatch:  # fmt: skip
+        """The batch whose fields are views of two packed buffers laid out as `packed_sizes` says."""
+        s32, s64 = packed_sizes(rows, tokens, ring, width)
+        i32 = dict(zip(I32_FIELDS, buf32.split(s32), strict=True))
+        i64 = dict(zip(I64_FIELDS, buf64.split(s64), strict=True))
+        i32["block_table"] = i32["block_table"].view(rows, width)
+        return cls(
+            mode=mode, num_seqs=rows, num_tokens=tokens, max_q=max_q, num_real=num_real,
+            buffers=(buf32, buf64), **i32, **i64,
+        )  # fmt: skip
+
+    @classmethod
     def build(
         cls, items: list[ChunkItem], mode: Mode, cache: KVCache, *, pad_to: int | None = None,
         table_width: int | None = None, into: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> ForwardBatch:  # fmt: skip
         """Pack `items` for one forward. For a CUDA graph: `pad_to` rows (padding rows are one-token
         sequences on the cache's scratch slot that store nothing and leave its ring empty), a fixed
-        `table_width`, and `into` the graph's static buffers (one copy each, no allocation)."""
+        `table_width`, and `into` the graph's static buffers (one copy each, no allocation).
+
+        The general path (any mode, any chunk lengths): Python lists over every token and page. A
+        steady-state decode step takes `shared/engine_decode.py` instead, which must pack the same."""
         ps, w = cache.page_size, max(cache.window, 1)
         ids: list[int] = []
         pos: list[int] = []
@@ -125,35 +148,46 @@ class ForwardBatch:
             table.append([0] * max_pages)
         rows = len(starts)
         sample_positions = [it.start + len(it.token_ids) for it in items] + [0] * (rows - num_real)
-        buf32, i32 = _upload(cache.device, torch.int32, {
-            "token_slots": tok_slot, "cu_q": cu, "q_start": starts,
-            "ring_context": [0] * rows if mode is Mode.REPLAY else starts,
-            "slots": slots, "block_table": [p for row in table for p in row], "ring_pos": ring_vals,
-        }, into and into[0])  # fmt: skip
-        buf64, i64 = _upload(cache.device, torch.int64, {
-            "input_ids": ids, "positions": pos, "full_store": full_store, "ring_store": ring_store,
-            "ring_dst": ring_dst, "last_index": [c - 1 for c in cu[1:]], "sample_positions": sample_positions,
-        }, into and into[1])  # fmt: skip
-        i32["block_table"] = i32["block_table"].view(rows, max_pages)
-        return cls(
-            mode=mode, num_seqs=rows, num_tokens=len(ids),
-            max_q=max([len(it.token_ids) for it in items] + [1]),
-            num_real=num_real, buffers=(buf32, buf64), **i32, **i64,
+        buf32 = _upload(cache.device, torch.int32, [
+            tok_slot, cu, slots, starts, [0] * rows if mode is Mode.REPLAY else starts, ring_vals,
+            [p for row in table for p in row],
+        ], into and into[0])  # fmt: skip
+        buf64 = _upload(cache.device, torch.int64, [
+            ids, pos, full_store, ring_store, ring_dst, [c - 1 for c in cu[1:]], sample_positions,
+        ], into and into[1])  # fmt: skip
+        return cls.from_packed(
+            mode, buf32, buf64, rows=rows, tokens=len(ids), ring=len(ring_dst), width=max_pages,
+            max_q=max([len(it.token_ids) for it in items] + [1]), num_real=num_real,
         )  # fmt: skip
 
 
+# The packed order of each buffer's fields. The block table comes last: a decode step whose rows did
+# not change can upload the int32 fields before it and leave the table on the device as it was. In a
+# decode batch q_start, ring_context and ring_pos all hold the rows' starts, as do ring_store and
+# ring_dst their ring indices: side by side, each set is written in one vectorized op.
+I32_FIELDS = ("token_slots", "cu_q", "slots", "q_start", "ring_context", "ring_pos", "block_table")
+I64_FIELDS = (
+    "input_ids", "positions", "full_store", "ring_store", "ring_dst", "last_index", "sample_positions"
+)  # fmt: skip
+
+
+def packed_sizes(rows: int, tokens: int, ring: int, width: int) -> tuple[list[int], list[int]]:
+    """Lengths of the int32 and int64 fields, in packed order, for `rows` sequences of `tokens` tokens
+    in all, `ring` ring stores and a block table `width` pages wide."""
+    return [tokens, rows + 1, rows, rows, rows, ring, rows * width], [tokens] * 4 + [ring, rows, rows]
+
+
 def _upload(
-    device: torch.device, dtype: torch.dtype, fields: dict[str, list[int]], into: torch.Tensor | None
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """All fields of one dtype in one host buffer and one (pinned, non-blocking) copy; views after."""
-    flat = torch.tensor([v for values in fields.values() for v in values], dtype=dtype)
+    device: torch.device, dtype: torch.dtype, fields: list[list[int]], into: torch.Tensor | None
+) -> torch.Tensor:
+    """All fields of one dtype in one host buffer and one (pinned, non-blocking) copy."""
+    flat = torch.tensor([v for values in fields for v in values], dtype=dtype)
     if device.type == "cuda":
         flat = flat.pin_memory()
     if into is not None:
         if into.shape != flat.shape:
             raise ValueError(f"static buffer holds {into.numel()} values, this batch packs {flat.numel()}")
-        flat = into.copy_(flat, non_blocking=True)
-    elif device.type == "cuda":
-        flat = flat.to(device, non_blocking=True)
-    parts = flat.split([len(values) for values in fields.values()])
-    return flat, dict(zip(fields, parts, strict=True))
+        return into.copy_(flat, non_blocking=True)
+    if device.type == "cuda":
+        return flat.to(device, non_blocking=True)
+    return flat

@@ -6,6 +6,9 @@ buffers of the smallest graph of at least B rows (two host-to-device copies), pa
 the KV cache's scratch slot (nothing stored, positions written as -1, so the scratch ring stays
 empty and passes its history check). Sampling stays outside: its kernels depend on the batch's
 parameters. Invariant levels are frozen at capture.
+
+On a CPU cache nothing is captured: the static buffers alone, which the eager forward reads (what
+tests and bench/engine_host.py use to run the graph path's host side without a GPU).
 """
 
 from __future__ import annotations
@@ -26,18 +29,24 @@ __all__ = ["DecodeGraphs"]
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, batch_sizes: list[int], max_pages: int) -> None:
         self.cache = runner.cache
-        if self.cache.device.type != "cuda":
-            raise ValueError("CUDA graphs need the KV cache on a CUDA device")
         self.sizes = sorted(set(batch_sizes))
         self.max_pages = max_pages
         self.static: dict[int, ForwardBatch] = {}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        pool = torch.cuda.graph_pool_handle()
+        # Whose block table each static buffer holds on the device: a token the incremental decode
+        # builder (`shared/engine_decode.py`) leaves when it uploads a whole table, so that the steps
+        # after it can skip the table while their rows stay the same; None = unknown.
+        self.resident_table: dict[int, object | None] = dict.fromkeys(self.sizes)
+        capture = self.cache.device.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if capture else None
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
             # Static buffers are built outside inference mode: later batches are copied into them
             # wherever the scheduler runs, and an inference tensor refuses in-place updates there.
             with torch.inference_mode(False):
                 batch = ForwardBatch.build([], Mode.DECODE, self.cache, pad_to=size, table_width=max_pages)
+            self.static[size] = batch
+            if not capture:
+                continue
             with torch.inference_mode():
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
@@ -47,15 +56,21 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = runner.forward_logits(batch)
-                self.static[size] = batch
                 self.graphs[size] = (graph, logits)
+
+    def size_for(self, rows: int, max_pages: int) -> int | None:
+        """The smallest static batch of at least `rows` rows whose table holds `max_pages`; or None."""
+        i = bisect.bisect_left(self.sizes, rows)
+        if i == len(self.sizes) or max_pages > self.max_pages:
+            return None
+        return self.sizes[i]
 
     def prepare(self, items: list[ChunkItem]) -> ForwardBatch | None:
         """Build a decode batch into a graph's static buffers; None when no captured graph fits."""
-        i = bisect.bisect_left(self.sizes, len(items))
-        if i == len(self.sizes) or any(len(it.pages) > self.max_pages for it in items):
+        size = self.size_for(len(items), max((len(it.pages) for it in items), default=0))
+        if size is None:
             return None
-        size = self.sizes[i]
+        self.resident_table[size] = None  # the whole buffer is rewritten, by no incremental builder
         return ForwardBatch.build(
             items, Mode.DECODE, self.cache, pad_to=size, table_width=self.max_pages,
             into=self.static[size].buffers,
@@ -65,6 +80,8 @@ class DecodeGraphs:
         """Replay the graph whose static buffers hold `batch`; its logits rows, or None."""
         static = self.static.get(batch.num_seqs)
         if static is None or batch.buffers is None or batch.buffers[0] is not static.buffers[0]:
+            return None
+        if batch.num_seqs not in self.graphs:  # static buffers on a CPU cache: nothing captured
             return None
         graph, logits = self.graphs[batch.num_seqs]
         graph.replay()

@@ -9,8 +9,10 @@ tokens. A request that finishes at N may still be written by N+1: its pages and 
 only once N+1 has completed, never while the device may still write them.
 
 Who decides what runs (prefill-first admission, chunked prefill under a token budget, decode
-batching): `shared/engine_schedule.py`. Who owns the KV (allocation, deferred frees, and the
-reserve / admit_prefilled / hold_kv / release / rebuild_window the services use to hand it between
+batching): `shared/engine_schedule.py`. How a decode step's batch is built without redoing what the
+step before it built (a persistent page table, per-composition host buffers):
+`shared/engine_decode.py`. Who owns the KV (allocation, deferred frees, and the reserve /
+admit_prefilled / hold_kv / release / rebuild_window the services use to hand it between
 processes): `shared/engine_kv.py`. This file runs the loop and owns each request's lifecycle.
 """
 
@@ -22,10 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 import invariants
-from shared.batch import ChunkItem, Mode
+from shared.batch import ChunkItem, ForwardBatch, Mode
+from shared.engine_decode import DecodeBatcher
 from shared.engine_kv import KVOwnership
-from shared.engine_schedule import admit, schedule
+from shared.engine_schedule import Plan, admit, schedule
 from shared.kv.cache import KVCache, KVConfig
+from shared.kv.page_table import PageTable
 from shared.model.transformer import Transformer
 from shared.request import Phase, Request
 from shared.runner import ModelRunner
@@ -57,22 +61,29 @@ class InFlightStep:
 
 
 class Engine(KVOwnership):
+    # Decode steps through `ForwardBatch.build`, as before shared/engine_decode.py: only for
+    # bench/engine_host.py's before/after comparison.
+    _general_decode = False
+
     def __init__(self, model: Transformer, kv: KVConfig, cfg: EngineConfig | None = None) -> None:
         self.cfg = cfg or EngineConfig()
         self.model_cfg = model.cfg
         self.cache = KVCache(model.cfg, kv)
         self.runner = ModelRunner(model, self.cache)
         self.checker = invariants.checker(self.cache.device)
+        max_pages = self.cache.pages_needed(self.max_context())
+        self.page_table = PageTable(kv.max_requests + 1, max_pages)  # + the scratch slot's empty row
+        self.decoder = DecodeBatcher(self.cache, self.page_table)
         most = min(self.cfg.max_running, kv.max_requests)
         sizes = [b for b in self.cfg.cuda_graph_sizes if b <= most]
         if self.cache.device.type == "cuda" and sizes:
-            self.runner.capture_decode_graphs(sizes, self.cache.pages_needed(self.max_context()))
+            self.runner.capture_decode_graphs(sizes, max_pages)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._inflight: InFlightStep | None = None
         self.held: set[Request] = set()  # KVOwnership's: reserved for a transfer in, or held for one out
         self._sampling: SamplingBatch | None = None
-        self._sampling_key: tuple[int, ...] = ()
+        self._sampling_reqs: list[Request] = []  # the rows `_sampling` was built for
         self._next_rid = 0
 
     # ---- requests ----
@@ -110,6 +121,8 @@ class Engine(KVOwnership):
                 f"exceeds the context {limit}"
             )
         req = Request(self._next_rid, list(prompt), params)
+        eos = () if params.ignore_eos else self.model_cfg.eos_token_ids
+        req.stop_ids = frozenset(params.stop_token_ids).union(eos)
         self._next_rid += 1
         return req
 
@@ -118,7 +131,7 @@ class Engine(KVOwnership):
     def step(self) -> list[tuple[Request, int]]:
         """Launch the next forward and report the (request, token) pairs of the previous one."""
         admit(self.waiting, self.running, self.cfg.max_running, self._allocate_kv)
-        launched = self._launch(*schedule(self.running, self.cfg.max_batch_tokens))
+        launched = self._launch(schedule(self.running, self.cfg.max_batch_tokens))
         done, self._inflight = self._inflight, launched
         produced = self._complete(done) if done is not None else []
         if not self.cfg.overlap and self._inflight is not None:
@@ -142,23 +155,21 @@ class Engine(KVOwnership):
 
     # ---- steps of step() ----
 
-    def _launch(
-        self, items: list[ChunkItem], reqs: list[Request], emits: list[bool], mode: Mode
-    ) -> InFlightStep | None:
-        if not items:
+    def _launch(self, plan: Plan) -> InFlightStep | None:
+        reqs = plan.reqs
+        if not reqs:
             return None
-        batch = self.runner.build_batch(items, mode)
-        if mode is Mode.DECODE and self._inflight is not None:
-            rows = {id(r): i for i, r in enumerate(self._inflight.reqs)}
-            pairs = [(i, rows[id(r)]) for i, r in enumerate(reqs) if r.pending]
-            batch.take_inputs_from(self._inflight.tokens, pairs)
-        key = tuple(r.rid for r in reqs)
-        if key != self._sampling_key:  # decode batches repeat their composition step after step
+        if plan.mode is Mode.DECODE:
+            batch = self._decode_batch(reqs, self._inflight)
+            counts = [1] * len(reqs)
+        else:
+            batch = self.runner.build_batch(plan.items, plan.mode)
+            counts = [len(item.token_ids) for item in plan.items]
+        if reqs != self._sampling_reqs:  # decode batches repeat their composition step after step
             self._sampling = SamplingBatch.build([r.params for r in reqs], self.cache.device)
-            self._sampling_key = key
+            self._sampling_reqs = reqs
         out = self.runner.forward(batch, self._sampling)
-        counts = [len(item.token_ids) for item in items]
-        for req, count, emit in zip(reqs, counts, emits, strict=True):
+        for req, count, emit in zip(reqs, counts, plan.emits, strict=True):
             req.num_scheduled += count
             req.pending += emit
         host = out.tokens
@@ -166,7 +177,27 @@ class Engine(KVOwnership):
             host = torch.empty(out.tokens.shape, dtype=out.tokens.dtype, pin_memory=True)
             host.copy_(out.tokens, non_blocking=True)
             out.ready.record()  # after the copy: completion means the host copy is readable
-        return InFlightStep(reqs, counts, emits, out.tokens, host, out.ready)
+        return InFlightStep(reqs, counts, plan.emits, out.tokens, host, out.ready)
+
+    def _decode_batch(self, reqs: list[Request], prev: InFlightStep | None) -> ForwardBatch:
+        """One token for each request. An input the step in flight is still producing is gathered
+        on the device from its output; in the steady state (the same rows as the step in flight)
+        row i's input is simply its output i, so nothing about the inputs is built on the host."""
+        if self._general_decode:
+            items = [
+                ChunkItem(r.slot, r.num_scheduled, [r.output[-1] if r.output else -1], r.pages) for r in reqs
+            ]
+            batch = self.runner.build_batch(items, Mode.DECODE)
+            if prev is not None:
+                batch.take_inputs_from(prev.tokens, _pending_rows(reqs, prev))
+            return batch
+        steady = prev is not None and prev.reqs == reqs and all(prev.emits)
+        # -1: a token still in flight, gathered on the device below
+        tokens = None if steady else [r.output[-1] if r.output and not r.pending else -1 for r in reqs]
+        batch = self.decoder.build(reqs, self.runner.graphs, tokens)
+        if prev is not None:
+            batch.take_inputs_from(prev.tokens, None if steady else _pending_rows(reqs, prev))
+        return batch
 
     def _complete(self, step: InFlightStep) -> list[tuple[Request, int]]:
         if step.ready is not None:
@@ -176,24 +207,25 @@ class Engine(KVOwnership):
             self._free_kv(req)
         self._contain(self.checker.poll())
         produced = []
+        finished, decode = Phase.FINISHED, Phase.DECODE  # once, not per row: this loop runs per token
         for req, count, emit, tok in zip(step.reqs, step.counts, step.emits, tokens, strict=True):
             req.num_computed += count
             if not emit:
                 continue
             req.pending -= 1
-            if req.finished:  # aborted or stopped while this step ran: its token is dropped
+            if req.phase is finished:  # aborted or stopped while this step ran: its token is dropped
                 continue
-            req.phase = Phase.DECODE
+            req.phase = decode
             req.output.append(tok)
             produced.append((req, tok))
-            self._maybe_finish(req, tok)
+            if tok in req.stop_ids or len(req.output) >= req.params.max_tokens:
+                self._maybe_finish(req, tok)
         return produced
 
     def _maybe_finish(self, req: Request, tok: int) -> None:
-        p = req.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.model_cfg.eos_token_ids):
+        if tok in req.stop_ids:
             self._finish(req, "stop")
-        elif len(req.output) >= p.max_tokens:
+        elif len(req.output) >= req.params.max_tokens:
             self._finish(req, "length")
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -217,3 +249,9 @@ class Engine(KVOwnership):
                 if req.window is not None and req.slot in hurt:
                     req.error = f"invariant {v.name} violated ({v.severity.value}): request aborted"
                     self._finish(req, "abort")
+
+
+def _pending_rows(reqs: list[Request], prev: InFlightStep) -> list[tuple[int, int]]:
+    """(row in `reqs`, row in `prev`) of each request whose input token `prev` is still producing."""
+    rows = {id(r): i for i, r in enumerate(prev.reqs)}
+    return [(i, rows[id(r)]) for i, r in enumerate(reqs) if r.pending]

@@ -29,6 +29,7 @@ from shared.sampling import SamplingParams
 if TYPE_CHECKING:
     from shared.engine import InFlightStep
     from shared.kv.cache import KVCache
+    from shared.kv.page_table import PageTable
     from shared.model.config import ModelConfig
     from shared.runner import ModelRunner
 
@@ -38,6 +39,7 @@ __all__ = ["KVOwnership"]
 class KVOwnership:
     # The Engine's, used here.
     cache: KVCache
+    page_table: PageTable  # every slot's pages, for decode batches: kept by allocation and free here
     runner: ModelRunner
     model_cfg: ModelConfig
     running: list[Request]
@@ -128,6 +130,7 @@ class KVOwnership:
         except OutOfCapacity:
             self._free_kv(req)
             return False
+        self.page_table.assign(req.window.slot, req.pages)
         return True
 
     def _free_kv_when_safe(self, req: Request) -> None:
@@ -137,6 +140,8 @@ class KVOwnership:
             self._free_kv(req)
 
     def _free_kv(self, req: Request) -> None:
+        if req.window is not None:
+            self.page_table.clear(req.window.slot)
         if req.pages:
             self.cache.pages.free(req.rid, req.pages)
             req.pages = []

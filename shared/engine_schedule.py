@@ -16,15 +16,24 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from shared.batch import ChunkItem, Mode
 from shared.request import Phase, Request
 
 __all__ = ["Plan", "admit", "schedule"]
 
-# One step: its chunks, their requests, whether each row's token is an output token (a decode, or a
-# prompt's last chunk), and the forward's mode. Rows line up across the three lists.
-Plan = tuple[list[ChunkItem], list[Request], list[bool], Mode]
+
+@dataclass
+class Plan:
+    """One step. Rows line up across the lists."""
+
+    mode: Mode
+    reqs: list[Request]
+    emits: list[bool]  # whether row i's token is an output token (a decode, or a prompt's last chunk)
+    # EXTEND: the prompt chunks. DECODE: empty; one token per request, at its `num_scheduled`, which
+    # the decode builder reads from the requests themselves (shared/engine_decode.py).
+    items: list[ChunkItem]
 
 
 def admit(
@@ -55,11 +64,9 @@ def schedule(running: list[Request], budget: int) -> Plan:
             emits.append(start + n == len(req.prompt))
             budget -= n
     if items:
-        return items, reqs, emits, Mode.EXTEND
-    for req in running:
-        if req.num_scheduled >= len(req.prompt) and len(req.output) + req.pending < req.params.max_tokens:
-            last = req.output[-1] if req.output else -1  # -1: still in flight, gathered on device
-            items.append(ChunkItem(req.slot, req.num_scheduled, [last], req.pages))
-            reqs.append(req)
-            emits.append(True)
-    return items, reqs, emits, Mode.DECODE
+        return Plan(Mode.EXTEND, reqs, emits, items)
+    reqs = [
+        req for req in running
+        if req.num_scheduled >= len(req.prompt) and len(req.output) + req.pending < req.params.max_tokens
+    ]  # fmt: skip
+    return Plan(Mode.DECODE, reqs, [True] * len(reqs), items)

@@ -35,6 +35,9 @@ class Request:
     hold_kv: bool = False  # keep pages and window after finishing, until Engine.release (prefill side)
     admitted_ns: int = 0  # epoch ns when it got its pages and window (queue time ends): telemetry
     error: str | None = None  # why the engine aborted it (a contained invariant violation)
+    # Tokens that end it: its stop_token_ids, and the model's EOS unless ignore_eos. Set once by the
+    # engine, so the per-token check of a decode step is one set lookup.
+    stop_ids: frozenset[int] = frozenset()
 
     @property
     def slot(self) -> int:
