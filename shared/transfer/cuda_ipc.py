@@ -15,11 +15,12 @@ released as soon as the writes are enqueued: later work on its stream runs after
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,26 @@ def _driver():  # the cuda.bindings driver module
     except ImportError as e:
         raise IpcUnavailable("the cuda_ipc backend needs the cuda-bindings package (pdserve[gpu])") from e
     return driver
+
+
+def _runtime():  # the cuda.bindings runtime module
+    _driver()
+    from cuda.bindings import runtime
+
+    return runtime
+
+
+@contextlib.contextmanager
+def _current(device: torch.device) -> Iterator[None]:
+    """`device`'s primary context current on this thread, whatever thread this is.
+
+    torch.cuda.device skips cudaSetDevice when the thread's device index already matches, which leaves a
+    fresh thread (a gRPC worker, asyncio.to_thread) without a current context; the driver calls below
+    need one. A runtime call (cudaFree(0)) creates and binds it.
+    """
+    with torch.cuda.device(device):
+        _ok(_runtime().cudaFree(0), "cudaFree(0)")
+        yield
 
 
 def _ok(result: tuple, what: str) -> tuple:  # type: ignore[type-arg]
@@ -105,7 +126,7 @@ def export_pool(cache: KVCache) -> PoolExport:
         raise IpcUnavailable("cuda_ipc needs the KV cache on a CUDA device")
     drv = _driver()
     out = []
-    with torch.cuda.device(cache.device):
+    with _current(cache.device):
         for name in POOL_TENSORS:
             t = getattr(cache, name)
             if not t.is_contiguous():
@@ -135,7 +156,7 @@ class PeerPool:
     """Decode's pool mapped into this process, in the context of `device` (this process's GPU)."""
 
     def __init__(self, export: PoolExport, device: torch.device, like: KVCache) -> None:
-        self.pool_id = export.pool_id
+        self.pool_id, self.device = export.pool_id, device
         self.peer_device = device_of_uuid(export.gpu_uuid)  # raises when not visible
         drv = _driver()
         names = {t.name for t in export.tensors}
@@ -143,7 +164,7 @@ class PeerPool:
             raise IpcUnavailable(f"pool export names {sorted(names)}, expected {list(POOL_TENSORS)}")
         self._bases: dict[bytes, int] = {}
         self.tensors: dict[str, _PeerTensor] = {}
-        with torch.cuda.device(device):
+        with _current(device):
             for t in export.tensors:
                 mine = getattr(like, t.name)
                 if t.dtype != str(mine.dtype).removeprefix("torch.") or t.shape[0] != mine.shape[0]:
@@ -160,8 +181,9 @@ class PeerPool:
 
     def close(self) -> None:
         drv = _driver()
-        for base in self._bases.values():
-            drv.cuIpcCloseMemHandle(base)
+        with _current(self.device):
+            for base in self._bases.values():
+                drv.cuIpcCloseMemHandle(base)
         self._bases.clear()
 
 
