@@ -47,7 +47,9 @@ class DecodeGraphs:
             self.static[size] = batch
             if not capture:
                 continue
-            with torch.inference_mode():
+            # The cache's device, not the thread's current one (cuda:1 of a process that sees two GPUs):
+            # streams, warm-up and capture must all be on the device the kernels run on.
+            with torch.inference_mode(), torch.cuda.device(self.cache.device):
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # warm-up off the capture: compile, allocate

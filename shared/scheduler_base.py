@@ -193,6 +193,10 @@ class Scheduler:
 
     def _run(self) -> None:
         active = self._active
+        if self._engine.cache.device.type == "cuda":
+            # A thread starts on device 0: make the engine's device current, or streams, events and
+            # graph replays made without a device argument would land on another GPU.
+            torch.cuda.set_device(self._engine.cache.device)
         with torch.inference_mode():
             while True:
                 with self._cond:

@@ -52,6 +52,8 @@ def _device(name: str) -> str:
 def build_engine(cfg: CommonConfig) -> tuple[LoadedModel, Engine]:
     """Load the model and build its Engine (blocking: run off the event loop)."""
     device, dtype = _device(cfg.device), getattr(torch, cfg.dtype)
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)  # this loading thread's kernels and graph captures go there
     loaded = load_served_model(cfg.model, device=device, dtype=dtype)
     kv_dtype = next(loaded.model.parameters()).dtype
     kv = KVConfig(

@@ -63,7 +63,10 @@ class ServerProcess:
             raise RuntimeError(f"server did not start:\n{self.log()}")
         self.target = self.lines[0].rsplit(" ", 1)[1]
         if wait_ready:
-            wait_health(self.target, service, health_pb2.HealthCheckResponse.SERVING, timeout=60)
+            try:
+                wait_health(self.target, service, health_pb2.HealthCheckResponse.SERVING, timeout=60)
+            except TimeoutError as e:  # say why: the server's own log
+                raise TimeoutError(f"{e}; its log ends:\n{self.log()[-3000:]}") from e
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
