@@ -9,21 +9,20 @@ prompt. Both halves run on the thread that owns their engine: the caches are not
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from shared.kv.cache import KVCache
 from shared.transfer.base import Chunk
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "apply_chunk", "begin_receive", "extract_chunks"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "StagedKV", "apply_chunk", "begin_receive", "extract_chunks",
+    "stage",
+]  # fmt: skip
 
 MAX_CHUNK_BYTES = (1 << 20) - 4096  # k + v of one message; the rest of 1 MiB is framing headroom
 DEFAULT_CHUNK_BYTES = 512 * 1024
-
-
-def _to_bytes(t: torch.Tensor) -> bytes:
-    # Through uint8, not numpy's dtype: bfloat16 has no numpy equivalent.
-    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
 def _from_bytes(b: bytes, like: torch.Tensor, count: int) -> torch.Tensor:
@@ -37,37 +36,105 @@ def _flat_index(pages: list[int], page_size: int, start: int, count: int) -> tor
     return page * page_size + pos % page_size
 
 
+@dataclass
+class StagedKV:
+    """A finished prompt's KV, gathered on the device and copied to host memory in one go.
+
+    On CUDA the copy lands in pinned memory asynchronously: read the chunks once `ready()` (an event
+    query, never a wait). The pages it came from can be freed as soon as it is made: the gather runs
+    before any later work on the stream.
+    """
+
+    full: tuple[torch.Tensor, torch.Tensor] | None  # K, V [n_full, L, Hkv, D] on the host
+    window: tuple[torch.Tensor, torch.Tensor] | None  # K, V [n_sliding, min(L, W), Hkv, D]
+    full_layers: tuple[int, ...]
+    sliding_layers: tuple[int, ...]
+    first_window_pos: int
+    event: torch.cuda.Event | None
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        """Block until the copy is done (tests, and a scheduler with nothing else to do)."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def chunks(self, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Chunk]:
+        """The chunks, each k + v within `max_chunk_bytes` (capped at MAX_CHUNK_BYTES; >= one token)."""
+        limit = min(max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
+        for kv, layers, first, window in (
+            (self.full, self.full_layers, 0, False),
+            (self.window, self.sliding_layers, self.first_window_pos, True),
+        ):
+            if kv is None:
+                continue
+            k_all, v_all = kv
+            step = max(1, limit // (2 * k_all[0, 0].numel() * k_all.element_size()))
+            for i, layer in enumerate(layers):
+                for start in range(0, k_all.shape[1], step):
+                    k, v = k_all[i, start : start + step], v_all[i, start : start + step]
+                    yield Chunk(layer, window, first + start, k.shape[0], _bytes(k), _bytes(v))
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    # Through uint8, not numpy's dtype: bfloat16 has no numpy equivalent.
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)  # pinned: a pageable source would block
+
+
+def _download(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not k.is_cuda:
+        return k, v
+    out = []
+    for t in (k, v):
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        out.append(host)
+    return out[0], out[1]
+
+
+def stage(cache: KVCache, pages: list[int], slot: int, num_tokens: int, *, window: bool = True) -> StagedKV:
+    """Gather a prompt of `num_tokens` tokens held in `pages` and window `slot`, and start its copy out.
+
+    Full-attention layers: tokens [0, L). Sliding layers (`window`): the last min(L, W) positions of
+    their rings. One gather per tensor and one device-to-host copy into pinned memory each: no host
+    wait per chunk, and none at all on CUDA until the bytes are read.
+    """
+    dev, m = cache.device, cache.model
+    first = max(0, num_tokens - cache.window)
+    full = win = None
+    if cache.full_layers:
+        idx = _upload(_flat_index(pages, cache.page_size, 0, num_tokens), dev)
+        shape = (len(cache.full_layers), -1, m.num_kv_heads, m.head_dim)
+        full = _download(cache.k_pages.view(shape)[:, idx], cache.v_pages.view(shape)[:, idx])
+    if window and cache.sliding_layers:
+        ring = _upload(torch.arange(first, num_tokens) % cache.window, dev)
+        win = _download(cache.k_ring[:, slot, ring], cache.v_ring[:, slot, ring])
+    event = None
+    if dev.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(dev))
+    return StagedKV(full, win, cache.full_layers, cache.sliding_layers, first, event)
+
+
 def extract_chunks(
     cache: KVCache, pages: list[int], slot: int, num_tokens: int, *, window: bool = True,
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Iterator[Chunk]:  # fmt: skip
-    """The KV of a finished prompt of `num_tokens` tokens held in `pages` and window `slot`.
+    """`stage` and wait: the chunks of a finished prompt (tests and callers that may block).
 
     Each chunk's k + v stays within `max_chunk_bytes` (capped at MAX_CHUNK_BYTES; at least one token).
     `window=False` leaves the sliding layers out (the receiver rebuilds them by bounded replay).
     """
-    limit = min(max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
-    m = cache.model
-    per_token = 2 * m.num_kv_heads * m.head_dim * cache.k_pages.element_size()
-    step = max(1, limit // per_token)
-    for layer in cache.full_layers:
-        i = cache.kind_index[layer]
-        for start in range(0, num_tokens, step):
-            n = min(step, num_tokens - start)
-            idx = _flat_index(pages, cache.page_size, start, n).to(cache.device)
-            k, v = cache.k_pages_flat[i][idx], cache.v_pages_flat[i][idx]
-            yield Chunk(layer, False, start, n, _to_bytes(k), _to_bytes(v))
-    if not window:
-        return
-    w = cache.window
-    first = max(0, num_tokens - w)
-    for layer in cache.sliding_layers:
-        i = cache.kind_index[layer]
-        for start in range(first, num_tokens, step):
-            n = min(step, num_tokens - start)
-            idx = (torch.arange(start, start + n) % w).to(cache.device)
-            k, v = cache.k_ring[i, slot][idx], cache.v_ring[i, slot][idx]
-            yield Chunk(layer, True, start, n, _to_bytes(k), _to_bytes(v))
+    staged = stage(cache, pages, slot, num_tokens, window=window)
+    staged.wait()
+    yield from staged.chunks(max_chunk_bytes)
 
 
 def begin_receive(cache: KVCache, slot: int) -> None:

@@ -81,3 +81,23 @@ def test_layout_mismatches_name_every_field():
     got = mismatches(a, b)
     assert [g.split(":")[0] for g in got] == ["model_name", "layer_types"]
     assert mismatches(a, KVLayout.from_pb(a.to_pb())) == []
+
+
+@pytest.mark.gpu
+def test_staging_a_prompts_kv_on_cuda_never_waits_for_the_device():
+    from invariants.testing import no_host_sync
+    from shared.engine import EngineConfig
+    from shared.kv.cache import KVConfig
+    from shared.transfer.inline import stage
+    from tests.engine.engine_testutil import tiny_config, tiny_model
+
+    kv = KVConfig(page_size=4, num_pages=64, max_requests=4, device="cuda")
+    prefill = Engine(tiny_model(tiny_config("SSFS")).cuda(), kv, EngineConfig(max_batch_tokens=16))
+    n = 3 * W + 5
+    p = _prefilled(prefill, random_tokens(n))
+    want = list(extract_chunks(prefill.cache, p.pages, p.slot, n))  # warm: pinned blocks, kernels
+    with no_host_sync():
+        staged = stage(prefill.cache, p.pages, p.slot, n)
+    prefill.release(p)  # at once: the gather runs before anything later on the stream
+    staged.wait()
+    assert list(staged.chunks()) == want
