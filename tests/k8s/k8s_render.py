@@ -53,21 +53,54 @@ def one(objs: Sequence[Obj], kind: str, name: str) -> Obj:
     return found[0]
 
 
+def pod_containers(pod: Obj) -> list[Obj]:
+    """A pod spec's init containers (native sidecars among them) and containers."""
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def is_sidecar(ctr: Obj) -> bool:
+    """A native sidecar: an init container that keeps running beside the main ones."""
+    return ctr.get("restartPolicy") == "Always"
+
+
+def pdserve_deployments(objs: Sequence[Obj]) -> list[Obj]:
+    deps = find(objs, "Deployment")
+    return [d for d in deps if d["metadata"]["labels"].get("app.kubernetes.io/name") == "pdserve"]
+
+
 def deployment(objs: Sequence[Obj], role: str) -> Obj:
-    """The one Deployment whose component label is `role`."""
+    """The one pdserve Deployment whose pods run a container named `role` (alone, or beside the other
+    role in a prefill/decode pair Pod)."""
     found = [
-        d for d in find(objs, "Deployment")
-        if d["metadata"]["labels"].get("app.kubernetes.io/name") == "pdserve"
-        and d["metadata"]["labels"].get("app.kubernetes.io/component") == role
+        d for d in pdserve_deployments(objs)
+        if role in [c["name"] for c in pod_containers(d["spec"]["template"]["spec"])]
     ]  # fmt: skip
-    assert len(found) == 1, f"expected one Deployment labelled component={role}, found {len(found)}"
+    assert len(found) == 1, f"expected one Deployment running a {role} container, found {len(found)}"
     return found[0]
 
 
+def roles_of(dep: Obj) -> list[str]:
+    return [c["name"] for c in pod_containers(dep["spec"]["template"]["spec"]) if c["name"] in ROLES]
+
+
+def paired(objs: Sequence[Obj]) -> bool:
+    """Prefill and decode run as two containers of one Pod (the single-node-gpu shape)."""
+    return deployment(objs, "prefill") is deployment(objs, "decode")
+
+
 def container(objs: Sequence[Obj], role: str) -> Obj:
-    containers = deployment(objs, role)["spec"]["template"]["spec"]["containers"]
-    assert len(containers) == 1, f"{role}: one container per pod"
-    return containers[0]
+    pod = deployment(objs, role)["spec"]["template"]["spec"]
+    names = [c["name"] for c in pod_containers(pod)]
+    assert sorted(names) in ([role], sorted(ROLES)), f"{role}: a pod runs one role, or the pair: {names}"
+    [ctr] = [c for c in pod_containers(pod) if c["name"] == role]
+    return ctr
+
+
+def port_named(ctr: Obj, name: str) -> int:
+    """The container's port called `name`, or `<role>-<name>` where port names are prefixed to stay
+    unique in a pair Pod."""
+    [port] = [p["containerPort"] for p in ctr["ports"] if p["name"] in (name, f"{ctr['name']}-{name}")]
+    return port
 
 
 def container_env(objs: Sequence[Obj], ctr: Obj) -> dict[str, str]:

@@ -1,5 +1,6 @@
 """The manifests against the services' code: env vars the services read, flags they take, ports they
-listen on, probe service names they serve, drain timeout vs the termination grace. Drift fails here."""
+listen on, probe service names they serve, drain timeout vs the termination grace. Drift fails here.
+A role runs either in a Deployment of its own or beside the other role in a pair Pod (single-node-gpu)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,16 @@ from k8s_render import (
     container_env,
     deployment,
     find,
+    is_sidecar,
     module_constant,
     one,
+    paired,
+    pdserve_deployments,
+    pod_containers,
+    port_named,
     referenced_vars,
     role_parser,
+    roles_of,
 )
 
 # OTEL_* variables the services read: shared/telemetry.py itself (exporter choice, protocol, service name,
@@ -32,6 +39,9 @@ OTEL_ALLOWLIST = frozenset({
     "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_INSECURE",
     "OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
 })  # fmt: skip
+# Read by PyTorch in the service process: the CUDA caching allocator's settings (the generic name and the
+# older CUDA one). cuda_ipc forbids some of them (tests/k8s/test_kv_transfer.py).
+TORCH_ALLOWLIST = frozenset({"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"})
 # PDSERVE_* variables read outside the config dataclasses.
 EXTRA_PDSERVE = frozenset({module_constant("invariants/levels.py", "ENV_VAR")})
 READINESS_NAME = {"decode": "pdserve.v1.Generation", "prefill": "pdserve.v1.Prefill"}
@@ -51,9 +61,26 @@ def effective_config(objs: tuple[Obj, ...], role: str):  # -> the role's config 
         pytest.fail(f"{role}: {module} rejects args {args[1:]} / its env (exit {e.code})")
 
 
-def port_named(ctr: Obj, name: str) -> int:
-    [port] = [p["containerPort"] for p in ctr["ports"] if p["name"] == name]
-    return port
+def services_to(objs: tuple[Obj, ...], role: str) -> list[tuple[Obj, Obj]]:
+    """(Service, its port) pairs that route to `role`'s gRPC port: the selector matches the pod and the
+    targetPort, a number or a port name looked up in the whole pod, is that container's port."""
+    dep = deployment(objs, role)
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    ports = [p for c in pod_containers(dep["spec"]["template"]["spec"]) for p in c.get("ports", [])]
+    names = [p["name"] for p in ports]
+    assert len(names) == len(set(names)), f"port names unique in the pod (a Service takes the first): {names}"
+    by_name = {p["name"]: p["containerPort"] for p in ports}
+    grpc = port_named(container(objs, role), "grpc")
+    out = []
+    for svc in find(objs, "Service"):
+        selector = svc["spec"].get("selector", {})
+        if not selector or not selector.items() <= pod_labels.items():
+            continue
+        for sp in svc["spec"]["ports"]:
+            target = sp.get("targetPort", sp["port"])
+            if by_name.get(target, target) == grpc:
+                out.append((svc, sp))
+    return out
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -65,7 +92,7 @@ def test_env_is_read_by_the_service(objs: tuple[Obj, ...], role: str) -> None:
     helpers = referenced_vars([v.get("value", "") for v in ctr.get("env", [])])
     # A plain helper (e.g. the pod name from the downward API) may exist only to be expanded into another.
     helpers = {k for k in helpers if not k.startswith(("PDSERVE_", "OTEL_"))}
-    unread = sorted(k for k in env if k not in readable | OTEL_ALLOWLIST | helpers)
+    unread = sorted(k for k in env if k not in readable | OTEL_ALLOWLIST | TORCH_ALLOWLIST | helpers)
     assert not unread, f"{role} sets variables {role}_service does not read: {unread}"
     assert env.get("OTEL_SERVICE_NAME") == f"pdserve-{role}"
     from invariants.levels import parse
@@ -82,63 +109,88 @@ def test_ports_and_probes_match_the_service(objs: tuple[Obj, ...], role: str) ->
         assert ctr[probe]["grpc"]["port"] == cfg.port, f"{role} {probe} port"
     assert ctr["readinessProbe"]["grpc"]["service"] == READINESS_NAME[role]
     assert ctr["livenessProbe"]["grpc"].get("service", "") == ""
-    [svc] = [
-        s for s in find(objs, "Service")
-        if s["spec"]["selector"] == deployment(objs, role)["spec"]["selector"]["matchLabels"]
-    ]  # fmt: skip
-    [svc_port] = svc["spec"]["ports"]
-    assert svc_port["port"] == cfg.port and svc_port["targetPort"] in ("grpc", cfg.port)
+    routes = services_to(objs, role)
+    if role == "prefill" and paired(objs):  # reached over the pod's loopback only
+        assert not routes, "no Service routes to a paired prefill: another pod's decode cannot use it"
+        return
+    [(_, svc_port)] = routes
+    assert svc_port["port"] == cfg.port
 
 
 def test_prefill_service_is_headless_and_decode_targets_it(objs: tuple[Obj, ...]) -> None:
+    target = effective_config(objs, "decode").prefill_target
+    prefill_port = effective_config(objs, "prefill").port
+    if paired(objs):  # the pair's own prefill, the only one that sees this decode's GPU
+        host, _, port = target.rpartition(":")
+        assert host in ("127.0.0.1", "localhost", "[::1]"), f"a paired decode calls its own prefill: {target}"
+        assert int(port) == prefill_port
+        return
     prefill_svc = one(objs, "Service", "pdserve-prefill")
     assert prefill_svc["spec"]["clusterIP"] == "None", "headless: DNS returns every prefill pod"
-    target = effective_config(objs, "decode").prefill_target
     scheme, _, rest = target.partition(":///")
     host, _, port = rest.rpartition(":")
     assert scheme == "dns", f"prefill target {target!r}: use dns:/// so the channel sees every pod"
     ns = prefill_svc["metadata"]["namespace"]
     assert host in ("pdserve-prefill", f"pdserve-prefill.{ns}", f"pdserve-prefill.{ns}.svc.cluster.local")
-    assert int(port) == prefill_svc["spec"]["ports"][0]["port"] == effective_config(objs, "prefill").port
+    assert int(port) == prefill_svc["spec"]["ports"][0]["port"] == prefill_port
 
 
 def test_roles_agree_on_the_kv_layout(objs: tuple[Obj, ...]) -> None:
     """Decode's Handshake refuses a mismatch at start-up; catch it before deploying."""
     decode, prefill = effective_config(objs, "decode"), effective_config(objs, "prefill")
-    for name in ("model", "dtype", "page_size", "device"):
+    for name in ("model", "dtype", "page_size"):
         assert getattr(decode, name) == getattr(prefill, name), name
+    # The same kind of device; a pair Pod puts the roles on different GPUs (cuda:0, cuda:1).
+    assert decode.device.partition(":")[0] == prefill.device.partition(":")[0]
 
 
 @pytest.mark.parametrize("role", ROLES)
 def test_metrics_are_scraped_on_the_metrics_port(objs: tuple[Obj, ...], role: str) -> None:
     cfg = effective_config(objs, role)
     assert cfg.metrics, f"{role}: metrics disabled"
-    expected = cfg.metrics_port
     ctr = container(objs, role)
+    assert port_named(ctr, "metrics") == cfg.metrics_port
     annotations = deployment(objs, role)["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
-    assert int(annotations["prometheus.io/port"]) == port_named(ctr, "metrics") == expected
+    if role == "prefill" and paired(objs):
+        # The annotation names one port per Pod (decode's); prefill's is a named port for a PodMonitor.
+        assert int(annotations["prometheus.io/port"]) == effective_config(objs, "decode").metrics_port
+        return
+    assert int(annotations["prometheus.io/port"]) == cfg.metrics_port
 
 
-@pytest.mark.parametrize("role", ROLES)
-def test_termination_grace_outlasts_the_drain(objs: tuple[Obj, ...], role: str) -> None:
-    cfg = effective_config(objs, role)
-    pod = deployment(objs, role)["spec"]["template"]["spec"]
-    pre_stop = (
-        container(objs, role).get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
-    )
-    needed = pre_stop + cfg.drain_timeout + STOP_GRACE_S
-    assert pod["terminationGracePeriodSeconds"] > needed, f"{role}: grace must exceed {needed}s"
+def test_termination_grace_outlasts_the_drain(objs: tuple[Obj, ...]) -> None:
+    """SIGKILL never lands mid-drain: the grace exceeds preStop + drain + stop grace of the main
+    containers, plus, for a native sidecar (stopped only after they exit, its one client gone), its
+    preStop + stop grace."""
+    for dep in pdserve_deployments(objs):
+        pod = dep["spec"]["template"]["spec"]
+        main, after = 0.0, 0.0
+        for ctr in pod_containers(pod):
+            if ctr["name"] not in ROLES:
+                continue
+            cfg = effective_config(objs, ctr["name"])
+            pre_stop = ctr.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+            if is_sidecar(ctr):
+                after += pre_stop + STOP_GRACE_S
+            else:
+                main = max(main, pre_stop + cfg.drain_timeout + STOP_GRACE_S)
+        needed = main + after
+        name = dep["metadata"]["name"]
+        assert pod["terminationGracePeriodSeconds"] > needed, f"{name}: grace must exceed {needed}s"
 
 
 @pytest.mark.parametrize("role", ROLES)
 def test_pod_shape(objs: tuple[Obj, ...], overlay: str, role: str) -> None:
     dep = deployment(objs, role)
-    labels = {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/component": role}
+    component = "pair" if roles_of(dep) == ["prefill", "decode"] else role
+    assert roles_of(dep) in ([role], ["prefill", "decode"]), "a pair Pod: prefill (sidecar) then decode"
+    labels = {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/component": component}
     assert dep["spec"]["selector"]["matchLabels"] == labels
     assert labels.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     pod = dep["spec"]["template"]["spec"]
     ctr = container(objs, role)
+    assert is_sidecar(ctr) == (component == "pair" and role == "prefill"), "in a pair, prefill is the sidecar"
     [shm] = [m for m in ctr["volumeMounts"] if m["mountPath"] == "/dev/shm"]
     [vol] = [v for v in pod["volumes"] if v["name"] == shm["name"]]
     assert vol["emptyDir"]["medium"] == "Memory"
@@ -150,21 +202,25 @@ def test_pod_shape(objs: tuple[Obj, ...], overlay: str, role: str) -> None:
         resources.get("requests", {}).get("nvidia.com/gpu"),
         resources.get("limits", {}).get("nvidia.com/gpu"),
     )
+    claims = resources.get("claims", [])
     if overlay in GPU_OVERLAYS:
-        assert gpus[0] == gpus[1] and int(gpus[0]) >= 1, f"{role}: nvidia.com/gpu requests = limits"
+        # A GPU from the device plugin (requests = limits) or from a DRA claim, never both.
+        if claims:
+            assert gpus == (None, None), f"{role}: a DRA claim and nvidia.com/gpu would count GPUs twice"
+        else:
+            assert gpus[0] == gpus[1] and int(gpus[0]) >= 1, f"{role}: nvidia.com/gpu requests = limits"
         assert effective_config(objs, role).device.startswith("cuda")
     else:
-        assert gpus == (None, None), "cpu-demo requests no GPU"
+        assert gpus == (None, None) and not claims, "cpu-demo requests no GPU"
         assert effective_config(objs, role).device == "cpu"
 
 
 def test_overlay_placement(objs: tuple[Obj, ...], overlay: str) -> None:
     affinity = {r: deployment(objs, r)["spec"]["template"]["spec"].get("affinity", {}) for r in ROLES}
-    if overlay == "single-node-gpu":  # decode next to prefill (cuda_ipc later; the transfer stays local)
-        [term] = affinity["decode"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-        assert term["topologyKey"] == "kubernetes.io/hostname"
-        assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "prefill"
+    if overlay == "single-node-gpu":  # one Pod per pair: co-located by construction (test_kv_transfer.py)
+        assert paired(objs)
     if overlay == "multi-node":  # replicas of each role spread over nodes
+        assert not paired(objs)
         for role in ROLES:
             assert "podAffinity" not in affinity[role]
             [term] = affinity[role]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
