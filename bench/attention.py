@@ -6,7 +6,13 @@ the causal attention it computes (4 * Hq * D flops per visible query-key pair). 
 (do_bench): below ~60 us they are the Python launch cost of the wrapper, not the kernel; decode runs
 from a CUDA graph in the engine, where B=1 at 8k context takes ~13 us (H200, 2026-11).
 
+The engine's decode shape (bench/engine.py: batch 64 at 528 tokens, W=1024) is timed first, from a
+CUDA graph as the engine runs it, for ring and paged attention with split-K forced off (the old
+behaviour), as the rule picks it, and forced to a few other factors; against a copy of the same K/V
+bytes timed the same way in the same run.
+
     PYTHONPATH=. python bench/attention.py     # on a CUDA machine; a table to stdout
+    PYTHONPATH=. python bench/attention.py --engine-only  # just the engine decode shape (~1 min)
     PYTHONPATH=. python bench/attention.py --json out.json  # the same rows as JSON
 """
 
@@ -17,9 +23,12 @@ import json
 import math
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from shared.attention import TorchOps, TritonOps
+from shared.attention._launch import choose_tiles, sm_count, split_count
+from shared.attention.paged_attention import paged_attention
+from shared.attention.ring_attention import ring_attention
 
 HQ, HKV, D, PAGE = 16, 8, 128, 16
 
@@ -61,6 +70,47 @@ def _row(kind: str, label: str, ms_triton: float, ms_torch: float | None, work: 
         "torch_us": None if ms_torch is None else round(ms_torch * 1e3, 1),
         unit: round(work / (ms_triton * 1e-3) / 1e12, 2),
     }  # fmt: skip
+
+
+def _copy_rate(nbytes: int) -> float:
+    """Bytes/s of a device copy of `nbytes`, read + write counted as bench/engine.py counts them."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench_cudagraph(lambda: dst.copy_(src), rep=200, return_mode="median")
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def engine_decode(sweep: list[int]) -> list[dict]:
+    """Each layer's decode attention in bench/engine.py, replayed from a CUDA graph.
+
+    roofline_us is the K/V bytes (64 x 528 x 8 x 128 x 2 x 2 = 138 MB) at the copy's rate.
+    """
+    dtype, scale, batch, ctx, window = torch.bfloat16, D**-0.5, 64, 528, 1024
+    l0, n = [ctx - 1] * batch, [1] * batch
+    kv_bytes = 2 * batch * ctx * HKV * D * torch.tensor([], dtype=dtype).element_size()  # 138 MB
+    copy_rate = _copy_rate(kv_bytes)
+    ring, paged = _ring_inputs(l0, n, window, dtype), _paged_inputs(l0, n, dtype)
+    # What the wrappers' rule picks here (tests/attention/test_attention_gpu.py checks they agree).
+    block_n, sms = choose_tiles(HQ // HKV, D, 1).block_n, sm_count(torch.cuda.current_device())
+    span = {"ring": window, "paged": paged["block_table"].shape[1] * PAGE}
+    calls = {
+        "ring": lambda s: ring_attention(**ring, max_q=1, scale=scale, window=window, num_splits=s),
+        "paged": lambda s: paged_attention(**paged, max_q=1, scale=scale, window=None, num_splits=s),
+    }
+    rows = []
+    for op, call in calls.items():
+        auto = split_count(batch * HKV, span[op], block_n, sms)
+        for splits in dict.fromkeys([1, None, *sweep]):  # the old behaviour, the rule, forced factors
+            fn = lambda c=call, s=splits: c(s)
+            ms = do_bench_cudagraph(fn, rep=200, return_mode="median")
+            label = "1 (old)" if splits == 1 else f"{auto} (rule)" if splits is None else f"{splits} (forced)"
+            rows.append({
+                "op": f"{op} decode, engine shape", "case": f"B={batch} ctx={ctx} W={window} splits={label}",
+                "graph_us": round(ms * 1e3, 1), "TB/s": round(kv_bytes / (ms * 1e-3) / 1e12, 2),
+                "copy_TB/s": round(copy_rate / 1e12, 2), "roofline_us": round(kv_bytes / copy_rate * 1e6, 1),
+                "x_roofline": round(ms * 1e-3 * copy_rate / kv_bytes, 2),
+            })  # fmt: skip
+    return rows
 
 
 def run(with_torch: bool) -> list[dict]:
@@ -105,8 +155,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
+    parser.add_argument("--engine-only", action="store_true", help="only the engine's decode shape")
+    parser.add_argument("--splits", default="2,4,8", help="split-K factors to force at the engine shape")
     opts = parser.parse_args()
-    rows = run(with_torch=not opts.no_torch)
+    rows = engine_decode([int(x) for x in opts.splits.split(",") if x])
+    if not opts.engine_only:
+        rows += run(with_torch=not opts.no_torch)
     for r in rows:
         print("  ".join(f"{k}={v}" for k, v in r.items()))
     if opts.json:

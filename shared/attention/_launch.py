@@ -70,21 +70,55 @@ def choose_tiles(group: int, head_dim: int, max_q: int) -> Tiles:
     return Tiles(group_p2, block_q, block_m, block_n, block_d, warps, stages)
 
 
-def choose_splits(device: torch.device, programs: int, key_span: int, max_q: int) -> int:
-    """Split-K (flash-decoding) factor from host sizes only, so one batch shape always gets one graph.
+# Split-K (flash-decoding) rule, from host sizes only so that one batch shape always gets one graph.
+#
+# A decode-shaped call (every chunk in one query tile) has one program per (sequence, kv head), each
+# streaming all its keys alone, and a lone program cannot keep enough loads in flight to draw its
+# share of bandwidth. An SM holds only ~3 such programs at once (two pipeline stages of 64-key K and
+# V tiles are ~64 KB of its 228 KB shared memory), so 64 sequences x 8 kv heads = 512 programs on an
+# H200's 132 SMs is ~1.3 waves: measured at 51 us a layer (~2.7 TB/s) against 33 us to copy the same
+# bytes, its last partial wave leaving most SMs idle. The rule: S is the smallest power of two with
+# programs x S >= PROGRAMS_PER_SM x SMs (several programs per SM, a short tail), lowered until every
+# split keeps MIN_TILES_PER_SPLIT key tiles of the host-side key bound (a shorter split is mostly
+# pipeline prologue, and each split adds an fp32 partial row and merge work), and at most MAX_SPLITS.
+# Batch 64 x 8 heads gets S = 2 there (it got 1: the old rule never split a grid of >= 1 program per
+# SM); batch 1 keeps up to 32; batch 256 stays at 1. bench/attention.py --engine-only times S = 1,
+# the rule's S and forced factors at that shape.
+PROGRAMS_PER_SM = 4
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 32
 
-    Decode with few (sequence, kv head) programs and long contexts leaves most SMs idle; splitting
-    each program's keys over several programs fills them, and a small merge kernel combines the
-    partial softmaxes. `key_span` is an upper bound on the keys one program reads (the block table's
-    capacity, or the window).
+
+def split_count(programs: int, key_span: int, block_n: int, sms: int) -> int:
+    """The split-K factor for `programs` unsplit programs that each read at most `key_span` keys.
+
+    `key_span` is a host-side upper bound (the block table's capacity, or the window): the lengths
+    themselves live on the device. A power of two: fewer distinct compiled kernels and graphs.
     """
-    if max_q != 1 or device.type != "cuda":
+    want = math.ceil(PROGRAMS_PER_SM * sms / max(programs, 1))
+    by_length = key_span // (MIN_TILES_PER_SPLIT * block_n)
+    if want <= 1 or by_length <= 1:
+        return 1
+    up = next_pow2(min(want, MAX_SPLITS))  # reach the target program count...
+    down = 1 << (min(by_length, MAX_SPLITS).bit_length() - 1)  # ...but keep every split long enough
+    return min(up, down)
+
+
+def choose_splits(
+    op: str, device: torch.device, num_splits: int | None, tiles: Tiles, max_q: int, programs: int,
+    key_span: int,
+) -> int:  # fmt: skip
+    """`num_splits` checked when the caller forces it, else `split_count` for decode-shaped calls.
+
+    `programs` counts (sequence, kv head) pairs. Only a call whose every chunk fits one query tile
+    splits: prefill and long chunks already have a program per query tile, and their grids (and
+    results) stay exactly as without split-K.
+    """
+    if num_splits is not None:
+        if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+            raise ValueError(f"{op}: num_splits must be a positive int, got {num_splits!r}")
+        return num_splits
+    if tiles.q_blocks(max_q) != 1 or device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = sm_count(index)
-    if programs >= sms:  # already a full wave: measured on an H200, splitting gains nothing there
-        return 1
-    want = math.ceil(4 * sms / max(programs, 1))  # about four waves of short programs
-    by_length = math.ceil(key_span / 256)  # keep at least ~256 keys (4 blocks) per split
-    n = max(1, min(want, by_length, 32))
-    return 1 << (n.bit_length() - 1)  # a power of two: fewer distinct compiled kernels
+    return split_count(programs, key_span, tiles.block_n, sm_count(index))

@@ -2,9 +2,9 @@
 
 One program owns one tile of (query, head) rows of one sequence and one kv head, and walks the keys
 it can see in blocks of BLOCK_N positions, gathering each key's page through the block table (so
-any page size works and a block may straddle pages). With NUM_SPLITS > 1 (decode with few
-programs, see `_launch.choose_splits`) each program takes one slice of the key range and writes a
-partial result that `merge_splits` combines.
+any page size works and a block may straddle pages). With NUM_SPLITS > 1 (decode-shaped calls
+with few programs, see `_launch.choose_splits`) each program takes one slice of the key range and
+writes a partial result that `merge_splits` combines (`_split_k.py`).
 
 All loop bounds are read on the device from cu_q / q_start, so the launch depends on host sizes
 only and the whole call can be captured in a CUDA graph.
@@ -19,7 +19,7 @@ import triton.language as tl
 from shared.attention._checks import check_last_dim_contiguous, check_paged
 from shared.attention._launch import LOG2E, check_triton_device, choose_splits, choose_tiles, f32_dot
 from shared.attention._online_softmax import attend_block, query_rows
-from shared.attention.merge_splits import merge_splits
+from shared.attention._split_k import merge, outputs, split_range, store_result
 
 
 @triton.jit
@@ -48,9 +48,7 @@ def _paged_attention_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(start + q_off - window + 1, 0)
     hi = tl.where(q_off < qlen, hi, lo)
-    per_split = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    k_lo = lo + split * per_split
-    k_hi = tl.minimum(hi, k_lo + per_split)
+    k_lo, k_hi = split_range(lo, hi, split, NUM_SPLITS, BLOCK_N)
 
     d = tl.arange(0, BLOCK_D)
     d_ok = (d < HEAD_DIM)[None, :]
@@ -73,18 +71,10 @@ def _paged_attention_kernel(
             visible = visible & (n[None, :] > qpos[:, None] - window)
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
 
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    mask = row_ok[:, None] & d_ok
-    if NUM_SPLITS == 1:
-        out = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        # Partials are [NUM_SPLITS, T, Hq, (D)] fp32; an empty split has lse = -inf and weighs nothing.
-        row = (split * num_tokens + tok) * num_q_heads + head
-        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=mask)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + row, lse, mask=row_ok)
+    store_result(
+        acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
+        stride_ot, stride_oh, BLOCK_D, HEAD_DIM, NUM_SPLITS,
+    )  # fmt: skip
 
 
 def paged_attention(
@@ -94,7 +84,7 @@ def paged_attention(
 ) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.paged_attention` (same arguments, same contracts).
 
-    `num_splits` overrides the split-K factor (a power of two is best; None picks one from host sizes).
+    `num_splits` forces the split-K factor (any positive int; None picks one from host sizes).
     """
     op = "paged_attention"
     vl = check_paged(op, q, k_cache, v_cache, block_table, cu_q, q_start, max_q, scale, window)
@@ -104,21 +94,12 @@ def paged_attention(
     check_triton_device(op, q.device)
     page_size = k_cache.shape[1]
     tiles = choose_tiles(vl.group, vl.head_dim, max_q)
-    q_blocks = tiles.q_blocks(max_q)
-    if num_splits is None:
-        span = block_table.shape[1] * page_size  # the most keys one program can read
-        if window is not None:
-            span = min(span, window + tiles.block_q - 1)
-        num_splits = choose_splits(q.device, q_blocks * vl.batch * vl.num_kv_heads, span, max_q)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"{op}: num_splits must be a positive int, got {num_splits!r}")
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if num_splits > 1:
-        part_o = torch.empty(num_splits, *q.shape, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_splits, *q.shape[:2], dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out  # unused by the kernel
-    grid = (q_blocks * num_splits, vl.batch, vl.num_kv_heads)
+    span = block_table.shape[1] * page_size  # the most keys one program can read
+    if window is not None:
+        span = min(span, window + tiles.block_q - 1)
+    num_splits = choose_splits(op, q.device, num_splits, tiles, max_q, vl.batch * vl.num_kv_heads, span)
+    out, part_o, part_lse = outputs(q, num_splits)
+    grid = (tiles.q_blocks(max_q) * num_splits, vl.batch, vl.num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_table, cu_q, q_start, out, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -130,6 +111,4 @@ def paged_attention(
         NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, F32_DOT=f32_dot(q.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
-    if num_splits > 1:
-        merge_splits(part_o, part_lse, out)
-    return out
+    return merge(out, part_o, part_lse, num_splits)

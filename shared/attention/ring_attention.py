@@ -5,6 +5,10 @@ p % W == i), and the chunk's own K/V come from k_new/v_new. One program owns one
 head) rows of one sequence and one kv head and makes two passes with one online softmax: the ring
 entries (at most min(W, L0) of them), then the chunk's keys it can see causally. Everything a
 program reads is bounded by W + BLOCK_Q keys, whatever the context length.
+
+Decode-shaped calls (see `_launch.choose_splits`) split pass 1 over NUM_SPLITS programs per query
+tile, each taking a run of whole key tiles of the filled entries; pass 2 belongs to the last split,
+and `merge_splits` combines the partial results (`_split_k.py`, shared with paged attention).
 """
 
 from __future__ import annotations
@@ -14,20 +18,23 @@ import triton
 import triton.language as tl
 
 from shared.attention._checks import check_last_dim_contiguous, check_ring
-from shared.attention._launch import LOG2E, check_triton_device, choose_tiles, f32_dot
+from shared.attention._launch import LOG2E, check_triton_device, choose_splits, choose_tiles, f32_dot
 from shared.attention._online_softmax import attend_block, query_rows
+from shared.attention._split_k import merge, outputs, split_range, store_result
 
 
 @triton.jit
 def _ring_attention_kernel(
-    q_ptr, kn_ptr, vn_ptr, kr_ptr, vr_ptr, slots_ptr, cu_q_ptr, q_start_ptr, out_ptr,
-    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    q_ptr, kn_ptr, vn_ptr, kr_ptr, vr_ptr, slots_ptr, cu_q_ptr, q_start_ptr, out_ptr, part_o_ptr,
+    part_lse_ptr, stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_krs, stride_kri, stride_krh, stride_vrs, stride_vri, stride_vrh,
-    stride_ot, stride_oh, qk_scale, window,
+    stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    qb = tl.program_id(0)
+    qb = tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % NUM_SPLITS
     b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_off = qb * BLOCK_Q
@@ -46,13 +53,15 @@ def _ring_attention_kernel(
 
     # Pass 1, the ring. Only entries 0..min(W, L0)-1 hold a position; the newest (L0-1) is visible
     # to the tile's first query only while q_off < W - 1, so later tiles of a long chunk skip it.
+    # This split's share of them is [r_lo, r_hi).
     ring_hi = tl.where(live & (q_off < window - 1), tl.minimum(window, start), 0)
+    r_lo, r_hi = split_range(0, ring_hi, split, NUM_SPLITS, BLOCK_N)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     kr_base = kr_ptr + slot * stride_krs + kvh * stride_krh
     vr_base = vr_ptr + slot * stride_vrs + kvh * stride_vrh
-    for i0 in range(0, ring_hi, BLOCK_N):
+    for i0 in range(r_lo, r_hi, BLOCK_N):
         i = i0 + tl.arange(0, BLOCK_N)
-        i_ok = i < ring_hi
+        i_ok = i < r_hi
         # (L0-1-i) mod W with a non-negative dividend (C's % truncates toward zero).
         pos = start - 1 - ((start - 1 - i + window) % window)
         kv_mask = i_ok[:, None] & d_ok
@@ -61,9 +70,10 @@ def _ring_attention_kernel(
         visible = i_ok[None, :] & (pos[None, :] > qpos[:, None] - window)
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
 
-    # Pass 2, the chunk: key offsets j with qi - W < j <= qi for some row of the tile.
+    # Pass 2, the chunk: key offsets j with qi - W < j <= qi for some row of the tile. Only the last
+    # split reads them (a decode's one key, or a short chunk: not worth a split of their own).
     j_lo = tl.maximum(q_off - window + 1, 0)
-    j_hi = tl.where(live, tl.minimum(q_off + BLOCK_Q, qlen), j_lo)
+    j_hi = tl.where(live & (split == NUM_SPLITS - 1), tl.minimum(q_off + BLOCK_Q, qlen), j_lo)
     for j0 in range(j_lo, j_hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         j_ok = j < j_hi
@@ -77,30 +87,39 @@ def _ring_attention_kernel(
         visible = j_ok[None, :] & (rel <= 0) & (rel > -window)
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(out, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+    store_result(
+        acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
+        stride_ot, stride_oh, BLOCK_D, HEAD_DIM, NUM_SPLITS,
+    )  # fmt: skip
 
 
 def ring_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
     slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int,
+    num_splits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Triton version of `reference.ring_attention` (same arguments, same contracts)."""
+    """Triton version of `reference.ring_attention` (same arguments, same contracts).
+
+    `num_splits` forces the split-K factor over the ring (any positive int; None picks one from host
+    sizes: more than one only for decode-shaped calls on CUDA).
+    """
     op = "ring_attention"
     vl = check_ring(op, q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q, scale, window)
     check_last_dim_contiguous(op, q=q, k_new=k_new, v_new=v_new, k_ring=k_ring, v_ring=v_ring)
     check_triton_device(op, q.device)
     tiles = choose_tiles(vl.group, vl.head_dim, max_q)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    grid = (tiles.q_blocks(max_q), vl.batch, vl.num_kv_heads)
+    # The ring's W entries are what gets split (the chunk's keys all go to the last split).
+    num_splits = choose_splits(op, q.device, num_splits, tiles, max_q, vl.batch * vl.num_kv_heads, window)
+    out, part_o, part_lse = outputs(q, num_splits)
+    grid = (tiles.q_blocks(max_q) * num_splits, vl.batch, vl.num_kv_heads)
     _ring_attention_kernel[grid](
-        q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, out,
+        q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, out, part_o, part_lse,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_ring.stride(0), k_ring.stride(1), k_ring.stride(2), v_ring.stride(0), v_ring.stride(1),
-        v_ring.stride(2), out.stride(0), out.stride(1), float(scale) * LOG2E, window,
+        v_ring.stride(2), out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads,
+        float(scale) * LOG2E, window,
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim, F32_DOT=f32_dot(q.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim, NUM_SPLITS=num_splits,
+        F32_DOT=f32_dot(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
-    return out
+    return merge(out, part_o, part_lse, num_splits)

@@ -9,7 +9,9 @@ import torch
 
 from invariants.testing import no_host_sync
 from shared.attention import AttentionOps, TorchOps, TritonOps, ops_for
+from shared.attention._launch import sm_count, split_count
 from shared.attention.paged_attention import paged_attention as triton_paged
+from shared.attention.ring_attention import ring_attention as triton_ring
 
 pytestmark = pytest.mark.gpu
 
@@ -96,6 +98,44 @@ def test_split_k_factors_agree() -> None:
     one = triton_paged(*args, max_q=1, scale=step.scale, window=None, num_splits=1)
     for splits in (None, 4, 16, 32):
         assert_near(triton_paged(*args, max_q=1, scale=step.scale, window=None, num_splits=splits), one)
+
+
+def _engine_lengths() -> list[int]:
+    """The engine's decode batch (64 sequences at 528 tokens) with rings empty, partial, full and wrapped."""
+    lengths = [527] * 64
+    lengths[:6] = [0, 1, 63, 1023, 1024, 3000]
+    return lengths
+
+
+@pytest.mark.parametrize("lengths", ["engine", "mixed"])
+def test_engine_decode_shape_split_k(lengths: str) -> None:
+    """Batch 64, W=1024, Hq=16, Hkv=8, D=128, bf16: ring and paged, the rule's split and forced ones."""
+    step = Step([527] * 64 if lengths == "engine" else _engine_lengths(), [1] * 64, window=1024)
+
+    def ring(splits: int | None) -> torch.Tensor:
+        return triton_ring(
+            step.q, step.k_new, step.v_new, step.k_ring, step.v_ring, step.slots, step.cu_q, step.q_start,
+            max_q=1, scale=step.scale, window=1024, num_splits=splits,
+        )  # fmt: skip
+
+    def paged(splits: int | None) -> torch.Tensor:
+        return triton_paged(
+            step.q, step.k_cache, step.v_cache, step.block_table, step.cu_q, step.q_start,
+            max_q=1, scale=step.scale, window=None, num_splits=splits,
+        )  # fmt: skip
+
+    ring_ref, paged_ref = step.ring(TorchOps()), step.paged(TorchOps(), None)
+    for splits in (None, 1, 2, 3, 4, 8, 32):
+        assert_near(ring(splits), ring_ref)
+        assert_near(paged(splits), paged_ref)
+    # The wrappers take the rule's split (2 on an H200's 132 SMs) and nothing else decides it.
+    sms = sm_count(torch.cuda.current_device())
+    ring_s = split_count(64 * HKV, 1024, 64, sms)
+    paged_s = split_count(64 * HKV, step.block_table.shape[1] * PAGE, 64, sms)
+    if sms == 132:
+        assert ring_s == paged_s == 2
+    torch.testing.assert_close(ring(None), ring(ring_s), atol=0, rtol=0)
+    torch.testing.assert_close(paged(None), paged(paged_s), atol=0, rtol=0)
 
 
 def test_decode_replays_from_a_cuda_graph() -> None:
