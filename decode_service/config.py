@@ -9,7 +9,7 @@ from shared.service_config import COMMON_HELP, CommonConfig, parse_config
 
 __all__ = ["KV_TRANSFERS", "ServiceConfig", "parse_args"]
 
-KV_TRANSFERS = ("inline", "cuda_ipc")
+KV_TRANSFERS = ("inline", "cuda_ipc", "nixl")
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,8 @@ class ServiceConfig(CommonConfig):
     remote_prefill_max_queued_tokens: int = 0
     prefill_timeout: float = 30.0  # seconds one remote prefill (compute + transfer) may take
     window_history: bool = True  # ask prefill for the SWA rings; False: rebuild them by bounded replay
-    kv_transfer: str = "inline"  # inline | cuda_ipc (same node, CUDA: prefill writes into this pool)
+    # inline | cuda_ipc (same node, CUDA: prefill writes into this pool) | nixl (cross node, NIXL/UCX)
+    kv_transfer: str = "inline"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -47,7 +48,8 @@ _HELP = {
     "prefill_timeout": "seconds a remote prefill may take before the request fails UNAVAILABLE",
     "kv_transfer": "how prefill hands over the KV: inline (bytes in the gRPC stream; anywhere) or "
     "cuda_ipc (same node: prefill writes into this service's GPU pool through CUDA IPC; both GPUs must be "
-    "visible to the prefill process and the two share an IPC namespace)",
+    "visible to the prefill process and the two share an IPC namespace) or nixl (any node: prefill writes "
+    "into this service's pool, GPU or CPU, with NIXL over UCX; needs pdserve[nixl] on both services)",
     "window_history": "ask prefill for the sliding-window rings (--no-window-history: rebuild them here "
     "by bounded replay)",
 }

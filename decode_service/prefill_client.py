@@ -2,8 +2,10 @@
 
 The call's deadline is min(client deadline, --prefill-timeout): a decode never waits forever on a
 prefill that died. Cancelling the awaiting task (the client went away) cancels the call, and the
-prefill service drops the bytes it extracted. Every Prefill carries decode's KV layout; a prefill
-service whose layout differs answers FAILED_PRECONDITION before any work (`PrefillRefused`).
+prefill service drops the bytes it extracted. With cuda_ipc or nixl decode's pool rides on the
+Handshake and on every Prefill (`pool`) and no chunk comes: prefill writes into the reservation. Every
+Prefill carries decode's KV layout; a prefill service whose layout differs answers FAILED_PRECONDITION
+before any work (`PrefillRefused`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.service_runtime import StartupError
 from shared.transfer.base import Chunk, KVLayout
 from shared.transfer.cuda_ipc import IpcTarget, PoolExport
+from shared.transfer.nixl import NixlPool, NixlTarget
 
 __all__ = ["PrefillClient", "PrefillFailed", "PrefillRefused", "PrefillResult", "handshake"]
 
@@ -52,17 +55,26 @@ class PrefillResult:
     cuda_ipc_event: bytes = b""  # cuda_ipc: decode's stream waits on it before reading the pages
 
 
-def _handshake_request(layout: pb.KVLayout, pool: PoolExport | None) -> pb.HandshakeRequest:
-    if pool is None:
-        return pb.HandshakeRequest(layout=layout, backend="inline")
-    return pb.HandshakeRequest(layout=layout, backend="cuda_ipc", cuda_ipc_pool=pool.to_pb())
+Pool = PoolExport | NixlPool  # decode's pool as a zero-copy backend exports it
+
+
+def backend_of(pool: Pool | None) -> str:
+    return "inline" if pool is None else "nixl" if isinstance(pool, NixlPool) else "cuda_ipc"
+
+
+def _handshake_request(layout: pb.KVLayout, pool: Pool | None) -> pb.HandshakeRequest:
+    if isinstance(pool, NixlPool):
+        return pb.HandshakeRequest(layout=layout, backend="nixl", nixl_pool=pool.to_pb())
+    if isinstance(pool, PoolExport):
+        return pb.HandshakeRequest(layout=layout, backend="cuda_ipc", cuda_ipc_pool=pool.to_pb())
+    return pb.HandshakeRequest(layout=layout, backend="inline")
 
 
 def handshake(
-    target: str, layout: KVLayout, wait_s: float = _HANDSHAKE_WAIT_S, pool: PoolExport | None = None
+    target: str, layout: KVLayout, wait_s: float = _HANDSHAKE_WAIT_S, pool: Pool | None = None
 ) -> None:
-    """Agree on the KV layout (and, with `pool`, the cuda_ipc backend) with the prefill service at
-    `target`, or raise StartupError.
+    """Agree on the KV layout (and, with `pool`, the cuda_ipc or nixl backend) with the prefill service
+    at `target`, or raise StartupError.
 
     Retries while the prefill service is unreachable or loading; a mismatch fails at once.
     """
@@ -90,12 +102,12 @@ def _failure(e: grpc.RpcError) -> PrefillFailed:
 
 
 class PrefillClient:
-    def __init__(self, target: str, timeout: float, layout: KVLayout, pool: PoolExport | None = None) -> None:
+    def __init__(self, target: str, timeout: float, layout: KVLayout, pool: Pool | None = None) -> None:
         self.target = target
         self.timeout = timeout
         self.layout = layout
-        self.pool = pool  # set: the cuda_ipc backend (prefill writes into this pool)
-        self.backend = "inline" if pool is None else "cuda_ipc"
+        self.pool = pool  # set: the cuda_ipc or nixl backend (prefill writes into this pool)
+        self.backend = backend_of(pool)
         self._layout_pb = layout.to_pb()
         self._stub: pb_grpc.PrefillStub | None = None
 
@@ -121,15 +133,17 @@ class PrefillClient:
     async def prefill(
         self, rid: str, prompt: list[int], sampling: gen_pb.SamplingParams, history: bool,
         client_remaining: float | None, deliver: Callable[[list[Chunk]], None],
-        metadata: Sequence[tuple[str, str]] = (), target: IpcTarget | None = None,
+        metadata: Sequence[tuple[str, str]] = (), target: IpcTarget | NixlTarget | None = None,
     ) -> PrefillResult:  # fmt: skip
         """Run one prefill; `deliver` gets the KV chunks in order. `metadata` carries the traceparent.
 
-        With `target` (cuda_ipc) prefill writes into decode's pool instead and no chunk comes."""
+        With `target` (cuda_ipc, nixl) prefill writes into decode's pool instead and no chunk comes."""
         timeout = self.call_timeout(client_remaining)
         req = pb.PrefillRequest(
             request_id=rid, prompt=prompt, sampling=sampling, send_window_history=history,
-            layout=self._layout_pb, cuda_ipc=target.to_pb() if target is not None else None,
+            layout=self._layout_pb,
+            cuda_ipc=target.to_pb() if isinstance(target, IpcTarget) else None,
+            nixl=target.to_pb() if isinstance(target, NixlTarget) else None,
         )  # fmt: skip
         # wait_for_ready: a restarting prefill service is waited for (within the deadline).
         call = self._get_stub().Prefill(
@@ -146,7 +160,7 @@ class PrefillClient:
                 elif msg.HasField("done"):
                     d = msg.done
                     now = time.time_ns()
-                    if d.cuda_ipc_event:  # the bytes went GPU to GPU: count what prefill wrote
+                    if target is not None:  # the bytes went pool to pool: count what prefill wrote
                         nbytes, first_ns = d.full_bytes + d.window_bytes, first_ns or now
                     return PrefillResult(
                         d.first_token, nbytes, first_ns, now, d.queued_prompt_tokens, d.cuda_ipc_event

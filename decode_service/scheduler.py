@@ -16,6 +16,9 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from shared import faults
 from shared.engine import Engine
@@ -36,6 +39,7 @@ from shared.scheduler_base import (
 from shared.transfer.base import Chunk
 from shared.transfer.cuda_ipc import IpcReceiver
 from shared.transfer.inline import apply_chunk, begin_receive
+from shared.transfer.nixl import NixlReceiver
 
 __all__ = [
     "AlreadyExists",
@@ -54,8 +58,9 @@ __all__ = [
 ]
 
 
-# After a cuda_ipc lease ends, how long a write prefill launched just before it may still take to land:
-# it runs behind at most the prefill steps already queued on prefill's stream (milliseconds each).
+# After a cuda_ipc or nixl lease ends, how long a write prefill launched just before it may still take to
+# land: cuda_ipc's runs behind at most the prefill steps already queued on prefill's stream (milliseconds
+# each); prefill cancels a nixl WRITE still running ABANDON_AFTER_LEASE_S (2 s) after the lease.
 WRITE_GRACE_S = 5.0
 
 
@@ -74,21 +79,27 @@ class Reserved:
     pages: tuple[int, ...] = ()
     slot: int = 0
     ready_event: bytes = b""  # cuda_ipc: recorded once the reservation's own writes are enqueued
+    # nixl on CUDA: a torch.cuda.Event after the reservation's own writes (its rings emptied). Query it
+    # before sending the target: UCX writes outside this process's stream order, so an emptying still
+    # queued on the stream could land after prefill's ring_pos.
+    settled: Any = None
 
 
 class DecodeScheduler(Scheduler):
     thread_name = "decode-scheduler"
 
     def __init__(
-        self, engine: Engine, cfg: SchedulerConfig | None = None, ipc: IpcReceiver | None = None
-    ) -> None:
+        self, engine: Engine, cfg: SchedulerConfig | None = None, ipc: IpcReceiver | None = None,
+        nixl: NixlReceiver | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(engine, cfg)
         self._pending: deque[_Entry] = deque()  # remote requests waiting for room; scheduler thread only
         self._reserved: dict[str, _Entry] = {}  # reserved, KV in transfer; scheduler thread only
         self.faults = faults.from_env()  # PDSERVE_TEST_FAULTS: tests only
         self.ipc = ipc  # cuda_ipc: prefill writes into this pool
-        self._leases: dict[str, int] = {}  # rid -> cuda_ipc write lease deadline (epoch ns)
-        self._quarantined: dict[str, Request] = {}  # abandoned cuda_ipc reservations, freed at lease end
+        self.nixl = nixl  # nixl: prefill writes into this pool (its agent lives as long as this)
+        self._leases: dict[str, int] = {}  # rid -> cuda_ipc / nixl write lease deadline (epoch ns)
+        self._quarantined: dict[str, Request] = {}  # abandoned zero-copy reservations, freed at lease end
 
     # ---- any thread ----
 
@@ -101,7 +112,8 @@ class DecodeScheduler(Scheduler):
         self._post(lambda: self._admit(rid, first_token, history, cuda_ipc_event))
 
     def leased(self, rid: str, deadline_ns: int) -> None:
-        """Prefill may write into this reservation until `deadline_ns` (cuda_ipc): call before sending.
+        """Prefill may write into this reservation until `deadline_ns` (cuda_ipc, nixl): call before
+        sending.
 
         An abort before the writes are known done then keeps the pages until the lease and a grace have
         passed, so a late write never lands in pages another request holds.
@@ -132,7 +144,11 @@ class DecodeScheduler(Scheduler):
             begin_receive(self._engine.cache, req.slot)
             self._reserved[entry.rid] = entry
             ready = self.ipc.ready() if self.ipc is not None else b""
-            entry.emit(Reserved(req.admitted_ns, tuple(req.pages), req.slot, ready))
+            settled = None
+            if self.nixl is not None and self._engine.cache.device.type == "cuda":
+                settled = torch.cuda.Event()
+                settled.record(torch.cuda.current_stream(self._engine.cache.device))
+            entry.emit(Reserved(req.admitted_ns, tuple(req.pages), req.slot, ready, settled))
 
     def _after_step(self) -> None:
         if self._pending:
@@ -162,7 +178,7 @@ class DecodeScheduler(Scheduler):
         super()._abort_one(rid)
 
     def _quarantine(self, rid: str, req: Request, lease_ns: int) -> None:
-        """Hold an abandoned cuda_ipc reservation until no write of prefill's can still land in it."""
+        """Hold an abandoned zero-copy reservation until no write of prefill's can still land in it."""
         self._quarantined[rid] = req
         delay = max(lease_ns - time.time_ns(), 0) / 1e9 + WRITE_GRACE_S
         timer = threading.Timer(delay, lambda: self._post(lambda: self._unquarantine(rid)))

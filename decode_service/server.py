@@ -23,6 +23,7 @@ from shared.service_runtime import StartupError, add_health, build_engine, run_s
 from shared.telemetry import Telemetry
 from shared.transfer.base import KVLayout
 from shared.transfer.cuda_ipc import IpcReceiver, IpcUnavailable
+from shared.transfer.nixl import NixlReceiver, NixlUnavailable
 
 __all__ = ["add_services", "build_serving", "serve"]
 
@@ -30,19 +31,21 @@ __all__ = ["add_services", "build_serving", "serve"]
 def build_serving(cfg: ServiceConfig) -> Serving:
     """Load the model, build the Engine, handshake with prefill, start the scheduler (blocking)."""
     loaded, engine = build_engine(cfg)
-    prefill = ipc = None
+    prefill = ipc = nixl = None
     if cfg.prefill_target:
         layout = KVLayout.of(engine.cache, loaded.name)
-        if cfg.kv_transfer == "cuda_ipc":
-            try:
+        try:
+            if cfg.kv_transfer == "cuda_ipc":
                 ipc = IpcReceiver(engine.cache)  # the pool's IPC handles, made once
-            except IpcUnavailable as e:
-                raise StartupError(f"--kv-transfer cuda_ipc: {e}") from e
-        pool = ipc.export if ipc is not None else None
+            elif cfg.kv_transfer == "nixl":
+                nixl = NixlReceiver(engine.cache)  # the pool registered with this process's agent, once
+        except (IpcUnavailable, NixlUnavailable) as e:
+            raise StartupError(f"--kv-transfer {cfg.kv_transfer}: {e}") from e
+        pool = ipc.export if ipc is not None else nixl.export if nixl is not None else None
         handshake(cfg.prefill_target, layout, pool=pool)
         prefill = PrefillClient(cfg.prefill_target, cfg.prefill_timeout, layout, pool)
     router = PrefillRouter(prefill, cfg.local_prefill_max_tokens, cfg.remote_prefill_max_queued_tokens)
-    scheduler = DecodeScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue), ipc)
+    scheduler = DecodeScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue), ipc, nixl)
     scheduler.start()
     limits = Limits(vocab_size=loaded.config.vocab_size, max_context=engine.max_context())
     kv_dtype = str(engine.cache.k_pages.dtype).removeprefix("torch.")

@@ -45,7 +45,8 @@ from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from shared.request_trace import RequestTrace, transfer_attrs
 from shared.sampling import SamplingParams
 from shared.telemetry import Telemetry
-from shared.transfer.cuda_ipc import IpcTarget
+from shared.transfer.cuda_ipc import IpcTarget, PoolExport
+from shared.transfer.nixl import NixlPool, NixlTarget
 
 __all__ = ["SERVICE_NAME", "GenerationServicer", "Serving"]
 
@@ -199,11 +200,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         """Run the Prefill call; returns where the prompt is prefilled in the end."""
         client = s.router.client
         assert client is not None
-        target = None
-        if client.pool is not None:  # cuda_ipc: prefill writes into the reservation until the lease ends
+        target: IpcTarget | NixlTarget | None = None
+        if client.pool is not None:  # cuda_ipc, nixl: prefill writes into the reservation until the lease
+            if reserved.settled is not None:  # nixl on CUDA: the rings' emptying must run before any write
+                while not reserved.settled.query():
+                    await asyncio.sleep(0.0002)
             deadline = time.time_ns() + int(client.call_timeout(context.time_remaining()) * 1e9)
             s.scheduler.leased(rid, deadline)  # before the call: an abort from now on quarantines
-            target = IpcTarget(client.pool, reserved.pages, reserved.slot, reserved.ready_event, deadline)
+            if isinstance(client.pool, PoolExport):
+                target = IpcTarget(client.pool, reserved.pages, reserved.slot, reserved.ready_event, deadline)
+            elif isinstance(client.pool, NixlPool):
+                target = NixlTarget(client.pool, reserved.pages, reserved.slot, deadline)
         attrs = {"server.address": client.target, "pdserve.window_history": s.window_history}
         failed: str | None = None
         refused: str | None = None

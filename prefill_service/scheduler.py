@@ -10,7 +10,8 @@ With cuda_ipc the writes into decode's pool are enqueued instead (after decode's
 shared/transfer/cuda_ipc.py) and the pages released at once too: later work on this stream runs after
 the writes, so nothing is held for a decode that dies. No write is launched past the request's lease
 deadline, which is what lets decode reuse the pages of an abandoned transfer once the lease (plus a
-grace) has passed.
+grace) has passed. With nixl one WRITE into decode's pool is started and polled instead, and the pages
+are held until it is done (prefill_service/nixl_sends.py): PrefillDone then means the KV is there.
 
 Each `Prefilled` also says how many prompt tokens the other live requests still had to compute at that
 moment (`queued_tokens`): decode reads it from PrefillDone to estimate this service's queue.
@@ -23,12 +24,15 @@ import threading
 import time
 from dataclasses import dataclass
 
+from prefill_service.nixl_sends import POLL_S, NixlSends
 from shared import faults
 from shared.engine import Engine
 from shared.scheduler_base import Finished, Scheduler, SchedulerConfig, _Entry
 from shared.transfer.base import Chunk
 from shared.transfer.cuda_ipc import IpcTarget, IpcUnavailable, IpcWriter
 from shared.transfer.inline import StagedKV, stage
+from shared.transfer.nixl import NixlTarget
+from shared.transfer.nixl_writer import NixlWriter
 
 __all__ = ["PrefillOpts", "PrefillScheduler", "Prefilled"]
 
@@ -38,6 +42,7 @@ class PrefillOpts:
     window_history: bool = True
     max_chunk_bytes: int = 0  # 0: the backend's default
     cuda_ipc: IpcTarget | None = None  # set: write into decode's pool instead of extracting chunks
+    nixl: NixlTarget | None = None  # set: one NIXL WRITE into decode's pool instead of chunks
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,8 @@ class PrefillScheduler(Scheduler):
         self._staging: dict[str, _Staging] = {}  # rid -> inline KV being copied out; scheduler thread
         self._ipc: IpcWriter | None = None
         self._ipc_lock = threading.Lock()
+        self._nixl: NixlWriter | None = None  # made on first use: importing NIXL only when chosen
+        self._nixl_sends = NixlSends(engine, self.nixl_writer, self._nixl_prefilled, self._finish)
 
     def ipc_writer(self) -> IpcWriter:
         """The cuda_ipc half of this service (made on first use; raises IpcUnavailable on CPU)."""
@@ -86,6 +93,17 @@ class PrefillScheduler(Scheduler):
             if self._ipc is None:
                 self._ipc = IpcWriter(self._engine.cache)
             return self._ipc
+
+    def nixl_writer(self) -> NixlWriter:
+        """The nixl half of this service (made on first use; raises NixlUnavailable without NIXL)."""
+        with self._ipc_lock:
+            if self._nixl is None:
+                self._nixl = NixlWriter(self._engine.cache)
+            return self._nixl
+
+    def made_nixl_writer(self) -> NixlWriter | None:
+        """The nixl half if it exists already (never makes it: that may take a while)."""
+        return self._nixl
 
     def _queued_tokens(self, done: _Entry) -> int:
         """Prompt tokens not yet computed over every live request but `done` (scheduler thread)."""
@@ -109,6 +127,10 @@ class PrefillScheduler(Scheduler):
                 entry.emit(self._write_ipc(entry, opts, computed_ns))
                 self._engine.release(req)  # at once: later work on this stream runs after the writes
                 return
+            if opts.nixl is not None:  # the WRITE reads the pages: released once it has ended
+                queued = self._queued_tokens(entry)
+                self._nixl_sends.begin(entry, opts.nixl, opts.window_history, computed_ns, queued)
+                return
             staged = stage(
                 self._engine.cache, req.pages, req.slot, len(req.prompt), window=opts.window_history
             )
@@ -123,11 +145,32 @@ class PrefillScheduler(Scheduler):
         if st is not None and st.finished is None:
             st.finished = event  # after its Prefilled: the servicer must see the bytes first
             return
+        if self._nixl_sends.hold(entry, event):  # likewise, after its WRITE
+            return
         super()._finish(entry, event)
 
     def _after_step(self) -> None:
         # With nothing else to do, waiting for the copies costs nobody; otherwise only finished ones go.
         self._send_staged(wait=self._engine.idle)
+        if self._nixl_sends.pending and self._nixl_sends.poll():
+            self._publish()
+
+    def _poll_interval(self) -> float | None:
+        return POLL_S if self._nixl_sends.pending else None
+
+    def _abort_one(self, rid: str) -> None:
+        if not self._nixl_sends.cancel(rid):  # a WRITE in flight ends first: its pages are read
+            super()._abort_one(rid)
+
+    def _nixl_prefilled(
+        self, entry: _Entry, first: int, full: int, window: int, computed_ns: int, queued: int,
+        error: tuple[str, str] | None,
+    ) -> Prefilled:  # fmt: skip
+        req = entry.req
+        assert req is not None
+        if error is not None:
+            return Prefilled(first, (), 0, 0, error=error)
+        return Prefilled(first, (), full, window, req.admitted_ns, computed_ns, time.time_ns(), queued)
 
     def _send_staged(self, *, wait: bool) -> None:
         sent = False

@@ -7,8 +7,10 @@ any work, never KV it would misread. Then Prefill validates the prompt and sampl
 (the first token is sampled here), submits to the scheduler and waits for its `Prefilled` event, whose
 chunks are CPU bytes already released from the pool. With a `cuda_ipc` target there are no chunks:
 the scheduler has enqueued the writes into decode's pool and PrefillDone carries the event that says
-when they are done. A cancelled call aborts the request if it is still computing, and otherwise just
-drops the bytes.
+when they are done. With a `nixl` target decode's agent is loaded first (once per agent, off the
+scheduler thread) and PrefillDone comes only once the scheduler's WRITE is complete. A cancelled call
+aborts the request if it is still computing, and otherwise just drops the bytes (or, nixl, lets the
+WRITE end before the pages are freed).
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ from shared.scheduler_base import AlreadyExists, Finished, NotAccepting, QueueFu
 from shared.telemetry import Telemetry
 from shared.transfer.base import KVLayout, mismatches
 from shared.transfer.cuda_ipc import IpcTarget, IpcUnavailable, PoolExport
+from shared.transfer.nixl import NixlError, NixlPool, NixlTarget, NixlUnavailable
 
 __all__ = ["BACKENDS", "SERVICE_NAME", "PrefillServicer", "PrefillServing"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Prefill"].full_name
 _PREFILL = f"{SERVICE_NAME}/Prefill"
-BACKENDS = ("inline", "cuda_ipc")
+BACKENDS = ("inline", "cuda_ipc", "nixl")
+_NIXL_PROBE_S = 10.0  # how long a handshake waits for its probe write into decode's agent
 
 _SUBMIT_CODES: dict[type[SubmitError], grpc.StatusCode] = {
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -85,6 +89,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         if request.backend == "cuda_ipc" and not problems:
             problems += await self._map_pool(s, request)
         await _refuse_mismatch(context, problems)
+        if request.backend == "nixl":
+            unreachable = await self._probe_agent(s, request)
+            if unreachable:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, unreachable)
         return pb.HandshakeResponse(layout=s.layout.to_pb(), backend=request.backend or BACKENDS[0])
 
     async def Prefill(
@@ -114,8 +122,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 loop.call_soon_threadsafe(events.put_nowait, ev)
 
         target = IpcTarget.from_pb(request.cuda_ipc) if request.HasField("cuda_ipc") else None
-        opts = PrefillOpts(request.send_window_history, request.max_chunk_bytes, target)
-        backend = "inline" if target is None else "cuda_ipc"
+        nixl = NixlTarget.from_pb(request.nixl) if request.HasField("nixl") else None
+        if nixl is not None:
+            await self._connect_agent(s, nixl.pool, context)
+        opts = PrefillOpts(request.send_window_history, request.max_chunk_bytes, target, nixl)
+        backend = "cuda_ipc" if target is not None else "nixl" if nixl is not None else "inline"
         attrs = {
             "gen_ai.operation.name": "text_completion",
             "gen_ai.request.model": s.loaded.name,
@@ -140,7 +151,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     await context.abort(code, ev.error[1])
                 if isinstance(ev, Prefilled):
                     finished = True  # the pool no longer holds it: only these bytes (or writes) are left
-                    self._phases(rt, ev, len(prompt))
+                    self._phases(rt, ev, len(prompt), backend)
                     start = time.time_ns()
                     for chunk in ev.chunks:
                         yield pb.PrefillResponse(chunk=chunk.to_pb())
@@ -190,7 +201,41 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         return []
 
     @staticmethod
-    def _phases(rt: RequestTrace, ev: Prefilled, prompt_tokens: int) -> None:
+    async def _probe_agent(s: PrefillServing, request: pb.HandshakeRequest) -> str:
+        """Load decode's NIXL agent and write into its probe buffer; why not, or "" when it worked."""
+        if not request.HasField("nixl_pool"):
+            return "nixl_pool: missing (the nixl backend needs decode's agent metadata and pool)"
+        pool = NixlPool.from_pb(request.nixl_pool)
+        try:
+            writer = await asyncio.to_thread(s.scheduler.nixl_writer)
+            await asyncio.to_thread(writer.probe, pool, _NIXL_PROBE_S)
+        except NixlUnavailable as e:
+            return f"nixl: this prefill service cannot use NIXL: {e}"
+        except ValueError as e:
+            return f"nixl: decode's pool does not fit this prefill's: {e}"
+        except NixlError as e:
+            return f"nixl: cannot reach decode's NIXL agent {pool.agent_name}: {e}"
+        return ""
+
+    @staticmethod
+    async def _connect_agent(s: PrefillServing, pool: NixlPool, context: grpc.aio.ServicerContext) -> None:
+        """Decode's agent loaded before any work. A prefill that cannot use NIXL, or whose pool differs,
+        answers FAILED_PRECONDITION (decode prefills the request itself and re-handshakes); one that cannot
+        reach the agent, UNAVAILABLE."""
+        try:
+            writer = s.scheduler.made_nixl_writer()
+            if writer is None or not writer.connected(pool.agent_name):  # the agent is made, or loaded:
+                writer = await asyncio.to_thread(s.scheduler.nixl_writer)  # not on the event loop
+                await asyncio.to_thread(writer.connect, pool)
+        except NixlUnavailable as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"nixl: {e}")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"nixl: decode's pool does not fit: {e}")
+        except NixlError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"nixl: {e}")
+
+    @staticmethod
+    def _phases(rt: RequestTrace, ev: Prefilled, prompt_tokens: int, backend: str) -> None:
         """Queue, forward and extraction spans from the times the scheduler thread stamped."""
         rt.queued(ev.admitted_ns)
         rt.tokens(1)
@@ -202,7 +247,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 {"gen_ai.usage.input_tokens": prompt_tokens},
             )
         if ev.computed_ns:
-            backend = "cuda_ipc" if ev.cuda_ipc_event else "inline"  # cuda_ipc: the writes enqueued
+            # cuda_ipc: the writes enqueued; nixl: the WRITE, done
             rt.child("kv.extract", ev.computed_ns, ev.extracted_ns, {"pdserve.kv.backend": backend})
 
     async def GetModelInfo(

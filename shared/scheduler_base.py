@@ -7,9 +7,10 @@ servicer's callback hops onto the event loop). When there is nothing to do the t
 condition, so an idle server burns no CPU.
 
 Subclasses plug in at a few hooks: `_start` (how a new request reaches the engine), `_abort_one`,
-`_on_done` (a finished request, before its Finished event) and `_after_step`; `_post` runs a function
-on the scheduler thread (how decode applies transferred KV). Servicers see only `submit`, `abort` and
-events, never the engine.
+`_on_done` (a finished request, before its Finished event), `_after_step` and `_poll_interval` (wakes
+an idle loop to poll work outside the engine, e.g. a transfer); `_post` runs a function on the
+scheduler thread (how decode applies transferred KV). Servicers see only `submit`, `abort` and events,
+never the engine.
 """
 
 from __future__ import annotations
@@ -199,14 +200,17 @@ class Scheduler:
             torch.cuda.set_device(self._engine.cache.device)
         with torch.inference_mode():
             while True:
+                poll = self._poll_interval()
                 with self._cond:
                     # A step still in flight must be completed even with no request left: a request
                     # aborted during the poll of a step (containment) frees its pages only then.
                     self._cond.wait_for(
-                        lambda: self._inbox.has_work() or active or self._engine.in_flight or self._stopping
+                        lambda: self._inbox.has_work() or active or self._engine.in_flight or self._stopping,
+                        poll,  # something to poll (a transfer in flight): come round again meanwhile
                     )
                     inbox, self._inbox = self._inbox, _Inbox()
-                    if self._stopping and not (inbox.has_work() or active or self._engine.in_flight):
+                    busy = inbox.has_work() or active or self._engine.in_flight or poll is not None
+                    if self._stopping and not busy:
                         return
                 try:
                     self._apply(inbox, active)
@@ -252,6 +256,11 @@ class Scheduler:
 
     def _after_step(self) -> None:
         """After each iteration's emit (pages may have been freed)."""
+
+    def _poll_interval(self) -> float | None:
+        """Seconds after which an otherwise idle loop runs again (to poll work in flight outside the
+        engine, in `_after_step`); None: sleep until woken."""
+        return None
 
     # ---- the loop's parts ----
 
