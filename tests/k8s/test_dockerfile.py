@@ -64,7 +64,7 @@ def test_installs_match_the_makefile(pin: str) -> None:
     [spec] = re.findall(rf'"({re.escape(pin)}[^"]+)"', runs)
     if pin == "torch==":
         assert f"TORCH_SPEC ?= {spec}" in (ROOT / "Makefile").read_text()
-    assert '".[gpu]"' in runs, "the package with its GPU extra"
+    assert '".[gpu,nixl]"' in runs, "the package with its GPU extras (cuda-bindings, nixl)"
 
 
 def test_copies_every_package_and_nothing_else() -> None:

@@ -27,7 +27,7 @@ from test_contract import effective_config
 from test_dockerfile import instructions
 
 KV_TRANSFERS = module_constant("decode_service/config.py", "KV_TRANSFERS")
-# multi-node switches to nixl once that backend exists; either is a valid state of the overlay.
+# multi-node runs nixl; inline is its documented fallback, a valid state too.
 EXPECTED = {"cpu-demo": ("inline",), "single-node-gpu": ("cuda_ipc",), "multi-node": ("inline", "nixl")}
 ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 # Memory these hand out has no legacy CUDA IPC handle (cuMemCreate / stream-ordered pools).
