@@ -8,9 +8,6 @@ stream waits for the side stream after the block, so releasing from it would dea
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -29,6 +26,7 @@ from shared.kv.invariants import SWA_HISTORY_PRESENT
 from shared.runner import ModelRunner
 from tests.engine.engine_testutil import random_tokens, tiny_config, tiny_model
 from tests.engine.test_engine_parity import Seq
+from tests.invariants.strict_testutil import assert_trip_stops_the_process
 
 pytestmark = pytest.mark.gpu
 
@@ -258,13 +256,4 @@ STRICT_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("graph", [False, True])
 def test_a_strict_trip_on_the_side_stream_stops_the_process_and_names_the_invariant(graph):
-    env = {**os.environ, "PDSERVE_INVARIANT_CHECK": "strict"}
-    proc = subprocess.run(
-        [sys.executable, "-c", STRICT_SCRIPT.format(graph=graph)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0 and "survived" not in proc.stdout
-    assert "invariant-check FAILED [swa.history_present]" in proc.stderr
+    assert_trip_stops_the_process(STRICT_SCRIPT.format(graph=graph))

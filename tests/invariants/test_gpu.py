@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -16,6 +13,7 @@ from invariants import Invariant, Severity, expect, levels, predicates
 from invariants.predicates import window_expected
 from invariants.testing import HostSyncError, no_host_sync
 from shared.kv.invariants import SWA_HISTORY_PRESENT
+from tests.invariants.strict_testutil import assert_trip_stops_the_process
 
 pytestmark = pytest.mark.gpu
 
@@ -143,16 +141,7 @@ STRICT_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("graph", [False, True])
 def test_a_strict_trip_stops_the_process_and_names_the_invariant(graph):
-    env = {**os.environ, "PDSERVE_INVARIANT_CHECK": "strict"}
-    proc = subprocess.run(
-        [sys.executable, "-c", STRICT_SCRIPT.format(graph=graph)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0 and "survived" not in proc.stdout
-    assert "invariant-check FAILED [swa.history_present]" in proc.stderr
+    assert_trip_stops_the_process(STRICT_SCRIPT.format(graph=graph))
 
 
 def test_fused_kernel_matches_reference_at_full_size():

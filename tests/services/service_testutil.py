@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,9 @@ from decode_service.config import ServiceConfig
 from decode_service.server import add_services, build_serving
 from decode_service.servicer import SERVICE_NAME, Serving
 from shared.api.model_source import load_served_model
-from shared.client import Client
+from shared.client import Client, GenerationError
 from shared.kv.cache import KVCache, KVConfig
-from shared.pb.pdserve.v1 import prefill_pb2
+from shared.pb.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.transfer.base import KVLayout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,6 +121,37 @@ def wait_health(target: str, service: str, want: int, timeout: float = 30) -> No
         if time.monotonic() > deadline:
             raise TimeoutError(f"{service!r} on {target} never reached health status {want}")
         time.sleep(0.05)
+
+
+class PrefillInfo:
+    """The prefill service's stub; `model_info` answers what Client.model_info does, so wait_pool_idle
+    reads prefill's pool too."""
+
+    def __init__(self, target: str) -> None:
+        self._channel = grpc.insecure_channel(target)
+        self.stub = prefill_pb2_grpc.PrefillStub(self._channel)
+
+    def model_info(self) -> generation_pb2.ModelInfo:
+        return self.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=5)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def abandon_then_idle(
+    client: Client, prefill: PrefillInfo, prompt: list[int], timeouts: Sequence[float], idle_s: float = 20
+) -> None:
+    """Requests whose deadlines end mid-flight (in the queue, the compute or the transfer); then both
+    pools must come back to their idle baseline (a zero-copy backend's lease included)."""
+    failed = 0
+    for timeout in timeouts:
+        try:
+            client.complete(prompt, max_tokens=300, temperature=0.0, ignore_eos=True, timeout=timeout)
+        except GenerationError:
+            failed += 1
+    assert failed >= len(timeouts) - 2, f"only {failed} of {len(timeouts)} deadlines ended their request"
+    wait_pool_idle(client, timeout=idle_s)
+    wait_pool_idle(prefill, timeout=idle_s)  # type: ignore[arg-type]
 
 
 def wait_pool_idle(client: Client, timeout: float = 10) -> None:

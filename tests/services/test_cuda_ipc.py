@@ -15,9 +15,16 @@ import pytest
 import torch
 
 from decode_service.config import ServiceConfig
-from shared.client import Client, GenerationError
-from tests.services.service_testutil import ServerProcess, random_spec, stop_all, wait_pool_idle
-from tests.services.test_disagg import COMMON, GREEDY, LENGTHS, _prefill, _PrefillInfo, _prompt
+from shared.client import Client
+from tests.services.service_testutil import (
+    PrefillInfo,
+    ServerProcess,
+    abandon_then_idle,
+    random_spec,
+    stop_all,
+    wait_pool_idle,
+)
+from tests.services.test_disagg import COMMON, GREEDY, LENGTHS, _prefill, _prompt
 
 gpu = pytest.mark.gpu
 
@@ -65,19 +72,12 @@ def test_cuda_ipc_tokens_equal_inline_tokens(gpu_prefill, history):
 @gpu
 def test_a_cancel_during_the_writes_frees_the_reservation_after_the_lease(gpu_prefill):
     decode = _decode(gpu_prefill, "cuda_ipc", "--prefill-timeout", "2")
-    info = _PrefillInfo(gpu_prefill.target)
+    info = PrefillInfo(gpu_prefill.target)
     try:
         with Client(decode.target) as c:
-            failed = 0
-            for timeout in (0.001, 0.003, 0.006, 0.01, 0.02):  # ends in the queue, the compute or the writes
-                try:
-                    c.complete(_prompt(200), **{**GREEDY, "max_tokens": 300}, timeout=timeout)
-                except GenerationError:
-                    failed += 1
-            assert failed >= 3
-            # The lease (2 s) and the write grace (5 s) pass before the pages come back.
-            wait_pool_idle(c, timeout=20)
-            wait_pool_idle(info, timeout=20)  # type: ignore[arg-type]
+            # The deadlines end in the queue, the compute or the writes; the lease (2 s) and the write
+            # grace (5 s) pass before decode's pages come back.
+            abandon_then_idle(c, info, _prompt(200), (0.001, 0.003, 0.006, 0.01, 0.02))
             assert c.complete(_prompt(9), **GREEDY).finish_reason == "length"
     finally:
         info.close()

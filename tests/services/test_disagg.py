@@ -19,11 +19,11 @@ from shared.api.model_source import load_served_model
 from shared.client import Client, GenerationError
 from shared.engine import Engine, EngineConfig
 from shared.kv.cache import KVConfig
-from shared.pb.pdserve.v1 import generation_pb2 as gen_pb
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.sampling import SamplingParams
 from tests.services.service_testutil import (
+    PrefillInfo,
     ServerProcess,
     health_status,
     kv_layout,
@@ -41,20 +41,6 @@ COMMON = ("--page-size", "4", "--max-running", "4")
 
 def _prompt(n: int) -> list[int]:
     return [(7 * i + n) % 97 for i in range(n)]
-
-
-class _PrefillInfo:
-    """wait_pool_idle reads `model_info().kv_pool`: the prefill service answers the same message."""
-
-    def __init__(self, target: str) -> None:
-        self._channel = grpc.insecure_channel(target)
-        self.stub = pb_grpc.PrefillStub(self._channel)
-
-    def model_info(self) -> gen_pb.ModelInfo:
-        return self.stub.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=5)
-
-    def close(self) -> None:
-        self._channel.close()
 
 
 def _prefill(*args: str, port: int = 0) -> ServerProcess:
@@ -88,7 +74,7 @@ def expected() -> dict[int, list[int]]:
 )
 def test_greedy_tokens_equal_the_colocated_engine(prefill, expected, flags):
     decode = ServerProcess(random_spec(), *COMMON, "--prefill-target", prefill.target, *flags)
-    info = _PrefillInfo(prefill.target)
+    info = PrefillInfo(prefill.target)
     try:
         with Client(decode.target) as c:
             for n in LENGTHS:
@@ -111,7 +97,7 @@ def _transfer(stub: pb_grpc.PrefillStub, n: int, **kw) -> tuple[list[pb.KVChunk]
 
 
 def test_window_bytes_do_not_grow_with_the_prompt(prefill):
-    info = _PrefillInfo(prefill.target)
+    info = PrefillInfo(prefill.target)
     try:
         (c2, d2), (c8, d8) = _transfer(info.stub, 2 * W), _transfer(info.stub, 8 * W)
         win = [sum(len(c.k) + len(c.v) for c in cs if c.window) for cs in (c2, c8)]
@@ -165,7 +151,7 @@ def test_dead_or_hung_prefill_is_unavailable_and_frees_the_pool():
 def test_client_cancel_during_transfer_frees_both_pools():
     pf = _prefill()
     decode = ServerProcess(random_spec(), *COMMON, "--prefill-target", pf.target, "--prefill-timeout", "20")
-    info = _PrefillInfo(pf.target)
+    info = PrefillInfo(pf.target)
     try:
         with Client(decode.target) as c:
             os.kill(pf.proc.pid, signal.SIGSTOP)  # the transfer cannot finish while we cancel

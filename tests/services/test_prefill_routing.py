@@ -21,12 +21,17 @@ from shared.api.model_source import load_served_model
 from shared.client import Client
 from shared.engine import Engine, EngineConfig
 from shared.kv.cache import KVConfig
-from shared.pb.pdserve.v1 import generation_pb2 as gen_pb
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
-from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.sampling import SamplingParams
 from shared.transfer.base import KVLayout
-from tests.services.service_testutil import ServerProcess, kv_layout, random_spec, stop_all, wait_pool_idle
+from tests.services.service_testutil import (
+    PrefillInfo,
+    ServerProcess,
+    kv_layout,
+    random_spec,
+    stop_all,
+    wait_pool_idle,
+)
 from tests.telemetry.telemetry_testutil import Span, metrics_url, sample, scrape, wait_spans
 
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -56,20 +61,6 @@ def _decode(prefill: ServerProcess, spans: Path, *args: str) -> ServerProcess:
     return ServerProcess(random_spec(), *COMMON, "--prefill-target", prefill.target, *args, env=env)
 
 
-class _PrefillInfo:
-    """The prefill service's stub; `model_info` lets wait_pool_idle read its pool."""
-
-    def __init__(self, target: str) -> None:
-        self._channel = grpc.insecure_channel(target)
-        self.stub = pb_grpc.PrefillStub(self._channel)
-
-    def model_info(self) -> gen_pb.ModelInfo:
-        return self.stub.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=5)
-
-    def close(self) -> None:
-        self._channel.close()
-
-
 def _route(spans: Path, rid: str) -> tuple[str, str]:
     """(pdserve.prefill, pdserve.prefill.reason) of request `rid`'s Generate span."""
 
@@ -93,7 +84,7 @@ def _until(pred: Callable[[], bool], timeout: float = 15) -> None:
 
 def test_a_prefill_with_another_layout_refuses_before_any_work() -> None:
     pf = _prefill()
-    info = _PrefillInfo(pf.target)
+    info = PrefillInfo(pf.target)
     try:
         for layout, want in ((kv_layout(8), "page_size: 8 != 4"), (None, "layout: missing")):
             req = pb.PrefillRequest(request_id="x", prompt=_prompt(9), layout=layout)
@@ -145,7 +136,7 @@ def test_a_prefill_restarted_with_another_layout_is_bypassed_until_one_matches_a
             assert sample(m, "pdserve_prefill_route_total", prefill="local", reason="prefill_mismatch") == 2
             assert sample(m, "pdserve_prefill_route_total", prefill="remote", reason="remote") == 2
             wait_pool_idle(c)
-        info = _PrefillInfo(pf.target)
+        info = PrefillInfo(pf.target)
         wait_pool_idle(info)  # type: ignore[arg-type]
         info.close()
     finally:
@@ -154,7 +145,7 @@ def test_a_prefill_restarted_with_another_layout_is_bypassed_until_one_matches_a
 
 def test_prefill_done_reports_the_prompt_tokens_still_queued() -> None:
     pf = _prefill("--max-batch-tokens", "16", env=SLOW)  # 40-token prompts take several steps each
-    info = _PrefillInfo(pf.target)
+    info = PrefillInfo(pf.target)
     dones: list[tuple[float, int]] = []
 
     def call(i: int) -> None:
@@ -203,7 +194,7 @@ def test_a_deep_prefill_queue_sends_prompts_to_local_prefill(tmp_path: Path) -> 
                 ("local", "queue_deep")
             )
             wait_pool_idle(c)
-        info = _PrefillInfo(pf.target)
+        info = PrefillInfo(pf.target)
         wait_pool_idle(info)  # type: ignore[arg-type]
         info.close()
     finally:
