@@ -1,5 +1,7 @@
 """What an SWA history check costs a decode step: none / naive / deferred flag / invariants OFF|WARN|STRICT
-and WARN with the checks on a side stream (`inv_warn_conc`: the step inside `invariants.concurrent_checks`).
+and WARN with the checks on a side stream (`inv_warn_conc`: the step inside `invariants.concurrent_checks`,
+each forked check on a narrow persistent grid; `inv_warn_conc_wide`: the same with the wide grid
+that serialized checks use, for comparison).
 
 A synthetic step of 40 layers; each layer does an MLP-sized matmul pair and checks its sliding-window
 ring (positions [batch, W]) against the request lengths. Scenarios: `cpu-bound` (batch 8),
@@ -10,6 +12,8 @@ real scheduler: it enqueues step N+1, then waits for step N's event. Reported pe
 time, host enqueue time per step, and host syncs per step (PyTorch's sync debug mode, counted over one step).
 
     python bench/invariants_overhead.py            # on a CUDA machine; writes a table to stdout
+    # a subset (`none` always runs first, as the baseline of vs_none):
+    python bench/invariants_overhead.py --scenarios gpu-bound --variants inv_warn,inv_warn_conc_wide
 """
 
 from __future__ import annotations
@@ -116,6 +120,17 @@ def step_concurrent(s: Setup) -> torch.Tensor:
         return step_invariants(s)
 
 
+def step_concurrent_wide(s: Setup) -> torch.Tensor:
+    # The block as before narrow launches: forked checks get one program per row block (hundreds
+    # of CTAs at batch 4096) and compete with the GEMM beside them for SMs.
+    checker = invariants.checker(s.x.device)
+    checker.narrow_concurrent = False
+    try:
+        return step_concurrent(s)
+    finally:
+        checker.narrow_concurrent = True
+
+
 VARIANTS: dict[str, tuple[Callable[[Setup], torch.Tensor], str | None]] = {
     "none": (step_none, None),
     "naive": (step_naive, None),
@@ -123,6 +138,7 @@ VARIANTS: dict[str, tuple[Callable[[Setup], torch.Tensor], str | None]] = {
     "inv_off": (step_invariants, "off"),
     "inv_warn": (step_invariants, "warn"),
     "inv_warn_conc": (step_concurrent, "warn"),
+    "inv_warn_conc_wide": (step_concurrent_wide, "warn"),
     "inv_strict": (step_invariants, "strict"),
 }
 
@@ -224,9 +240,14 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="subset of " + ", ".join(VARIANTS))
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--profile", action="store_true", help="profile the host side of one check and exit")
     args = ap.parse_args()
+    variants = ["none"] + [v for v in args.variants.split(",") if v and v != "none"]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     torch.manual_seed(0)
     invariants.checker("cuda")
     if args.profile:
@@ -239,7 +260,7 @@ def main() -> None:
         for graph in (False, True):
             base = None
             # Interleave variants in one run so that drift hits all of them alike.
-            for name in VARIANTS:
+            for name in variants:
                 r = measure(s, name, graph, args.steps, args.repeats)
                 if r is None:
                     continue
@@ -249,7 +270,7 @@ def main() -> None:
                 rows.append(r)
                 mode = "graph" if graph else "eager"
                 print(
-                    f"{scenario:10s} {mode} {name:13s} step {r['step_ms']:8.3f} ms "
+                    f"{scenario:10s} {mode} {name:18s} step {r['step_ms']:8.3f} ms "
                     f"(±{r['spread_ms']:.3f})  enqueue {r['enqueue_ms']:8.3f} ms  "
                     f"syncs/step {r['syncs_per_step']:4d}  x{r['vs_none']:.4f}",
                     flush=True,

@@ -11,6 +11,7 @@ import torch
 
 from invariants import Checker, Invariant, InvariantError, Severity, predicates
 from invariants.predicates import window_expected
+from tests.invariants.predicate_cases import random_cases
 
 INV = Invariant("test_predicates.kernel", Severity.SOFTEN, "kernel vs reference")
 
@@ -92,43 +93,11 @@ def test_bad_arguments_are_clear_errors(make, error):
         make()
 
 
-def _random_cases(gen: torch.Generator):
-    """Each built-in predicate on random data where roughly a third of the rows fail."""
-    rows = 37
-    a = torch.randint(0, 50, (rows, 3, 70), generator=gen)
-    b = a.clone()
-    flip = torch.rand(rows, generator=gen) < 0.3
-    b[flip, 1, 5] += 1
-    yield predicates.equal(a, b)
-    ids = torch.randint(-2, 100, (rows, 9), generator=gen)
-    yield predicates.in_range(ids, 0, 98)
-    x = torch.randn(rows, 600, generator=gen)
-    x[flip, 599] = float("nan")
-    x[3, 0] = float("-inf")
-    yield predicates.finite(x.to(torch.float16))
-    yield predicates.is_true(torch.rand(rows, 5, generator=gen) > 0.08)
-    yield predicates.page_aligned(torch.randint(0, 40, (rows,), generator=gen) * 8 + (flip * 3), 8)
-    lens = torch.randint(0, 40, (rows,), generator=gen)
-    pos = window_expected(lens, 16).to(torch.int32)
-    pos[flip, 0] = -7
-    yield predicates.window_positions(pos, lens)
-    table = torch.full((64, 16), -1, dtype=torch.int32)
-    slots = torch.randperm(64, generator=gen)[:rows]
-    table[slots] = pos
-    yield predicates.window_positions(table, lens, index=slots)  # rows gathered in the kernel
-    wide = torch.randn(5, 9000, generator=gen)
-    wide[1, [0, 4500, 8999]] = float("nan")  # one row failing in every column split counts once
-    wide[3, 8999] = float("inf")
-    yield predicates.finite(wide)
-    yield predicates.is_true(torch.tensor(False))  # a 0-d tensor is one row
-    yield predicates.finite(x[:, ::3])  # strided columns
-
-
 def test_the_fused_kernel_agrees_with_the_torch_reference():
     # On CUDA the compiled kernel; on CPU the same kernel in Triton's interpreter.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
-    for cpu_pred in _random_cases(gen):
+    for cpu_pred in random_cases(gen):
         moved = {k: getattr(cpu_pred, k) for k in ("a", "b", "index") if getattr(cpu_pred, k) is not None}
         pred = dataclasses.replace(cpu_pred, **{k: t.to(device) for k, t in moved.items()})
         ids = torch.randperm(4096, generator=gen)[: pred.num_rows]
