@@ -15,7 +15,7 @@ import torch
 
 from shared.kv.cache import KVCache, KVConfig
 from shared.transfer.copy_rows import copy_rows
-from shared.transfer.cuda_ipc import IpcTensor, PoolExport
+from shared.transfer.ipc_memory import IpcTensor, PoolExport
 from tests.engine.engine_testutil import W, random_tokens, tiny_config, tiny_model
 
 gpu = pytest.mark.gpu
