@@ -135,4 +135,3 @@ def summarize(stats: list[RequestStats], rate: float, wall_s: float) -> LoadResu
         ttft_p50=_pct(ttft, 0.5), ttft_p99=_pct(ttft, 0.99), itl_p50=_pct(gaps, 0.5),
         itl_p99=_pct(gaps, 0.99), e2e_p50=_pct(e2e, 0.5), e2e_p99=_pct(e2e, 0.99),
     )  # fmt: skip
-

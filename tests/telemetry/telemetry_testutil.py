@@ -27,8 +27,6 @@ def start(module: str, spans: Path, level: str, *args: str, **env: str) -> Serve
     )  # fmt: skip
 
 
-
-
 def read_spans(path: Path) -> list[Span]:
     if not path.exists():
         return []
