@@ -17,8 +17,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-OVERLAYS = ("cpu-demo", "single-node-gpu", "multi-node")
-GPU_OVERLAYS = ("single-node-gpu", "multi-node")
+OVERLAYS = ("cpu-demo", "single-node-gpu", "single-node-gpu-per-role", "multi-node")
+GPU_OVERLAYS = ("single-node-gpu", "single-node-gpu-per-role", "multi-node")
 ROLES = ("prefill", "decode")
 KUBERNETES_VERSION = "1.37.0"  # the schemas of kubernetes-validate==1.37.0 (pyproject dev extra)
 
@@ -101,6 +101,24 @@ def port_named(ctr: Obj, name: str) -> int:
     unique in a pair Pod."""
     [port] = [p["containerPort"] for p in ctr["ports"] if p["name"] in (name, f"{ctr['name']}-{name}")]
     return port
+
+
+def selects(selector: Obj, labels: dict[str, str]) -> bool:
+    """A label selector (matchLabels, and matchExpressions with In / NotIn / Exists / DoesNotExist)
+    against a set of labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
 
 
 def container_env(objs: Sequence[Obj], ctr: Obj) -> dict[str, str]:

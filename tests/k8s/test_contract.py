@@ -25,6 +25,7 @@ from k8s_render import (
     referenced_vars,
     role_parser,
     roles_of,
+    selects,
 )
 
 # OTEL_* variables the services read: shared/telemetry.py itself (exporter choice, protocol, service name,
@@ -191,9 +192,15 @@ def test_pod_shape(objs: tuple[Obj, ...], overlay: str, role: str) -> None:
     pod = dep["spec"]["template"]["spec"]
     ctr = container(objs, role)
     assert is_sidecar(ctr) == (component == "pair" and role == "prefill"), "in a pair, prefill is the sidecar"
-    [shm] = [m for m in ctr["volumeMounts"] if m["mountPath"] == "/dev/shm"]
-    [vol] = [v for v in pod["volumes"] if v["name"] == shm["name"]]
-    assert vol["emptyDir"]["medium"] == "Memory"
+    shm = [m for m in ctr.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"]
+    if pod.get("hostIPC"):
+        # The host's /dev/shm, shared with the other role's Pod (CUDA IPC events); an emptyDir there
+        # would hide it and give this Pod a tmpfs of its own (single-node-gpu-per-role).
+        assert not shm, f"{role}: with hostIPC, /dev/shm must stay the host's"
+    else:
+        [mount] = shm
+        [vol] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert vol["emptyDir"]["medium"] == "Memory"
     assert pod["securityContext"]["runAsNonRoot"] is True
     [pdb] = [p for p in find(objs, "PodDisruptionBudget") if p["spec"]["selector"]["matchLabels"] == labels]
     assert pdb
@@ -219,6 +226,16 @@ def test_overlay_placement(objs: tuple[Obj, ...], overlay: str) -> None:
     affinity = {r: deployment(objs, r)["spec"]["template"]["spec"].get("affinity", {}) for r in ROLES}
     if overlay == "single-node-gpu":  # one Pod per pair: co-located by construction (test_kv_transfer.py)
         assert paired(objs)
+    if overlay == "single-node-gpu-per-role":  # one Deployment per role, both Pods on the claim's node
+        assert not paired(objs)
+        labels = {r: deployment(objs, r)["spec"]["template"]["metadata"]["labels"] for r in ROLES}
+        for role in ROLES:
+            assert "podAntiAffinity" not in affinity[role]
+            [term] = affinity[role]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            assert term["topologyKey"] == "kubernetes.io/hostname"
+            # Matching both roles lets the first Pod schedule alone (it matches its own term): a term
+            # selecting only the other role would leave both Pods waiting for each other.
+            assert all(selects(term["labelSelector"], labels[r]) for r in ROLES), f"{role}: {term}"
     if overlay == "multi-node":  # replicas of each role spread over nodes
         assert not paired(objs)
         for role in ROLES:

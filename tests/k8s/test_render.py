@@ -9,11 +9,16 @@ import json
 import kubernetes_validate
 import pytest
 import yaml
-from k8s_render import KUBERNETES_VERSION, OVERLAYS, Obj, find, render
+from k8s_render import K8S, KUBERNETES_VERSION, OVERLAYS, Obj, find, render
 
 
 def validate(obj: Obj) -> None:
     kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def test_every_overlay_is_checked() -> None:
+    """The overlay list the tests iterate is every folder under k8s/overlays/."""
+    assert sorted(OVERLAYS) == sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
 
 
 @pytest.mark.parametrize("path", ["base", *(f"overlays/{o}" for o in OVERLAYS)])
