@@ -1,7 +1,8 @@
 """Disaggregation with real processes: a prefill service and decode services on loopback, the same tiny
 random model on each. Greedy tokens equal the colocated Engine's on the remote path (with and without
-window history) and the local one; window bytes are bounded; layout mismatch, a dead or hung prefill
-and a client cancel mid-transfer all leave both pools at their idle baseline."""
+window history) and the local one; window bytes are bounded; layout mismatch, a dead or hung prefill,
+a client cancel mid-transfer and a decode killed mid-prefill all leave both pools at their idle
+baseline."""
 
 from __future__ import annotations
 
@@ -169,6 +170,34 @@ def test_client_cancel_during_transfer_frees_both_pools():
     finally:
         info.close()
         os.kill(pf.proc.pid, signal.SIGCONT)
+        stop_all(decode, pf)
+
+
+def test_a_decode_killed_mid_prefill_leaves_the_prefill_pool_idle():
+    # Slow prefill steps (chunked at 4 tokens), so the request is still computing when decode dies.
+    pf = ServerProcess(
+        random_spec(), *COMMON, "--max-batch-tokens", "4", module="prefill_service", service=PREFILL,
+        env={"PDSERVE_TEST_FAULTS": "step_delay:0.1"},
+    )  # fmt: skip
+    info = PrefillInfo(pf.target)
+    decode = ServerProcess(
+        random_spec(), *COMMON, "--prefill-target", pf.target, "--local-prefill-max-tokens", "0"
+    )
+    try:
+        with Client(decode.target) as c:
+            stream = c.generate(_prompt(400), **GREEDY)  # 100 steps of 0.1 s if nobody stopped it
+            threading.Thread(target=lambda: _safe(stream), daemon=True).start()
+            _until(lambda: info.model_info().kv_pool.pages_free < info.model_info().kv_pool.pages_total)
+            os.kill(decode.proc.pid, signal.SIGKILL)  # its Prefill call dies with its connection
+            decode.wait(10)
+        wait_pool_idle(info, timeout=5)  # type: ignore[arg-type]  # freed on the cancel, not at the end
+        decode.kill()
+        decode = ServerProcess(random_spec(), *COMMON, "--prefill-target", pf.target)
+        with Client(decode.target) as c:  # the prefill service is as good as before
+            assert c.complete(_prompt(12), **GREEDY).finish_reason == "length"
+        wait_pool_idle(info)  # type: ignore[arg-type]
+    finally:
+        info.close()
         stop_all(decode, pf)
 
 
