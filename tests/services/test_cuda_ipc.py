@@ -4,22 +4,29 @@ GPU (one H200: both services on it; two: prefill on cuda:0, decode on cuda:1): g
 inline decode's against the same prefill, with and without window history; a client cancel while the
 writes may be in flight frees decode's reservation only after the lease, and both pools come back to
 idle; a prefill that cannot map decode's pool fails decode's start-up naming cuda_ipc. CPU: the flag
-is validated at start-up.
+is validated at start-up, and a cuda_ipc request prefill cannot serve (its lease already over, or a
+pool it cannot write) is refused before any write with prefill's pool back at idle.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import torch
 
 from decode_service.config import ServiceConfig
 from shared.client import Client
+from shared.pb.pdserve.v1 import prefill_pb2 as pb
+from shared.transfer.cuda_ipc import IpcTarget
+from shared.transfer.ipc_memory import IpcTensor, PoolExport
 from tests.services.service_testutil import (
     PrefillInfo,
     ServerProcess,
     abandon_then_idle,
+    kv_layout,
     random_spec,
     stop_all,
     wait_pool_idle,
@@ -95,3 +102,38 @@ def test_a_prefill_that_cannot_map_the_pool_fails_decode_start_up():
         decode.kill()
     finally:
         stop_all(cpu_prefill)
+
+
+def _ipc_request(deadline_ns: int) -> pb.PrefillRequest:
+    pool = PoolExport(
+        "decode-1", "GPU-00000000", (IpcTensor("k_pages", bytes(64), 0, "float32", (1, 8, 4, 2, 16)),)
+    )
+    target = IpcTarget(pool, (0, 1, 2), 0, b"", deadline_ns)
+    return pb.PrefillRequest(
+        request_id="ipc", prompt=_prompt(9), send_window_history=True, layout=kv_layout(4),
+        cuda_ipc=target.to_pb(),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cpu_prefill() -> Iterator[ServerProcess]:
+    p = _prefill("--device", "cpu")
+    yield p
+    stop_all(p)
+
+
+def test_a_cuda_ipc_request_prefill_cannot_serve_writes_nothing_and_frees_its_pool(cpu_prefill):
+    # CPU prefill: a lease already over is refused before any write (DEADLINE_EXCEEDED); a live one
+    # cannot be written from a CPU pool (FAILED_PRECONDITION: decode prefills locally). Either way
+    # prefill's pool is back at idle and it keeps serving.
+    info = PrefillInfo(cpu_prefill.target)
+    try:
+        with pytest.raises(grpc.RpcError) as late:
+            list(info.stub.Prefill(_ipc_request(time.time_ns() - 1), timeout=30))
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "lease" in late.value.details()
+        with pytest.raises(grpc.RpcError) as cpu:
+            list(info.stub.Prefill(_ipc_request(time.time_ns() + int(30e9)), timeout=30))
+        assert cpu.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "cuda_ipc" in cpu.value.details()
+        wait_pool_idle(info)  # type: ignore[arg-type]
+    finally:
+        info.close()
