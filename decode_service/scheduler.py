@@ -210,10 +210,21 @@ class DecodeScheduler(Scheduler):
         if entry is None:
             return
         assert entry.req is not None
-        self._leases.pop(rid, None)
+        lease = self._leases.pop(rid, None)
         if cuda_ipc_event:
-            assert self.ipc is not None
-            self.ipc.wait(cuda_ipc_event)  # this stream's next step runs after prefill's writes
+            try:
+                if self.ipc is None:
+                    raise RuntimeError("this decode did not ask for cuda_ipc")
+                self.ipc.wait(cuda_ipc_event)  # this stream's next step runs after prefill's writes
+            except RuntimeError as exc:  # no event to order the reads after: this request cannot run
+                if lease is None:
+                    self._engine.release(entry.req)
+                else:
+                    self._quarantine(rid, entry.req, lease)
+                error = f"prefill's cuda_ipc event does not open here: {exc}"
+                self._finish(entry, Finished("abort", len(entry.prompt), 0, error=error))
+                self._publish()
+                return
         if not history:
             self._engine.flush()  # bounded replay runs alone, not beside a step in flight
         self._engine.admit_prefilled(entry.req, first_token, history=history)

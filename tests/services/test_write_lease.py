@@ -78,3 +78,18 @@ def test_without_a_lease_or_once_admitted_the_pages_come_back_at_once(sched):
     while not isinstance(events.get(timeout=10), Finished):
         pass
     assert _wait(lambda: _pages_free(sched) == idle, timeout=2.0) < 2.0
+
+
+def test_a_done_event_that_does_not_open_fails_that_request_only(sched):
+    # This decode has no cuda_ipc receiver (CPU): any event handle is one it cannot wait on.
+    idle = _pages_free(sched)
+    events = _reserve(sched, "r4")
+    sched.leased("r4", time.time_ns() + int(0.2e9))
+    sched.prefilled("r4", 5, history=True, cuda_ipc_event=b"\0" * 64)
+    finished = events.get(timeout=5)
+    assert isinstance(finished, Finished) and "cuda_ipc event" in (finished.error or "")
+    _wait(lambda: _pages_free(sched) == idle)  # after the lease and the grace
+    events = _reserve(sched, "r5")  # the scheduler is still serving
+    sched.prefilled("r5", 5, history=False)
+    while not isinstance(events.get(timeout=10), Finished):
+        pass
