@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.host_copy import to_device
 from shared.kv.cache import KVCache
 from shared.kv.window import ring_store_index
 
@@ -68,11 +69,9 @@ class ForwardBatch:
             return
         if not pairs:
             return
-        dst = torch.tensor([i for i, _ in pairs], dtype=torch.int64)
-        src = torch.tensor([j for _, j in pairs], dtype=torch.int64)
-        if self.input_ids.is_cuda:
-            dst = dst.pin_memory().to(self.input_ids.device, non_blocking=True)
-            src = src.pin_memory().to(self.input_ids.device, non_blocking=True)
+        dev = self.input_ids.device
+        dst = to_device(torch.tensor([i for i, _ in pairs], dtype=torch.int64), dev)
+        src = to_device(torch.tensor([j for _, j in pairs], dtype=torch.int64), dev)
         self.input_ids.index_copy_(0, dst, tokens.index_select(0, src))
 
     @classmethod
@@ -182,12 +181,6 @@ def _upload(
 ) -> torch.Tensor:
     """All fields of one dtype in one host buffer and one (pinned, non-blocking) copy."""
     flat = torch.tensor([v for values in fields for v in values], dtype=dtype)
-    if device.type == "cuda":
-        flat = flat.pin_memory()
-    if into is not None:
-        if into.shape != flat.shape:
-            raise ValueError(f"static buffer holds {into.numel()} values, this batch packs {flat.numel()}")
-        return into.copy_(flat, non_blocking=True)
-    if device.type == "cuda":
-        return flat.to(device, non_blocking=True)
-    return flat
+    if into is not None and into.shape != flat.shape:
+        raise ValueError(f"static buffer holds {into.numel()} values, this batch packs {flat.numel()}")
+    return to_device(flat, device, into)

@@ -28,6 +28,7 @@ import torch
 
 from shared.batch import I32_FIELDS, I64_FIELDS, ForwardBatch, Mode, packed_sizes
 from shared.cuda_graph import DecodeGraphs
+from shared.host_copy import to_device
 from shared.kv.cache import KVCache
 from shared.kv.page_table import PageTable
 from shared.request import Request
@@ -166,9 +167,6 @@ def _upload(host: np.ndarray, into: torch.Tensor | None, device: torch.device) -
     through a pinned copy: its block is not reused before the transfer has run, so `host` may be
     rewritten for the next step at once."""
     src = torch.from_numpy(host)
-    if device.type != "cuda":
-        return into.copy_(src) if into is not None else src.clone()
-    src = src.pin_memory()
-    if into is None:
-        return src.to(device, non_blocking=True)
-    return into.copy_(src, non_blocking=True)
+    if device.type != "cuda" and into is None:
+        return src.clone()  # `host` is rewritten next step
+    return to_device(src, device, into)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.host_copy import to_device
 from shared.sampling_kernels import gumbel_noise, to_int64_seed
 
 __all__ = ["GREEDY_EPS", "TOP_K_OFF", "SamplingBatch", "SamplingParams", "sample"]
@@ -150,14 +151,10 @@ class SamplingBatch:
         device = torch.device(device)
         rows = [_row_values(p) for p in params]
         sampled = [p for p in params if not p.greedy]
-        pin = device.type == "cuda"  # a pinned source is what lets the copy not block the host
         # Column-major on the host, so each [B] field is a contiguous row of one [4, B] copy.
         host_f = torch.tensor([f for f, _ in rows], dtype=torch.float32).reshape(-1, 4).T.contiguous()
         host_i = torch.tensor([i for _, i in rows], dtype=torch.int64).reshape(-1, 4).T.contiguous()
-        if pin:
-            host_f, host_i = host_f.pin_memory(), host_i.pin_memory()
-        dev_f = host_f.to(device, non_blocking=pin)
-        dev_i = host_i.to(device, non_blocking=pin)
+        dev_f, dev_i = to_device(host_f, device), to_device(host_i, device)
         return cls(
             temperature=dev_f[0],
             top_k=dev_i[1].to(torch.int32),

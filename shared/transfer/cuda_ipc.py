@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.host_copy import to_device
 from shared.kv.cache import KVCache
 from shared.pb.pdserve.v1 import cuda_ipc_pb2 as pb
 from shared.transfer.copy_rows import copy_rows
@@ -42,8 +43,7 @@ __all__ = [
 
 
 def _upload(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    # Pinned, so the copy is asynchronous: a copy from pageable memory would make the host wait.
-    return torch.tensor(values, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=torch.int32), device)
 
 
 def _by_row(t: torch.Tensor | PeerTensor, rows_from: int) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.host_copy import to_device
 from shared.kv.cache import KVCache
 from shared.transfer.base import Chunk
 
@@ -82,12 +83,6 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)  # pinned: a pageable source would block
-
-
 def _download(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not k.is_cuda:
         return k, v
@@ -110,11 +105,11 @@ def stage(cache: KVCache, pages: list[int], slot: int, num_tokens: int, *, windo
     first = max(0, num_tokens - cache.window)
     full = win = None
     if cache.full_layers:
-        idx = _upload(_flat_index(pages, cache.page_size, 0, num_tokens), dev)
+        idx = to_device(_flat_index(pages, cache.page_size, 0, num_tokens), dev)
         shape = (len(cache.full_layers), -1, m.num_kv_heads, m.head_dim)
         full = _download(cache.k_pages.view(shape)[:, idx], cache.v_pages.view(shape)[:, idx])
     if window and cache.sliding_layers:
-        ring = _upload(torch.arange(first, num_tokens) % cache.window, dev)
+        ring = to_device(torch.arange(first, num_tokens) % cache.window, dev)
         win = _download(cache.k_ring[:, slot, ring], cache.v_ring[:, slot, ring])
     event = None
     if dev.type == "cuda":
