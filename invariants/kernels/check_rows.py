@@ -211,7 +211,9 @@ def launch(
     lo, hi = pred.lo, pred.hi
     tensors = (a, bb, ii, rr, counts, bits, scratch, ticket)
     args = (*tensors, R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words, chunk)
-    ptrs = (a.data_ptr(), bb.data_ptr(), rr.data_ptr(), counts.data_ptr(), bits.data_ptr())
+    # Every pointer Triton specializes on (16-byte alignment), or the cache could run a kernel
+    # compiled for an aligned slot index on a misaligned one.
+    ptrs = (a.data_ptr(), bb.data_ptr(), ii.data_ptr(), rr.data_ptr(), counts.data_ptr(), bits.data_ptr())
     split = splits > 1
     has_index = pred.index is not None
     consts = (int(pred.op), rows is not None, assert_message is not None, msg, split, has_index)
