@@ -15,7 +15,7 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _fail(op: str, msg: str) -> None:
+def fail(op: str, msg: str) -> None:
     raise ValueError(f"{op}: {msg}")
 
 
@@ -27,12 +27,12 @@ def check_dims(op: str, name: str, t: torch.Tensor, ndim: int, layout: str) -> N
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
-        _fail(op, f"{name} must be {layout}, got shape {_shape(t)}")
+        fail(op, f"{name} must be {layout}, got shape {_shape(t)}")
 
 
 def check_dtype(op: str, name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
     if t.dtype not in dtypes:
-        _fail(op, f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+        fail(op, f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
 
 
 def check_same_device(op: str, **tensors: torch.Tensor) -> torch.device:
@@ -40,7 +40,7 @@ def check_same_device(op: str, **tensors: torch.Tensor) -> torch.device:
     first = next(iter(devices.values()))
     if any(d != first for d in devices.values()):
         found = ", ".join(f"{n}={d}" for n, d in devices.items())
-        _fail(op, f"all tensors must be on one device, got {found}")
+        fail(op, f"all tensors must be on one device, got {found}")
     return first
 
 
@@ -48,7 +48,7 @@ def check_last_dim_contiguous(op: str, **tensors: torch.Tensor) -> None:
     """The Triton kernels address rows by stride but read each head's D values as one run."""
     for name, t in tensors.items():
         if t.stride(-1) != 1:
-            _fail(op, f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
+            fail(op, f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
 
 
 @dataclass(frozen=True)
@@ -79,29 +79,29 @@ def check_varlen(
     num_tokens, num_q_heads, d = q.shape
     batch = q_start.shape[0]
     if cu_q.shape[0] != batch + 1:
-        _fail(op, f"cu_q must have B+1 = {batch + 1} entries (q_start has B = {batch}), got {cu_q.shape[0]}")
+        fail(op, f"cu_q must have B+1 = {batch + 1} entries (q_start has B = {batch}), got {cu_q.shape[0]}")
     if batch < 1:
-        _fail(op, "need at least one sequence")
+        fail(op, "need at least one sequence")
     if num_tokens < 1:
-        _fail(op, "q holds no tokens")
+        fail(op, "q holds no tokens")
     if d != head_dim:
-        _fail(op, f"q head dim {d} != kv head dim {head_dim}")
+        fail(op, f"q head dim {d} != kv head dim {head_dim}")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads != 0:
-        _fail(op, f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
+        fail(op, f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
     if not isinstance(max_q, int) or isinstance(max_q, bool) or max_q < 1:
-        _fail(op, f"max_q must be a positive Python int (the longest chunk in the batch), got {max_q!r}")
+        fail(op, f"max_q must be a positive Python int (the longest chunk in the batch), got {max_q!r}")
     if not isinstance(scale, float | int) or isinstance(scale, bool):
-        _fail(op, f"scale must be a Python float, got {type(scale).__name__}")
+        fail(op, f"scale must be a Python float, got {type(scale).__name__}")
     return Varlen(num_tokens, num_q_heads, num_kv_heads, head_dim, batch)
 
 
 def check_window(op: str, window: int | None, *, required: bool) -> None:
     if window is None:
         if required:
-            _fail(op, "window is required")
+            fail(op, "window is required")
         return
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        _fail(op, f"window must be a positive Python int or None, got {window!r}")
+        fail(op, f"window must be a positive Python int or None, got {window!r}")
 
 
 def check_paged(
@@ -112,14 +112,14 @@ def check_paged(
     check_dims(op, "v_cache", v_cache, 4, "[num_pages, page_size, Hkv, D]")
     check_dims(op, "block_table", block_table, 2, "[B, max_pages]")
     if k_cache.shape != v_cache.shape:
-        _fail(op, f"k_cache {_shape(k_cache)} and v_cache {_shape(v_cache)} differ in shape")
+        fail(op, f"k_cache {_shape(k_cache)} and v_cache {_shape(v_cache)} differ in shape")
     check_dtype(op, "block_table", block_table, (torch.int32,))
     vl = check_varlen(op, q, cu_q, q_start, k_cache.shape[2], k_cache.shape[3], max_q, scale)
     if block_table.shape[0] != vl.batch:
-        _fail(op, f"block_table has {block_table.shape[0]} rows, expected B = {vl.batch}")
+        fail(op, f"block_table has {block_table.shape[0]} rows, expected B = {vl.batch}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
-            _fail(op, f"{name} dtype {t.dtype} != q dtype {q.dtype}")
+            fail(op, f"{name} dtype {t.dtype} != q dtype {q.dtype}")
     check_window(op, window, required=False)
     check_same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, cu_q=cu_q,
                       q_start=q_start)  # fmt: skip
@@ -137,21 +137,21 @@ def check_ring(
     check_dims(op, "v_new", v_new, 3, "[T, Hkv, D]")
     check_dims(op, "slots", slots, 1, "[B]")
     if k_ring.shape != v_ring.shape:
-        _fail(op, f"k_ring {_shape(k_ring)} and v_ring {_shape(v_ring)} differ in shape")
+        fail(op, f"k_ring {_shape(k_ring)} and v_ring {_shape(v_ring)} differ in shape")
     check_dtype(op, "slots", slots, (torch.int32,))
     vl = check_varlen(op, q, cu_q, q_start, k_ring.shape[2], k_ring.shape[3], max_q, scale)
     check_window(op, window, required=True)
     if k_ring.shape[1] != window:
-        _fail(op, f"ring width {k_ring.shape[1]} != window {window}")
+        fail(op, f"ring width {k_ring.shape[1]} != window {window}")
     expect = (vl.num_tokens, vl.num_kv_heads, vl.head_dim)
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         if tuple(t.shape) != expect:
-            _fail(op, f"{name} must be [T, Hkv, D] = {list(expect)}, got {_shape(t)}")
+            fail(op, f"{name} must be [T, Hkv, D] = {list(expect)}, got {_shape(t)}")
     if slots.shape[0] != vl.batch:
-        _fail(op, f"slots has {slots.shape[0]} entries, expected B = {vl.batch}")
+        fail(op, f"slots has {slots.shape[0]} entries, expected B = {vl.batch}")
     for name, t in (("k_new", k_new), ("v_new", v_new), ("k_ring", k_ring), ("v_ring", v_ring)):
         if t.dtype != q.dtype:
-            _fail(op, f"{name} dtype {t.dtype} != q dtype {q.dtype}")
+            fail(op, f"{name} dtype {t.dtype} != q dtype {q.dtype}")
     check_same_device(op, q=q, k_new=k_new, v_new=v_new, k_ring=k_ring, v_ring=v_ring, slots=slots, cu_q=cu_q,
                       q_start=q_start)  # fmt: skip
     return vl
@@ -168,16 +168,16 @@ def check_store(
     check_dims(op, "dst_index", dst_index, 1, "[T]")
     check_dtype(op, "dst_index", dst_index, (torch.int64,))
     if k_new.shape != v_new.shape:
-        _fail(op, f"k_new {_shape(k_new)} and v_new {_shape(v_new)} differ in shape")
+        fail(op, f"k_new {_shape(k_new)} and v_new {_shape(v_new)} differ in shape")
     if k_dst.shape != v_dst.shape:
-        _fail(op, f"k_dst {_shape(k_dst)} and v_dst {_shape(v_dst)} differ in shape")
+        fail(op, f"k_dst {_shape(k_dst)} and v_dst {_shape(v_dst)} differ in shape")
     if k_new.shape[1:] != k_dst.shape[1:]:
-        _fail(op, f"rows of k_new {_shape(k_new)} do not match rows of k_dst {_shape(k_dst)}")
+        fail(op, f"rows of k_new {_shape(k_new)} do not match rows of k_dst {_shape(k_dst)}")
     if dst_index.shape[0] != k_new.shape[0]:
-        _fail(op, f"dst_index has {dst_index.shape[0]} entries, expected T = {k_new.shape[0]}")
+        fail(op, f"dst_index has {dst_index.shape[0]} entries, expected T = {k_new.shape[0]}")
     for name, t in (("k_new", k_new), ("v_new", v_new), ("k_dst", k_dst), ("v_dst", v_dst)):
         check_dtype(op, name, t, FLOAT_DTYPES)
     if k_new.dtype != k_dst.dtype or v_new.dtype != v_dst.dtype:
         src, dst = (k_new.dtype, v_new.dtype), (k_dst.dtype, v_dst.dtype)
-        _fail(op, f"source dtypes {src} != destination dtypes {dst}")
+        fail(op, f"source dtypes {src} != destination dtypes {dst}")
     check_same_device(op, k_new=k_new, v_new=v_new, k_dst=k_dst, v_dst=v_dst, dst_index=dst_index)

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import torch
 
-from shared.attention._checks import FLOAT_DTYPES, check_dims, check_dtype, check_same_device
+from shared.attention._checks import (
+    FLOAT_DTYPES,
+    check_dims,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_same_device,
+    fail,
+)
 from shared.attention._launch import check_triton_device
 
 __all__ = [
     "FLOAT_DTYPES",
     "check_activation",
+    "check_dims",
+    "check_dtype",
     "check_eps",
     "check_same_device",
     "check_triton_device",
@@ -19,16 +28,11 @@ __all__ = [
 ]
 
 
-def fail(op: str, msg: str) -> None:
-    raise ValueError(f"{op}: {msg}")
-
-
 def check_activation(op: str, name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
     """A float activation whose rows the kernel addresses by stride and whose last dim it reads as one run."""
     check_dims(op, name, t, ndim, layout)
     check_dtype(op, name, t, FLOAT_DTYPES)
-    if t.stride(-1) != 1:
-        fail(op, f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
+    check_last_dim_contiguous(op, **{name: t})
 
 
 def check_weight(op: str, name: str, w: torch.Tensor, size: int, dtype: torch.dtype) -> None:

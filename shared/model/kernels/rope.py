@@ -13,11 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.attention._checks import check_dims, check_dtype
 from shared.attention._launch import next_pow2
 from shared.model.kernels._checks import (
     FLOAT_DTYPES,
     check_activation,
+    check_dims,
+    check_dtype,
     check_eps,
     check_same_device,
     check_triton_device,
