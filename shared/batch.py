@@ -69,9 +69,8 @@ class ForwardBatch:
             return
         if not pairs:
             return
-        dev = self.input_ids.device
-        dst = to_device(torch.tensor([i for i, _ in pairs], dtype=torch.int64), dev)
-        src = to_device(torch.tensor([j for _, j in pairs], dtype=torch.int64), dev)
+        both = torch.tensor(pairs, dtype=torch.int64).T.contiguous()  # [2, k]: one copy for both
+        dst, src = to_device(both, self.input_ids.device)
         self.input_ids.index_copy_(0, dst, tokens.index_select(0, src))
 
     @classmethod
