@@ -28,7 +28,7 @@ DEFAULT_CHUNK_BYTES = 512 * 1024
 
 def _from_bytes(b: bytes, like: torch.Tensor, count: int) -> torch.Tensor:
     flat = torch.frombuffer(bytearray(b), dtype=torch.uint8)  # bytearray: frombuffer wants writable
-    return flat.view(like.dtype).view(count, *like.shape[1:]).to(like.device)
+    return to_device(flat.view(like.dtype).view(count, *like.shape[1:]), like.device)
 
 
 def _flat_index(pages: list[int], page_size: int, start: int, count: int) -> torch.Tensor:
@@ -57,7 +57,7 @@ class StagedKV:
         return self.event is None or self.event.query()
 
     def wait(self) -> None:
-        """Block until the copy is done (tests, and a scheduler with nothing else to do)."""
+        """Block until the copy is done (`extract_chunks`: tests and callers that may block)."""
         if self.event is not None:
             self.event.synchronize()
 
@@ -138,20 +138,23 @@ def begin_receive(cache: KVCache, slot: int) -> None:
 
 
 def apply_chunk(cache: KVCache, pages: list[int], slot: int, chunk: Chunk) -> None:
-    """Write one chunk into reserved `pages` / window `slot` (and set ring_pos for window chunks)."""
+    """Write one chunk into reserved `pages` / window `slot` (and set ring_pos for window chunks).
+
+    Every upload goes through pinned memory: the decode scheduler thread applies chunks while a step
+    runs, and a copy from pageable memory would make it wait for that step."""
     if chunk.layer >= cache.model.num_layers or cache.is_sliding(chunk.layer) != chunk.window:
         raise ValueError(f"chunk for layer {chunk.layer} (window={chunk.window}) does not fit this cache")
     i, n = cache.kind_index[chunk.layer], chunk.token_count
     if chunk.window:
         w = cache.window
         pos = torch.arange(chunk.token_start, chunk.token_start + n)
-        idx = (pos % w).to(cache.device)
+        idx = to_device(pos % w, cache.device)
         cache.k_ring[i, slot][idx] = _from_bytes(chunk.k, cache.k_ring[i, slot], n)
         cache.v_ring[i, slot][idx] = _from_bytes(chunk.v, cache.v_ring[i, slot], n)
-        cache.ring_pos[i, slot][idx] = pos.to(device=cache.device, dtype=cache.ring_pos.dtype)
+        cache.ring_pos[i, slot][idx] = to_device(pos.to(cache.ring_pos.dtype), cache.device)
         return
     if chunk.token_start + n > len(pages) * cache.page_size:
         raise ValueError(f"chunk tokens [{chunk.token_start}, {chunk.token_start + n}) exceed the pages")
-    idx = _flat_index(pages, cache.page_size, chunk.token_start, n).to(cache.device)
+    idx = to_device(_flat_index(pages, cache.page_size, chunk.token_start, n), cache.device)
     cache.k_pages_flat[i][idx] = _from_bytes(chunk.k, cache.k_pages_flat[i], n)
     cache.v_pages_flat[i][idx] = _from_bytes(chunk.v, cache.v_pages_flat[i], n)

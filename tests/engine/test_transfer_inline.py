@@ -84,7 +84,7 @@ def test_layout_mismatches_name_every_field():
 
 
 @pytest.mark.gpu
-def test_staging_a_prompts_kv_on_cuda_never_waits_for_the_device():
+def test_staging_and_applying_a_prompts_kv_on_cuda_never_waits_for_the_device():
     from invariants.testing import no_host_sync
     from shared.engine import EngineConfig
     from shared.kv.cache import KVConfig
@@ -101,3 +101,12 @@ def test_staging_a_prompts_kv_on_cuda_never_waits_for_the_device():
     prefill.release(p)  # at once: the gather runs before anything later on the stream
     staged.wait()
     assert list(staged.chunks()) == want
+    decode = Engine(tiny_model(tiny_config("SSFS")).cuda(), kv, EngineConfig(max_batch_tokens=16))
+    d = decode.reserve(random_tokens(n), GREEDY)
+    assert d is not None
+    for chunk in want:  # warm: pinned blocks
+        apply_chunk(decode.cache, d.pages, d.slot, chunk)
+    with no_host_sync():  # decode's receive path, applied while its steps run
+        begin_receive(decode.cache, d.slot)
+        for chunk in want:
+            apply_chunk(decode.cache, d.pages, d.slot, chunk)
