@@ -5,7 +5,8 @@ batched with the other prompts). When one finishes, its KV is gathered and copie
 go (`shared/transfer/inline.py` `stage`; on CUDA asynchronously, into pinned memory) and its pages
 released at once: the prefill pool holds no KV beyond that, so a decode that dies or never reads costs
 only the bytes in that stream. The chunks (`Prefilled`) go out once the copy is done, checked by an
-event query after each step: the scheduler thread never waits for the device while it has work.
+event query on each loop iteration (an idle loop comes round every POLL_S): the scheduler thread never
+waits for the device.
 With cuda_ipc the writes into decode's pool are enqueued instead (after decode's ready event;
 shared/transfer/cuda_ipc.py) and the pages released at once too: later work on this stream runs after
 the writes, so nothing is held for a decode that dies. No write is launched past the request's lease
@@ -150,13 +151,13 @@ class PrefillScheduler(Scheduler):
         super()._finish(entry, event)
 
     def _after_step(self) -> None:
-        # With nothing else to do, waiting for the copies costs nobody; otherwise only finished ones go.
-        self._send_staged(wait=self._engine.idle)
+        self._send_staged()
         if self._nixl_sends.pending and self._nixl_sends.poll():
             self._publish()
 
     def _poll_interval(self) -> float | None:
-        return POLL_S if self._nixl_sends.pending else None
+        # Copies out (inline) or WRITEs (nixl) in flight: come round to poll them, never wait on them.
+        return POLL_S if self._staging or self._nixl_sends.pending else None
 
     def _abort_one(self, rid: str) -> None:
         if not self._nixl_sends.cancel(rid):  # a WRITE in flight ends first: its pages are read
@@ -172,12 +173,10 @@ class PrefillScheduler(Scheduler):
             return Prefilled(first, (), 0, 0, error=error)
         return Prefilled(first, (), full, window, req.admitted_ns, computed_ns, time.time_ns(), queued)
 
-    def _send_staged(self, *, wait: bool) -> None:
+    def _send_staged(self) -> None:
         sent = False
         for rid, st in list(self._staging.items()):
-            if wait:
-                st.staged.wait()
-            elif not st.staged.ready():
+            if not st.staged.ready():
                 continue
             del self._staging[rid]
             chunks = tuple(st.staged.chunks(st.max_chunk_bytes))
