@@ -164,18 +164,22 @@ class DecodeScheduler(Scheduler):
                 self._pending.remove(entry)
                 self._finish(entry, Finished("abort", len(entry.prompt), 0))
                 return
-        entry = self._reserved.pop(rid, None)
-        if entry is not None:
-            assert entry.req is not None
-            lease = self._leases.pop(rid, None)
-            if lease is None:
-                self._engine.release(entry.req)
-            else:
-                self._quarantine(rid, entry.req, lease)
-            self._finish(entry, Finished("abort", len(entry.prompt), 0))
-            self._publish()
+        if rid in self._reserved:
+            self._drop_reserved(rid)
             return
         super()._abort_one(rid)
+
+    def _drop_reserved(self, rid: str, error: str | None = None) -> None:
+        """End a reserved request: its pages are freed now, or, while prefill may still write into
+        them (a lease), only once the lease and the grace have passed."""
+        entry = self._reserved.pop(rid)
+        assert entry.req is not None
+        lease = self._leases.pop(rid, None)
+        if lease is None:
+            self._engine.release(entry.req)
+        else:
+            self._quarantine(rid, entry.req, lease)
+        self._finish(entry, Finished("abort", len(entry.prompt), 0, error=error))
 
     def _quarantine(self, rid: str, req: Request, lease_ns: int) -> None:
         """Hold an abandoned zero-copy reservation until no write of prefill's can still land in it."""
@@ -188,8 +192,7 @@ class DecodeScheduler(Scheduler):
     def _unquarantine(self, rid: str) -> None:
         req = self._quarantined.pop(rid, None)
         if req is not None:
-            self._engine.release(req)
-            self._publish()
+            self._engine.release(req)  # the loop publishes the pool state after this
 
     def _apply_chunks(self, rid: str, chunks: list[Chunk]) -> None:
         entry = self._reserved.get(rid)
@@ -201,30 +204,22 @@ class DecodeScheduler(Scheduler):
             for chunk in chunks:
                 apply_chunk(self._engine.cache, req.pages, req.slot, chunk)
         except (ValueError, RuntimeError) as exc:  # a malformed chunk costs this request only
-            del self._reserved[rid]
-            self._engine.release(req)
-            self._finish(entry, Finished("abort", len(entry.prompt), 0, error=f"bad KV chunk: {exc}"))
+            self._drop_reserved(rid, f"bad KV chunk: {exc}")
 
     def _admit(self, rid: str, first_token: int, history: bool, cuda_ipc_event: bytes) -> None:
-        entry = self._reserved.pop(rid, None)
-        if entry is None:
+        if rid not in self._reserved:
             return
-        assert entry.req is not None
-        lease = self._leases.pop(rid, None)
         if cuda_ipc_event:
             try:
                 if self.ipc is None:
                     raise RuntimeError("this decode did not ask for cuda_ipc")
                 self.ipc.wait(cuda_ipc_event)  # this stream's next step runs after prefill's writes
             except RuntimeError as exc:  # no event to order the reads after: this request cannot run
-                if lease is None:
-                    self._engine.release(entry.req)
-                else:
-                    self._quarantine(rid, entry.req, lease)
-                error = f"prefill's cuda_ipc event does not open here: {exc}"
-                self._finish(entry, Finished("abort", len(entry.prompt), 0, error=error))
-                self._publish()
+                self._drop_reserved(rid, f"prefill's cuda_ipc event does not open here: {exc}")
                 return
+        entry = self._reserved.pop(rid)
+        assert entry.req is not None
+        self._leases.pop(rid, None)  # the writes are done
         if not history:
             self._engine.flush()  # bounded replay runs alone, not beside a step in flight
         self._engine.admit_prefilled(entry.req, first_token, history=history)
