@@ -4,6 +4,7 @@ scheduler's engine (pool integrity after faults, waiting for pages, an engine th
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -29,6 +30,12 @@ def srv() -> Iterator[InProcessServer]:
 
 def _assert_idle(s: Scheduler) -> None:
     assert s.wait_idle(10)
+    # An id leaves the live set before the engine has freed what a step in flight still used: wait
+    # for the pool state the scheduler thread publishes after those frees, then read the engine.
+    deadline = time.monotonic() + 10
+    while (st := s.pool_state()).pages_free < st.pages_total or st.slots_free < st.slots_total:
+        assert time.monotonic() < deadline, f"pool not back at idle: {st}"
+        time.sleep(0.01)
     s._engine.check_idle_integrity()  # the scheduler thread is asleep once idle: safe to read
 
 
