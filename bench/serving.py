@@ -67,6 +67,9 @@ def main() -> None:
         try:
             if not children[0].wait_ready(600):
                 raise SystemExit(f"{mode}: decode did not start")
+            # Warm-up, not reported: the first prompts of each length compile the prefill kernels.
+            warm = AgenticTrace(2, args.turns, args.prefix_tokens, args.turn_tokens, args.output_tokens)
+            asyncio.run(run_load(children[0].target, warm, 4.0))
             for rate in (float(r) for r in args.rates.split(",")):
                 result = asyncio.run(run_load(children[0].target, trace, rate)).as_dict()
                 rows.append({"mode": mode, **result})

@@ -7,7 +7,9 @@ pages equals what the inline backend writes, and neither side's critical path sy
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
+import sys
 import traceback
 
 import pytest
@@ -79,6 +81,7 @@ def _decode_side(device: str, conn) -> None:  # type: ignore[no-untyped-def]
     from invariants.testing import no_host_sync
     from shared.transfer.cuda_ipc import EventRing, OpenedEvents, export_pool
 
+    faulthandler.dump_traceback_later(90, exit=True, file=sys.stderr)  # a hang shows where, then ends
     try:
         torch.cuda.set_device(device)
         cache = _kv(device)
@@ -102,6 +105,7 @@ def _decode_side(device: str, conn) -> None:  # type: ignore[no-untyped-def]
             assert torch.equal(got[name][:, SLOT, held], ref[name][:, SLOT, held]), f"{name} differs"
         assert torch.equal(got["ring_pos"][:, SLOT], ref["ring_pos"][:, SLOT]), "ring_pos differs"
         conn.send("ok")
+        conn.poll(60)  # the exporter outlives the peer's mapping: exit only once prefill has unmapped
     except BaseException:  # reported to the parent, which fails the test
         conn.send(traceback.format_exc())
 
@@ -171,6 +175,9 @@ def test_prefill_writes_into_another_processes_pages_what_inline_would(prefill_d
         assert (full, window) == (-(-n // 4) * 4 * row, 3 * min(n, W) * row)
         parent.send((done, n, ref))
         assert _recv(parent, proc) == "ok"
+        torch.cuda.synchronize(prefill_dev)
+        peer.close()
+        parent.send("unmapped")
     finally:
         proc.join(timeout=60)
         if proc.is_alive():
