@@ -44,9 +44,15 @@ class _Child:
                 self.target = line.strip().rsplit(" ", 1)[1]
             if line.strip().endswith("ready"):
                 self._ready.set()
+        self._ready.set()  # stdout closed: the service exited, and waiting for "ready" would be in vain
 
     def wait_ready(self, timeout: float) -> bool:
-        return self._ready.wait(timeout) and self.proc.poll() is None
+        """True once the service is ready; False at once when it exited, or after `timeout`."""
+        if not self._ready.wait(timeout):
+            return False
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(0.2)  # stdout may close just before the exit code is there
+        return self.proc.poll() is None
 
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:

@@ -43,16 +43,30 @@ class StartupError(Exception):
     """A start-up failure with a message that says it all (logged without a traceback)."""
 
 
-def _device(name: str) -> str:
+def resolve_device(name: str) -> torch.device:
+    """The device `--device` names, with an index: set_device, graph capture and IPC need one.
+
+    `auto` is CUDA when a GPU is visible, else the CPU; `cuda` is the process's current GPU (cuda:0 of
+    what CUDA_VISIBLE_DEVICES shows).
+    """
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)  # the form was checked when the config was parsed
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise StartupError(f"--device {name}: no CUDA device is visible to this process (use cpu or auto)")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise StartupError(f"--device {name}: this process sees {count} CUDA device(s): cuda:0..cuda:{count - 1}")
+    return torch.device("cuda", index)
 
 
 def build_engine(cfg: CommonConfig) -> tuple[LoadedModel, Engine]:
     """Load the model and build its Engine (blocking: run off the event loop)."""
-    device, dtype = _device(cfg.device), getattr(torch, cfg.dtype)
-    if torch.device(device).type == "cuda":
+    device, dtype = resolve_device(cfg.device), getattr(torch, cfg.dtype)
+    if device.type == "cuda":
         torch.cuda.set_device(device)  # this loading thread's kernels and graph captures go there
     loaded = load_served_model(cfg.model, device=device, dtype=dtype)
     kv_dtype = next(loaded.model.parameters()).dtype
@@ -61,7 +75,7 @@ def build_engine(cfg: CommonConfig) -> tuple[LoadedModel, Engine]:
         num_pages=cfg.num_pages,
         max_requests=cfg.max_running,
         dtype=kv_dtype,
-        device=device,
+        device=str(device),
     )
     engine_cfg = EngineConfig(max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running)
     return loaded, Engine(loaded.model, kv, engine_cfg)

@@ -1,4 +1,5 @@
-"""Small pieces without a server: stop strings and held-back text, PDSERVE_* flags, an idle scheduler."""
+"""Small pieces: stop strings and held-back text, PDSERVE_* flags and --device, a service that exits at
+start-up, an idle scheduler."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from decode_service.config import ServiceConfig, parse_args
 from decode_service.output import OutputProcessor
 from prefill_service.config import parse_args as parse_prefill_args
 from shared.api.model_source import load_served_model
+from shared.cli import _Child
 from shared.client import Client
+from shared.service_runtime import StartupError, resolve_device
 from tests.services.service_testutil import ServerProcess, random_spec
 
 TOK = load_served_model(random_spec(layers="F")).tokenizer
@@ -78,6 +82,34 @@ def test_disaggregation_flags_and_the_prefill_config() -> None:
         ServiceConfig(prefill_timeout=0)
     pcfg = parse_prefill_args([], env=env)
     assert (pcfg.port, pcfg.page_size) == (50052, 8)
+
+
+def test_device_flag_takes_auto_cpu_cuda_or_an_index_and_resolves_to_an_exact_device() -> None:
+    for ok in ("auto", "cpu", "cuda", "cuda:1"):
+        assert ServiceConfig(device=ok).device == ok
+    for bad in ("gpu", "cuda:", "cuda:x", "CUDA", "mps"):
+        with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
+            ServiceConfig(device=bad)
+    assert resolve_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():  # a bare "cuda" gets the current index: set_device and IPC need one
+        current = torch.device("cuda", torch.cuda.current_device())
+        assert resolve_device("cuda") == resolve_device("auto") == current
+        with pytest.raises(StartupError, match="sees"):
+            resolve_device(f"cuda:{torch.cuda.device_count()}")
+    else:
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(StartupError, match="no CUDA device is visible"):
+            resolve_device("cuda")
+
+
+def test_a_local_service_that_exits_at_start_up_is_noticed_at_once() -> None:
+    child = _Child("decode_service", "0", "--model", "/nonexistent/model.gguf", "--device", "cpu")
+    try:
+        start = time.monotonic()
+        assert child.wait_ready(120) is False
+        assert time.monotonic() - start < 60 and child.proc.returncode == 1
+    finally:
+        child.stop()
 
 
 def _cpu_seconds(pid: int) -> float:
