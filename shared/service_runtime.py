@@ -59,7 +59,7 @@ def resolve_device(name: str) -> torch.device:
     count = torch.cuda.device_count()
     index = torch.cuda.current_device() if device.index is None else device.index
     if index >= count:
-        raise StartupError(f"--device {name}: this process sees {count} CUDA device(s): cuda:0..cuda:{count - 1}")
+        raise StartupError(f"--device {name}: only cuda:0..cuda:{count - 1} are visible to this process")
     return torch.device("cuda", index)
 
 

@@ -94,7 +94,7 @@ def test_device_flag_takes_auto_cpu_cuda_or_an_index_and_resolves_to_an_exact_de
     if torch.cuda.is_available():  # a bare "cuda" gets the current index: set_device and IPC need one
         current = torch.device("cuda", torch.cuda.current_device())
         assert resolve_device("cuda") == resolve_device("auto") == current
-        with pytest.raises(StartupError, match="sees"):
+        with pytest.raises(StartupError, match="are visible to this process"):
             resolve_device(f"cuda:{torch.cuda.device_count()}")
     else:
         assert resolve_device("auto") == torch.device("cpu")
