@@ -1,7 +1,5 @@
 """What an SWA history check costs a decode step: none / naive / deferred flag / invariants OFF|WARN|STRICT
-and WARN with the checks on a side stream (`inv_warn_conc`: the step inside `invariants.concurrent_checks`,
-each forked check on a narrow persistent grid; `inv_warn_conc_wide`: the same with the wide grid
-that serialized checks use, for comparison).
+and WARN with the checks on a side stream (`inv_warn_conc`: the step inside `invariants.concurrent_checks`).
 
 A synthetic step of 40 layers; each layer does an MLP-sized matmul pair and checks its sliding-window
 ring (positions [batch, W]) against the request lengths. Scenarios: `cpu-bound` (batch 8),
@@ -13,7 +11,7 @@ time, host enqueue time per step, and host syncs per step (PyTorch's sync debug 
 
     python bench/invariants_overhead.py            # on a CUDA machine; writes a table to stdout
     # a subset (`none` always runs first, as the baseline of vs_none):
-    python bench/invariants_overhead.py --scenarios gpu-bound --variants inv_warn,inv_warn_conc_wide
+    python bench/invariants_overhead.py --scenarios gpu-bound --variants inv_warn,inv_warn_conc
 """
 
 from __future__ import annotations
@@ -120,17 +118,6 @@ def step_concurrent(s: Setup) -> torch.Tensor:
         return step_invariants(s)
 
 
-def step_concurrent_wide(s: Setup) -> torch.Tensor:
-    # The block as before narrow launches: forked checks get one program per row block (hundreds
-    # of CTAs at batch 4096) and compete with the GEMM beside them for SMs.
-    checker = invariants.checker(s.x.device)
-    checker.narrow_concurrent = False
-    try:
-        return step_concurrent(s)
-    finally:
-        checker.narrow_concurrent = True
-
-
 VARIANTS: dict[str, tuple[Callable[[Setup], torch.Tensor], str | None]] = {
     "none": (step_none, None),
     "naive": (step_naive, None),
@@ -138,7 +125,6 @@ VARIANTS: dict[str, tuple[Callable[[Setup], torch.Tensor], str | None]] = {
     "inv_off": (step_invariants, "off"),
     "inv_warn": (step_invariants, "warn"),
     "inv_warn_conc": (step_concurrent, "warn"),
-    "inv_warn_conc_wide": (step_concurrent_wide, "warn"),
     "inv_strict": (step_invariants, "strict"),
 }
 

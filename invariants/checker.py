@@ -87,9 +87,6 @@ class Checker:
                 self._event = torch.cuda.Event()
         # Made now, like the slab, so that it exists before any capture that forks onto it.
         self._side = concurrent.SideBranch(self.device) if self._on_cuda else None
-        # Forked checks launch a narrow persistent grid (kernels/check_rows.NARROW_PROGRAMS) so the
-        # kernels beside them keep their SMs; False launches them wide, as in series (benchmarks).
-        self.narrow_concurrent = True
         self._pending = False
         self._slots: dict[str, int] = {}
         self._invariants: list[Invariant] = []
@@ -143,7 +140,6 @@ class Checker:
                 slot=slot, rows=rows,
                 assert_message=strict_message(inv.name) if crash else None,
                 fork=None if side is None else side.fork,
-                narrow=side is not None and self.narrow_concurrent,
             )  # fmt: skip
             if side is not None and used:
                 side.hold(used)

@@ -7,9 +7,6 @@ Counting mode adds the number of failing rows to `counts[slot]` and sets the fai
 Wide rows with few of them (logits [8, 128k]) split their columns over a second grid axis. A row
 must still count once, so split programs OR their per-row verdicts into a scratch vector and the
 last program to finish (a ticket counter) counts the rows, records them and clears the scratch.
-
-A check forked beside the step (`concurrent_checks`) launches narrow: at most NARROW_PROGRAMS
-programs, each looping over row blocks (PERSISTENT), so the kernels beside it keep their SMs.
 """
 
 from __future__ import annotations
@@ -36,15 +33,13 @@ def _record(rows_ptr, counts_ptr, bits_ptr, r, rbad, slot, words_per_slot, HAS_R
         tl.atomic_or(bits_ptr + slot * words_per_slot + word, bit, mask=hit)
 
 
-@triton.jit
-def _check_block(
-    a_ptr, b_ptr, index_ptr, rows_ptr, counts_ptr, bits_ptr, scratch_ptr,
-    R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words_per_slot, chunk, rb,
+def _check_rows(
+    a_ptr, b_ptr, index_ptr, rows_ptr, counts_ptr, bits_ptr, scratch_ptr, done_ptr,
+    R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words_per_slot, chunk,
     OP: tl.constexpr, HAS_ROWS: tl.constexpr, ASSERT: tl.constexpr, MSG: tl.constexpr,
     SPLIT: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Row block `rb`, this program's column chunk: assert, count, or (SPLIT) OR into the scratch."""
-    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < R
     r64 = r.to(tl.int64)
     ra = r64  # the row of `a` this check row reads
@@ -82,36 +77,6 @@ def _check_block(
         tl.device_assert(bad == 0, MSG)  # asserting needs no per-row dedupe, split or not
     elif SPLIT:
         tl.atomic_or(scratch_ptr + r, bad, mask=rmask & (bad > 0))
-    else:
-        _record(rows_ptr, counts_ptr, bits_ptr, r, rmask & (bad > 0), slot, words_per_slot, HAS_ROWS)
-
-
-def _check_rows(
-    a_ptr, b_ptr, index_ptr, rows_ptr, counts_ptr, bits_ptr, scratch_ptr, done_ptr,
-    R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words_per_slot, chunk,
-    OP: tl.constexpr, HAS_ROWS: tl.constexpr, ASSERT: tl.constexpr, MSG: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-):  # fmt: skip
-    # Every row block is visited by exactly one program (so a row counts once): its own when the
-    # grid has one program per row block, else every num_programs-th from its id (narrow grids).
-    # A constexpr, so the wide launch compiles to the straight-line kernel it always was.
-    if PERSISTENT:
-        for rb in range(tl.program_id(0), tl.cdiv(R, BLOCK_R), tl.num_programs(0)):
-            _check_block(
-                a_ptr, b_ptr, index_ptr, rows_ptr, counts_ptr, bits_ptr, scratch_ptr,
-                R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words_per_slot, chunk, rb,
-                OP, HAS_ROWS, ASSERT, MSG, SPLIT, HAS_INDEX, BLOCK_R, BLOCK_C,
-            )  # fmt: skip
-    else:
-        _check_block(
-            a_ptr, b_ptr, index_ptr, rows_ptr, counts_ptr, bits_ptr, scratch_ptr,
-            R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words_per_slot, chunk, tl.program_id(0),
-            OP, HAS_ROWS, ASSERT, MSG, SPLIT, HAS_INDEX, BLOCK_R, BLOCK_C,
-        )  # fmt: skip
-    if ASSERT:
-        pass  # nothing was ORed into the scratch: no ticket
-    elif SPLIT:
         tl.debug_barrier()  # every thread's OR is issued before the ticket releases them
         ticket = tl.atomic_add(done_ptr, 1)
         if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
@@ -121,6 +86,8 @@ def _check_rows(
                 rbad = (rr < R) & (flags > 0)
                 _record(rows_ptr, counts_ptr, bits_ptr, rr, rbad, slot, words_per_slot, HAS_ROWS)
             tl.atomic_xchg(done_ptr, 0)
+    else:
+        _record(rows_ptr, counts_ptr, bits_ptr, r, rmask & (bad > 0), slot, words_per_slot, HAS_ROWS)
 
 
 # C stays specialized: knowing C % 16 == 0 lets the masked column loads vectorize.
@@ -134,27 +101,18 @@ def _pow2(n: int) -> int:
 
 
 _PROGRAMS = 1024  # enough to fill 132 SMs several times over
-# A check forked beside the step (`concurrent_checks`) launches at most this many programs, each
-# looping over row blocks: it reads its bytes in the background on a few SMs while the step's GEMM
-# keeps the rest. One program per row block (2048 CTAs for a [4096, 1024] ring) takes SMs from the
-# kernel beside it: gpu-bound cost +2.1% concurrently vs +1.37% in series (H200). Serialized checks
-# keep the wide grid: in series, finishing fast is all that counts.
-NARROW_PROGRAMS = 16
 
 
-def plan(
-    rows: int, cols: int, scratch_rows: int, programs: int = _PROGRAMS
-) -> tuple[int, int, int, int, int]:
+def plan(rows: int, cols: int, scratch_rows: int) -> tuple[int, int, int, int, int]:
     """(block_r, block_c, num_warps, column splits, chunk): tiles of up to 4096 elements; rows
-    spread over programs first (small batches are latency-bound), then wide rows split, within a
-    budget of about `programs` (NARROW_PROGRAMS for a narrow launch)."""
+    spread over programs first (small batches are latency-bound), then wide rows split."""
     block_c = min(_pow2(max(cols, 1)), 4096)
     block_r = min(max(2048 // block_c, 1), _pow2(max(rows // 256, 1)), 64)
-    row_programs = min((rows + block_r - 1) // block_r, programs)
+    row_programs = (rows + block_r - 1) // block_r
     col_blocks = (cols + block_c - 1) // block_c
     splits = 1
     if rows <= scratch_rows and col_blocks > 1:
-        splits = min(col_blocks, max(programs // row_programs, 1))
+        splits = min(col_blocks, max(_PROGRAMS // row_programs, 1))
     chunk = ((col_blocks + splits - 1) // splits) * block_c
     splits = (cols + chunk - 1) // chunk
     return block_r, block_c, 8 if block_c >= 4096 else 4, splits, chunk
@@ -180,7 +138,6 @@ def launch(
     rows: torch.Tensor | None,
     assert_message: str | None,
     fork: Callable[[], torch.cuda.Stream] | None = None,
-    narrow: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Enqueue the check on the current stream, or on the stream `fork()` returns, called just
     before the launch (after any copy the 2-D views need). `assert_message` set = STRICT-style
@@ -189,9 +146,6 @@ def launch(
 
     `scratch` (int32 [max rows], zeroed) and `ticket` (int32 [1], zeroed) serve split launches;
     launches sharing them must be stream-ordered, as one Checker per device and stream is.
-
-    `narrow`: at most NARROW_PROGRAMS programs (persistent over the row blocks when there are more),
-    for a check running beside other kernels; else one program per row block.
     """
     a, b = pred.as_2d()
     R, C = pred.num_rows, a.shape[1]
@@ -200,11 +154,7 @@ def launch(
     bb = a if b is None else b
     rr = a if rows is None else rows
     ii = a if pred.index is None else pred.index
-    budget = NARROW_PROGRAMS if narrow else _PROGRAMS
-    block_r, block_c, warps, splits, chunk = plan(R, C, scratch.shape[0], budget)
-    row_blocks = (R + block_r - 1) // block_r
-    row_programs = min(row_blocks, budget) if narrow else row_blocks
-    persistent = row_programs < row_blocks  # else one block per program: the wide kernel as is
+    block_r, block_c, warps, splits, chunk = plan(R, C, scratch.shape[0])
     kernel = _count_kernel if assert_message is None else _assert_kernel
     msg = assert_message or ""
     sa_r, sa_c, sb_r, sb_c, words = a.stride(0), a.stride(1), bb.stride(0), bb.stride(1), bits.shape[1]
@@ -217,8 +167,8 @@ def launch(
     split = splits > 1
     has_index = pred.index is not None
     consts = (int(pred.op), rows is not None, assert_message is not None, msg, split, has_index)
-    consts += (block_r, block_c, persistent)
-    grid = (row_programs, splits, 1)
+    consts += (block_r, block_c)
+    grid = ((R + block_r - 1) // block_r, splits, 1)
     key = (
         kernel is _assert_kernel, a.device.index, a.dtype, bb.dtype, rr.dtype, ii.dtype,
         type(pred.lo), type(pred.hi),
@@ -239,8 +189,7 @@ def launch(
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():  # Triton's choice
         launched = kernel[grid](
             *args, OP=consts[0], HAS_ROWS=consts[1], ASSERT=consts[2], MSG=msg, SPLIT=split,
-            HAS_INDEX=has_index, BLOCK_R=block_r, BLOCK_C=block_c, PERSISTENT=persistent,
-            num_warps=warps,
+            HAS_INDEX=has_index, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
         )  # fmt: skip
     if a.is_cuda:  # Triton's interpreter (CPU tests) has no compiled kernel to keep
         _compiled[key] = launched
