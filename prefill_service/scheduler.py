@@ -4,9 +4,9 @@ Requests run with max_tokens=1 and `hold_kv=True` (chunked prefill under the eng
 batched with the other prompts). When one finishes, its KV is gathered and copied to host memory in one
 go (`shared/transfer/inline.py` `stage`; on CUDA asynchronously, into pinned memory) and its pages
 released at once: the prefill pool holds no KV beyond that, so a decode that dies or never reads costs
-only the bytes in that stream. The chunks (`Prefilled`) go out once the copy is done, checked by an
-event query on each loop iteration (an idle loop comes round every POLL_S): the scheduler thread never
-waits for the device.
+only the bytes in that stream. `Prefilled` goes out once the copy is done, checked by an event query on
+each loop iteration (an idle loop comes round every POLL_S): the scheduler thread never waits for the
+device, and never copies the bytes into messages either (the servicer does, chunk by chunk).
 With cuda_ipc the writes into decode's pool are enqueued instead (after decode's ready event;
 shared/transfer/cuda_ipc.py) and the pages released at once too: later work on this stream runs after
 the writes, so nothing is held for a decode that dies. No write is launched past the request's lease
@@ -29,7 +29,6 @@ from prefill_service.nixl_sends import POLL_S, NixlSends
 from shared import faults
 from shared.engine import Engine
 from shared.scheduler_base import Finished, Scheduler, SchedulerConfig, _Entry
-from shared.transfer.base import Chunk
 from shared.transfer.cuda_ipc import IpcTarget, IpcUnavailable, IpcWriter
 from shared.transfer.inline import StagedKV, stage
 from shared.transfer.nixl import NixlTarget
@@ -49,9 +48,10 @@ class PrefillOpts:
 @dataclass(frozen=True)
 class Prefilled:
     first_token: int
-    chunks: tuple[Chunk, ...]
+    staged: StagedKV | None  # inline: the KV in host memory, copy done; the servicer streams its chunks
     full_bytes: int
     window_bytes: int
+    max_chunk_bytes: int = 0  # inline: the chunk size decode asked for (0: the default)
     # Epoch ns stamped on the scheduler thread (telemetry): pages granted, first token read, KV extracted.
     admitted_ns: int = 0
     computed_ns: int = 0
@@ -170,8 +170,8 @@ class PrefillScheduler(Scheduler):
         req = entry.req
         assert req is not None
         if error is not None:
-            return Prefilled(first, (), 0, 0, error=error)
-        return Prefilled(first, (), full, window, req.admitted_ns, computed_ns, time.time_ns(), queued)
+            return Prefilled(first, None, 0, 0, error=error)
+        return Prefilled(first, None, full, window, 0, req.admitted_ns, computed_ns, time.time_ns(), queued)
 
     def _send_staged(self) -> None:
         sent = False
@@ -179,13 +179,13 @@ class PrefillScheduler(Scheduler):
             if not st.staged.ready():
                 continue
             del self._staging[rid]
-            chunks = tuple(st.staged.chunks(st.max_chunk_bytes))
-            full = sum(c.nbytes for c in chunks if not c.window)
-            window = sum(c.nbytes for c in chunks) - full
+            full, window = st.staged.nbytes()
+            # The bytes are copied into messages by the servicer, not here: a 4k-token prompt is
+            # hundreds of MB, and this thread schedules everyone else's prompts.
             st.entry.emit(
                 Prefilled(
-                    st.first_token, chunks, full, window, st.admitted_ns, st.computed_ns, time.time_ns(),
-                    st.queued_tokens,
+                    st.first_token, st.staged, full, window, st.max_chunk_bytes, st.admitted_ns,
+                    st.computed_ns, time.time_ns(), st.queued_tokens,
                 )
             )  # fmt: skip
             if st.finished is not None:
@@ -200,16 +200,16 @@ class PrefillScheduler(Scheduler):
         first = req.output[0]
         if time.time_ns() >= target.lease_deadline_ns:  # decode may already be reusing those pages
             msg = "the cuda_ipc write lease expired before the prompt was computed"
-            return Prefilled(first, (), 0, 0, error=("DEADLINE_EXCEEDED", msg))
+            return Prefilled(first, None, 0, 0, error=("DEADLINE_EXCEEDED", msg))
         try:
             full, window, event = self.ipc_writer().write(
                 req.pages, req.slot, len(req.prompt), target, window=opts.window_history
             )
         except IpcUnavailable as e:  # decode's pool cannot be mapped here: nothing was written
-            return Prefilled(first, (), 0, 0, error=("FAILED_PRECONDITION", f"cuda_ipc: {e}"))
+            return Prefilled(first, None, 0, 0, error=("FAILED_PRECONDITION", f"cuda_ipc: {e}"))
         except ValueError as e:  # a descriptor that does not fit decode's pool
-            return Prefilled(first, (), 0, 0, error=("INVALID_ARGUMENT", f"cuda_ipc target: {e}"))
+            return Prefilled(first, None, 0, 0, error=("INVALID_ARGUMENT", f"cuda_ipc target: {e}"))
         return Prefilled(
-            first, (), full, window, req.admitted_ns, computed_ns, time.time_ns(),
+            first, None, full, window, 0, req.admitted_ns, computed_ns, time.time_ns(),
             self._queued_tokens(entry), cuda_ipc_event=event,
         )  # fmt: skip

@@ -125,6 +125,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         nixl = NixlTarget.from_pb(request.nixl) if request.HasField("nixl") else None
         if nixl is not None:
             await self._connect_agent(s, nixl.pool, context)
+        if target is not None:
+            if time.time_ns() >= target.lease_deadline_ns:  # decode may be reusing those pages already
+                msg = "the cuda_ipc write lease expired before the request arrived"
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, msg)
+            await self._ensure_mapped(s, target.pool, context)
         opts = PrefillOpts(request.send_window_history, request.max_chunk_bytes, target, nixl)
         backend = "cuda_ipc" if target is not None else "nixl" if nixl is not None else "inline"
         attrs = {
@@ -153,8 +158,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     finished = True  # the pool no longer holds it: only these bytes (or writes) are left
                     self._phases(rt, ev, len(prompt), backend)
                     start = time.time_ns()
-                    for chunk in ev.chunks:
-                        yield pb.PrefillResponse(chunk=chunk.to_pb())
+                    if ev.staged is not None:  # inline: each chunk's bytes copied as it is reached
+                        for chunk in ev.staged.chunks(ev.max_chunk_bytes):
+                            yield pb.PrefillResponse(chunk=chunk.to_pb())
                     # Recorded before the last message: once decode has it, it cancels the call, and
                     # this generator may not run past the yield.
                     end = time.time_ns()
@@ -199,6 +205,18 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         except IpcUnavailable as e:
             return [f"cuda_ipc: {e}"]
         return []
+
+    @staticmethod
+    async def _ensure_mapped(s: PrefillServing, pool: PoolExport, context: grpc.aio.ServicerContext) -> None:
+        """Decode's pool mapped before the request is queued: a prefill that restarted, or one of several
+        behind round_robin, sees the pool first here, and mapping it (a driver call per pool tensor) must
+        not stall the scheduler thread. One it cannot map answers FAILED_PRECONDITION, as at handshake."""
+        try:
+            writer = await asyncio.to_thread(s.scheduler.ipc_writer)
+            if not writer.mapped(pool.pool_id):
+                await asyncio.to_thread(writer.map, pool)
+        except IpcUnavailable as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cuda_ipc: {e}")
 
     @staticmethod
     async def _probe_agent(s: PrefillServing, request: pb.HandshakeRequest) -> str:

@@ -130,6 +130,10 @@ class IpcWriter:
         with self._lock:
             self._pools.get(export)
 
+    def mapped(self, pool_id: str) -> bool:
+        with self._lock:
+            return pool_id in self._pools
+
     def write(
         self, pages: Sequence[int], slot: int, num_tokens: int, target: IpcTarget, *, window: bool
     ) -> tuple[int, int, bytes]:

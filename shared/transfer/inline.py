@@ -61,8 +61,16 @@ class StagedKV:
         if self.event is not None:
             self.event.synchronize()
 
+    def nbytes(self) -> tuple[int, int]:
+        """(full-layer bytes, window bytes): what `chunks` will carry, without building them."""
+        size = lambda kv: 0 if kv is None else sum(t.numel() * t.element_size() for t in kv)
+        return size(self.full), size(self.window)
+
     def chunks(self, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Chunk]:
-        """The chunks, each k + v within `max_chunk_bytes` (capped at MAX_CHUNK_BYTES; >= one token)."""
+        """The chunks, each k + v within `max_chunk_bytes` (capped at MAX_CHUNK_BYTES; >= one token).
+
+        Lazy: each chunk's bytes are copied out of the host tensors when it is reached, so a sender
+        streams a long prompt without holding a second copy of it (read once `ready()`)."""
         limit = min(max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
         for kv, layers, first, window in (
             (self.full, self.full_layers, 0, False),

@@ -187,6 +187,9 @@ class PeerPools:
         self._pools: OrderedDict[str, PeerPool] = OrderedDict()
         self._closing: list[tuple[torch.cuda.Event, PeerPool]] = []
 
+    def __contains__(self, pool_id: str) -> bool:
+        return pool_id in self._pools
+
     def get(self, export: PoolExport) -> PeerPool:
         self._closing = [(ev, p) for ev, p in self._closing if not (ev.query() and p.close() is None)]
         pool = self._pools.get(export.pool_id)

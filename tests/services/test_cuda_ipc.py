@@ -123,9 +123,9 @@ def cpu_prefill() -> Iterator[ServerProcess]:
 
 
 def test_a_cuda_ipc_request_prefill_cannot_serve_writes_nothing_and_frees_its_pool(cpu_prefill):
-    # CPU prefill: a lease already over is refused before any write (DEADLINE_EXCEEDED); a live one
-    # cannot be written from a CPU pool (FAILED_PRECONDITION: decode prefills locally). Either way
-    # prefill's pool is back at idle and it keeps serving.
+    # CPU prefill: a lease already over is refused as it arrives (DEADLINE_EXCEEDED); a live one
+    # cannot be mapped by a CPU prefill (FAILED_PRECONDITION, before it is queued: decode prefills
+    # locally). Either way nothing is computed or written, and prefill keeps serving.
     info = PrefillInfo(cpu_prefill.target)
     try:
         with pytest.raises(grpc.RpcError) as late:
