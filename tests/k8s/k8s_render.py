@@ -147,6 +147,32 @@ def referenced_vars(env_values: Sequence[str]) -> set[str]:
     return {m for value in env_values for m in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", value)}
 
 
+SERVICE_MODULES = {"decode_service": "decode", "prefill_service": "prefill"}
+
+
+class RejectedConfig(Exception):
+    """A service would refuse this container's args or env at start-up (and exit, crash-looping)."""
+
+
+def parse_container(objs: Sequence[Obj], ctr: Obj) -> Any:
+    """A pdserve container's args and env through its service's own `parse_args`, as the process parses
+    them at start-up: argparse (an unknown flag, an unparsable value), the PDSERVE_* conversion, and the
+    config dataclass's `__post_init__` (e.g. the device form, kv_transfer, cuda_ipc on cpu) all count.
+    Returns the config dataclass; raises RejectedConfig with the service's reason."""
+    args = ctr.get("args", [])
+    if "command" in ctr or args[:1] not in ([m] for m in SERVICE_MODULES):
+        raise RejectedConfig(f"{ctr['name']}: args must start with a service module (the image's ENTRYPOINT "
+                             f"is `python -m`): {ctr.get('command')} {args}")  # fmt: skip
+    module, parse_args, _ = role_parser(SERVICE_MODULES[args[0]])
+    env = container_env(objs, ctr)
+    try:
+        return parse_args(args[1:], env=env)
+    except SystemExit as e:  # argparse has printed its reason to stderr
+        raise RejectedConfig(f"{module} rejects args {args[1:]} or its env (argparse exit {e.code})") from e
+    except (ValueError, TypeError) as e:  # env conversion or the dataclass's __post_init__
+        raise RejectedConfig(f"{module} rejects its config: {e}") from e
+
+
 def role_parser(role: str) -> tuple[str, Callable[..., Any], type]:
     """(module the image runs, its parse_args, its config dataclass) for `role`."""
     if role == "decode":

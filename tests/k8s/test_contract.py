@@ -11,6 +11,7 @@ from k8s_render import (
     GPU_OVERLAYS,
     ROLES,
     Obj,
+    RejectedConfig,
     container,
     container_env,
     deployment,
@@ -19,6 +20,7 @@ from k8s_render import (
     module_constant,
     one,
     paired,
+    parse_container,
     pdserve_deployments,
     pod_containers,
     port_named,
@@ -50,16 +52,16 @@ STOP_GRACE_S = module_constant("shared/service_runtime.py", "_STOP_GRACE_S")
 
 
 def effective_config(objs: tuple[Obj, ...], role: str):  # -> the role's config dataclass
-    """Parse the container's args and env with the service's own parser, as the process would."""
+    """Parse the container's args and env with the service's own parser, as the process would
+    (k8s_render.parse_container; test_settings.py checks every container and value this way)."""
     ctr = container(objs, role)
-    module, parse_args, _ = role_parser(role)
+    module, _, _ = role_parser(role)
     args = ctr.get("args", [])
-    assert "command" not in ctr, "the image's ENTRYPOINT (python -m) is kept; args name the module"
     assert args[:1] == [module], f"{role}: args must start with {module}, got {args}"
     try:
-        return parse_args(args[1:], env=container_env(objs, ctr))
-    except SystemExit as e:  # argparse: unknown flag or unparsable value
-        pytest.fail(f"{role}: {module} rejects args {args[1:]} / its env (exit {e.code})")
+        return parse_container(objs, ctr)
+    except RejectedConfig as e:
+        pytest.fail(f"{role}: {e}")
 
 
 def services_to(objs: tuple[Obj, ...], role: str) -> list[tuple[Obj, Obj]]:
