@@ -122,7 +122,9 @@ class ModelRunner:
         attn.store_ring_positions()
         if batch.mode is Mode.REPLAY:
             return None
-        logits = self.model.compute_logits(hidden.index_select(0, batch.last_index))
+        # In the model's dtype: sampling upcasts where it needs to, a greedy argmax does not (the upcast
+        # is exact, so either argmax picks the same token).
+        logits = self.model.compute_logits(hidden.index_select(0, batch.last_index), float32=False)
         expect(LOGITS_FINITE, lambda: predicates.finite(logits), rows=batch.slots)
         return logits
 
@@ -153,4 +155,4 @@ class ModelRunner:
         if tokens.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        return ForwardOutput(tokens, logits if return_logits else None, ready)
+        return ForwardOutput(tokens, logits.float() if return_logits else None, ready)

@@ -130,9 +130,12 @@ class Transformer(nn.Module):
             return self.norm(x, kernels)
         return self.norm.add(x, residual, kernels)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] (rows the caller picked, e.g. each sequence's last). Returns float32 [N, V]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
+        """hidden: [N, H] (rows the caller picked, e.g. each sequence's last). Returns [N, V] logits,
+        float32 unless `float32=False` (then the model's dtype: a greedy argmax needs no upcast, which
+        at batch 64 and a 128k vocabulary is a 48 MB pass of its own)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     # -- weights -------------------------------------------------------------------------------------------
 
