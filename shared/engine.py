@@ -172,11 +172,7 @@ class Engine(KVOwnership):
         for req, count, emit in zip(reqs, counts, plan.emits, strict=True):
             req.num_scheduled += count
             req.pending += emit
-        host = out.tokens
-        if out.tokens.is_cuda:
-            host = torch.empty(out.tokens.shape, dtype=out.tokens.dtype, pin_memory=True)
-            host.copy_(out.tokens, non_blocking=True)
-            out.ready.record()  # after the copy: completion means the host copy is readable
+        host = out.host_tokens if out.host_tokens is not None else out.tokens
         return InFlightStep(reqs, counts, plan.emits, out.tokens, host, out.ready)
 
     def _decode_batch(self, reqs: list[Request], prev: InFlightStep | None) -> ForwardBatch:

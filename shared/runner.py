@@ -1,7 +1,8 @@
 """ModelRunner: one forward of a ForwardBatch through the model, the KV cache and the sampler.
 
-`forward` only enqueues device work: no host sync inside. It returns the sampled tokens on device
-and an event the scheduler waits on (the one wait per step). The checks of the inputs and of every
+`forward` only enqueues device work: no host sync inside. It returns the sampled tokens on device,
+their copy on its way to pinned host memory, and the one event the scheduler waits on (the one wait
+per step) before reading that copy. The checks of the inputs and of every
 sliding layer's history run inside `invariants.concurrent_checks`: on CUDA beside the layers, on a
 side stream, instead of one small kernel each in series with them.
 """
@@ -86,7 +87,8 @@ class BatchAttention:
 class ForwardOutput:
     tokens: torch.Tensor  # [B] int64 on device
     logits: torch.Tensor | None  # [B, V] float32, when asked for
-    ready: torch.cuda.Event | None  # recorded after sampling (None on CPU: already done)
+    ready: torch.cuda.Event | None  # recorded after sampling and host_tokens' copy (None on CPU: done)
+    host_tokens: torch.Tensor | None = None  # `tokens` in pinned host memory, readable once `ready`
 
 
 class ModelRunner:
@@ -151,8 +153,10 @@ class ModelRunner:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = sample(logits, sampling, batch.sample_positions[: batch.num_real])
-        ready = None
-        if tokens.is_cuda:
+        ready, host = None, tokens
+        if tokens.is_cuda:  # the tokens' way to the host starts here, so one event covers both
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return ForwardOutput(tokens, logits.float() if return_logits else None, ready)
+        return ForwardOutput(tokens, logits.float() if return_logits else None, ready, host)
