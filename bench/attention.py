@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
 from shared.attention import TorchOps, TritonOps
-from shared.attention._launch import choose_tiles, sm_count, split_count
+from shared.attention._launch import Tiles, choose_tiles, sm_count, split_count
 from shared.attention.paged_attention import paged_attention
 from shared.attention.ring_attention import ring_attention
 
@@ -72,7 +73,7 @@ def _row(kind: str, label: str, ms_triton: float, ms_torch: float | None, work: 
     }  # fmt: skip
 
 
-def _copy_rate(nbytes: int) -> float:
+def copy_rate(nbytes: int) -> float:
     """Bytes/s of a device copy of `nbytes`, read + write counted as bench/engine.py counts them."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -80,35 +81,54 @@ def _copy_rate(nbytes: int) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
+ENGINE_BATCH, ENGINE_CTX, ENGINE_WINDOW = 64, 528, 1024  # the decode step of bench/engine.py
+DecodeCall = Callable[[int | None, Tiles | None], torch.Tensor]  # (num_splits, tiles) -> output
+
+
+def engine_decode_calls() -> tuple[dict[str, DecodeCall], dict[str, int], int]:
+    """Each layer's decode attention in bench/engine.py, on fresh inputs: {"ring"/"paged": call}.
+
+    Also each op's key span as the split rule sees it, and the K/V bytes one call must read
+    (64 x 528 x 8 x 128 x 2 x 2 = 138 MB). bench/attention_tune.py sweeps the same calls.
+    """
+    dtype, scale, batch, ctx, window = torch.bfloat16, D**-0.5, ENGINE_BATCH, ENGINE_CTX, ENGINE_WINDOW
+    l0, n = [ctx - 1] * batch, [1] * batch
+    kv_bytes = 2 * batch * ctx * HKV * D * torch.tensor([], dtype=dtype).element_size()
+    ring, paged = _ring_inputs(l0, n, window, dtype), _paged_inputs(l0, n, dtype)
+    calls: dict[str, DecodeCall] = {
+        "ring": lambda s, t=None: ring_attention(
+            **ring, max_q=1, scale=scale, window=window, num_splits=s, tiles=t
+        ),
+        "paged": lambda s, t=None: paged_attention(
+            **paged, max_q=1, scale=scale, window=None, num_splits=s, tiles=t
+        ),
+    }
+    span = {"ring": window, "paged": paged["block_table"].shape[1] * PAGE}
+    return calls, span, kv_bytes
+
+
 def engine_decode(sweep: list[int]) -> list[dict]:
     """Each layer's decode attention in bench/engine.py, replayed from a CUDA graph.
 
-    roofline_us is the K/V bytes (64 x 528 x 8 x 128 x 2 x 2 = 138 MB) at the copy's rate.
+    roofline_us is the K/V bytes (138 MB) at the copy's rate.
     """
-    dtype, scale, batch, ctx, window = torch.bfloat16, D**-0.5, 64, 528, 1024
-    l0, n = [ctx - 1] * batch, [1] * batch
-    kv_bytes = 2 * batch * ctx * HKV * D * torch.tensor([], dtype=dtype).element_size()  # 138 MB
-    copy_rate = _copy_rate(kv_bytes)
-    ring, paged = _ring_inputs(l0, n, window, dtype), _paged_inputs(l0, n, dtype)
+    batch, ctx, window = ENGINE_BATCH, ENGINE_CTX, ENGINE_WINDOW
+    calls, span, kv_bytes = engine_decode_calls()
+    rate = copy_rate(kv_bytes)
     # What the wrappers' rule picks here (tests/attention/test_attention_gpu.py checks they agree).
     block_n, sms = choose_tiles(HQ // HKV, D, 1).block_n, sm_count(torch.cuda.current_device())
-    span = {"ring": window, "paged": paged["block_table"].shape[1] * PAGE}
-    calls = {
-        "ring": lambda s: ring_attention(**ring, max_q=1, scale=scale, window=window, num_splits=s),
-        "paged": lambda s: paged_attention(**paged, max_q=1, scale=scale, window=None, num_splits=s),
-    }
     rows = []
     for op, call in calls.items():
         auto = split_count(batch * HKV, span[op], block_n, sms)
         for splits in dict.fromkeys([1, None, *sweep]):  # the old behaviour, the rule, forced factors
-            fn = lambda c=call, s=splits: c(s)
+            fn = lambda c=call, s=splits: c(s, None)
             ms = do_bench_cudagraph(fn, rep=200, return_mode="median")
             label = "1 (old)" if splits == 1 else f"{auto} (rule)" if splits is None else f"{splits} (forced)"
             rows.append({
                 "op": f"{op} decode, engine shape", "case": f"B={batch} ctx={ctx} W={window} splits={label}",
                 "graph_us": round(ms * 1e3, 1), "TB/s": round(kv_bytes / (ms * 1e-3) / 1e12, 2),
-                "copy_TB/s": round(copy_rate / 1e12, 2), "roofline_us": round(kv_bytes / copy_rate * 1e6, 1),
-                "x_roofline": round(ms * 1e-3 * copy_rate / kv_bytes, 2),
+                "copy_TB/s": round(rate / 1e12, 2), "roofline_us": round(kv_bytes / rate * 1e6, 1),
+                "x_roofline": round(ms * 1e-3 * rate / kv_bytes, 2),
             })  # fmt: skip
     return rows
 

@@ -70,6 +70,38 @@ def choose_tiles(group: int, head_dim: int, max_q: int) -> Tiles:
     return Tiles(group_p2, block_q, block_m, block_n, block_d, warps, stages)
 
 
+def resolve_tiles(op: str, tiles: Tiles | None, group: int, head_dim: int, max_q: int) -> Tiles:
+    """`choose_tiles` for the shape, or the caller's `tiles` checked (bench/attention_tune.py forces them).
+
+    A forced Tiles may differ only in block_n, num_warps and num_stages: the row layout (group_p2,
+    block_q, block_m, block_d) is what the kernels' query rows and key ranges assume for the shape.
+    """
+    chosen = choose_tiles(group, head_dim, max_q)
+    if tiles is None:
+        return chosen
+    if not isinstance(tiles, Tiles):
+        raise ValueError(f"{op}: tiles must be a Tiles, got {type(tiles).__name__}")
+    for field in ("group_p2", "block_q", "block_m", "block_d"):
+        want, got = getattr(chosen, field), getattr(tiles, field)
+        if got != want or not _is_int(got):
+            raise ValueError(
+                f"{op}: tiles.{field} must be {want} (as choose_tiles gives for group={group}, "
+                f"head_dim={head_dim}, max_q={max_q}), got {got!r}"
+            )
+    n = tiles.block_n
+    if not _is_int(n) or n < 16 or n & (n - 1):  # 16: the smallest tensor-core tile of tl.dot
+        raise ValueError(f"{op}: tiles.block_n must be a power of two >= 16, got {n!r}")
+    if not _is_int(tiles.num_warps) or tiles.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{op}: tiles.num_warps must be one of 1, 2, 4, 8, 16, got {tiles.num_warps!r}")
+    if not _is_int(tiles.num_stages) or tiles.num_stages < 1:
+        raise ValueError(f"{op}: tiles.num_stages must be an int >= 1, got {tiles.num_stages!r}")
+    return tiles
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 # Split-K (flash-decoding) rule, from host sizes only so that one batch shape always gets one graph.
 #
 # A decode-shaped call (every chunk in one query tile) has one program per (sequence, kv head), each

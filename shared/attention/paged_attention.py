@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from shared.attention._checks import check_last_dim_contiguous, check_paged
-from shared.attention._launch import LOG2E, check_triton_device, choose_splits, choose_tiles, f32_dot
+from shared.attention._launch import LOG2E, Tiles, check_triton_device, choose_splits, f32_dot, resolve_tiles
 from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
 
@@ -80,11 +80,13 @@ def _paged_attention_kernel(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
-    num_splits: int | None = None,
+    num_splits: int | None = None, tiles: Tiles | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.paged_attention` (same arguments, same contracts).
 
-    `num_splits` forces the split-K factor (any positive int; None picks one from host sizes).
+    `num_splits` forces the split-K factor (any positive int; None picks one from host sizes). `tiles`
+    forces block_n, num_warps and num_stages (`_launch.resolve_tiles` checks it; None is `choose_tiles`):
+    for tuning sweeps.
     """
     op = "paged_attention"
     vl = check_paged(op, q, k_cache, v_cache, block_table, cu_q, q_start, max_q, scale, window)
@@ -93,7 +95,7 @@ def paged_attention(
         raise ValueError(f"{op}: block_table rows must be contiguous, got strides {block_table.stride()}")
     check_triton_device(op, q.device)
     page_size = k_cache.shape[1]
-    tiles = choose_tiles(vl.group, vl.head_dim, max_q)
+    tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q)
     span = block_table.shape[1] * page_size  # the most keys one program can read
     if window is not None:
         span = min(span, window + tiles.block_q - 1)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from shared.attention._checks import check_last_dim_contiguous, check_ring
-from shared.attention._launch import LOG2E, check_triton_device, choose_splits, choose_tiles, f32_dot
+from shared.attention._launch import LOG2E, Tiles, check_triton_device, choose_splits, f32_dot, resolve_tiles
 from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
 
@@ -96,18 +96,19 @@ def _ring_attention_kernel(
 def ring_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
     slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int,
-    num_splits: int | None = None,
+    num_splits: int | None = None, tiles: Tiles | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.ring_attention` (same arguments, same contracts).
 
     `num_splits` forces the split-K factor over the ring (any positive int; None picks one from host
-    sizes: more than one only for decode-shaped calls on CUDA).
+    sizes: more than one only for decode-shaped calls on CUDA). `tiles` forces block_n, num_warps and
+    num_stages (`_launch.resolve_tiles` checks it; None is `choose_tiles`): for tuning sweeps.
     """
     op = "ring_attention"
     vl = check_ring(op, q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q, scale, window)
     check_last_dim_contiguous(op, q=q, k_new=k_new, v_new=v_new, k_ring=k_ring, v_ring=v_ring)
     check_triton_device(op, q.device)
-    tiles = choose_tiles(vl.group, vl.head_dim, max_q)
+    tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q)
     # The ring's W entries are what gets split (the chunk's keys all go to the last split).
     num_splits = choose_splits(op, q.device, num_splits, tiles, max_q, vl.batch * vl.num_kv_heads, window)
     out, part_o, part_lse = outputs(q, num_splits)
