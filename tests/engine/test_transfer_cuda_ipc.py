@@ -77,35 +77,43 @@ def _kv(device: str) -> KVCache:
 
 
 def _decode_side(device: str, conn) -> None:  # type: ignore[no-untyped-def]
-    """Child process: export the pool, reserve, wait for prefill's event, compare with the reference."""
+    """Child process, one per device pair: for each prompt prefill sends, reserve (stale bytes, an
+    emptied ring), wait for prefill's event, compare with the reference. "stop" ends it."""
     from invariants.testing import no_host_sync
     from shared.transfer.cuda_ipc import EventRing, OpenedEvents, export_pool
 
-    faulthandler.dump_traceback_later(90, exit=True, file=sys.stderr)  # a hang shows where, then ends
+    faulthandler.dump_traceback_later(150, exit=True, file=sys.stderr)  # a hang shows where, then ends
     try:
         torch.cuda.set_device(device)
         cache = _kv(device)
-        cache.k_pages.fill_(7.0)  # stale bytes the transfer must overwrite
         ring, export = EventRing(cache.device, size=4), export_pool(cache)
-        with no_host_sync():  # the reservation's side of decode's receive path
-            cache.ring_pos[:, SLOT].fill_(-1)
-            ready = ring.record()
-        conn.send((export.to_pb().SerializeToString(), ready))
-        done_event, n, ref = conn.recv()
         opened = OpenedEvents(cache.device)
-        with no_host_sync():  # and the admission's: its stream waits on prefill's event
-            opened.wait(done_event)
-        got = {name: getattr(cache, name).cpu() for name in ref}
-        rows = torch.tensor([PAGES[p // 4] * 4 + p % 4 for p in range(n)])
-        for name in ("k_pages", "v_pages"):
-            a, b = got[name].flatten(1, 2)[:, rows], ref[name].flatten(1, 2)[:, rows]
-            assert torch.equal(a, b), f"{name} differs"
-        held = torch.tensor([p % W for p in range(max(0, n - W), n)])
-        for name in ("k_ring", "v_ring"):
-            assert torch.equal(got[name][:, SLOT, held], ref[name][:, SLOT, held]), f"{name} differs"
-        assert torch.equal(got["ring_pos"][:, SLOT], ref["ring_pos"][:, SLOT]), "ring_pos differs"
-        conn.send("ok")
-        conn.poll(60)  # the exporter outlives the peer's mapping: exit only once prefill has unmapped
+        conn.send(export.to_pb().SerializeToString())
+        while (msg := conn.recv()) != "stop":
+            if msg == "reserve":
+                for name in ("k_pages", "v_pages", "k_ring", "v_ring"):
+                    getattr(cache, name).fill_(7.0)  # stale bytes the transfer must overwrite
+                with no_host_sync():  # the reservation's side of decode's receive path
+                    cache.ring_pos[:, SLOT].fill_(-1)
+                    conn.send(ring.record())
+                continue
+            done_event, n, ref = msg
+            with no_host_sync():  # and the admission's: its stream waits on prefill's event
+                opened.wait(done_event)
+            got = {name: getattr(cache, name).cpu() for name in ref}
+            rows = torch.tensor([PAGES[p // 4] * 4 + p % 4 for p in range(n)])
+            for name in ("k_pages", "v_pages"):
+                a, b = got[name].flatten(1, 2)[:, rows], ref[name].flatten(1, 2)[:, rows]
+                assert torch.equal(a, b), f"{name} differs (n={n})"
+            held = torch.tensor([p % W for p in range(max(0, n - W), n)])
+            for name in ("k_ring", "v_ring"):
+                assert torch.equal(got[name][:, SLOT, held], ref[name][:, SLOT, held]), (
+                    f"{name} differs (n={n})"
+                )
+            assert torch.equal(got["ring_pos"][:, SLOT], ref["ring_pos"][:, SLOT]), (
+                f"ring_pos differs (n={n})"
+            )
+            conn.send("ok")
     except BaseException:  # reported to the parent, which fails the test
         conn.send(traceback.format_exc())
 
@@ -137,9 +145,8 @@ def _pairs() -> list[tuple[str, str]]:
 
 
 @gpu
-@pytest.mark.parametrize("n", [3, W + 1, 3 * W + 5])
 @pytest.mark.parametrize(("prefill_dev", "decode_dev"), _pairs())
-def test_prefill_writes_into_another_processes_pages_what_inline_would(prefill_dev, decode_dev, n):
+def test_prefill_writes_into_another_processes_pages_what_inline_would(prefill_dev, decode_dev):
     from invariants.testing import no_host_sync
     from shared.engine import Engine, EngineConfig
     from shared.sampling import SamplingParams
@@ -149,36 +156,44 @@ def test_prefill_writes_into_another_processes_pages_what_inline_would(prefill_d
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_decode_side, args=(decode_dev, child), daemon=True)
-    proc.start()
+    proc.start()  # one child for every prompt length: a spawn and its CUDA start-up cost seconds
+    peer = None
     try:
         cfg = tiny_config("SSFS")
         kv = KVConfig(page_size=4, num_pages=32, max_requests=4, device=prefill_dev)
         prefill = Engine(tiny_model(cfg).to(prefill_dev), kv, EngineConfig(max_batch_tokens=16))
-        p = prefill.add_request(random_tokens(n), SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
-        while not p.finished:
-            prefill.step()
-        prefill.flush()
-        export_bytes, ready = _recv(parent, proc)
         pools = PeerPools(prefill.cache.device, prefill.cache)
         opened, ring = OpenedEvents(prefill.cache.device), EventRing(prefill.cache.device, size=4)
-        export = PoolExport.from_pb(type(PoolExport("", "", ()).to_pb()).FromString(export_bytes))
+        export = PoolExport.from_pb(type(PoolExport("", "", ()).to_pb()).FromString(_recv(parent, proc)))
         peer = pools.get(export)  # maps once: outside the hot path
-        push(prefill.cache, p.pages, p.slot, n, peer, PAGES, SLOT, window=True)  # warm: compile, pin
-        with no_host_sync():
-            opened.wait(ready)
-            full, window = push(prefill.cache, p.pages, p.slot, n, peer, PAGES, SLOT, window=True)
-            done = ring.record()
-        ref = _reference(prefill, p, n, prefill_dev)
-        prefill.release(p)  # at once: later work on prefill's stream runs after the writes
-        row = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of one token of one layer, fp32
-        # SSFS: one full layer, whole pages of 4 tokens; three sliding layers, their rings' filled part.
-        assert (full, window) == (-(-n // 4) * 4 * row, 3 * min(n, W) * row)
-        parent.send((done, n, ref))
-        assert _recv(parent, proc) == "ok"
-        torch.cuda.synchronize(prefill_dev)
-        peer.close()
-        parent.send("unmapped")
+        for n in (3, W + 1, 3 * W + 5):  # within one page, just past the window, several windows
+            p = prefill.add_request(
+                random_tokens(n), SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True
+            )
+            while not p.finished:
+                prefill.step()
+            prefill.flush()
+            push(prefill.cache, p.pages, p.slot, n, peer, PAGES, SLOT, window=True)  # warm: compile, pin
+            torch.cuda.synchronize(prefill_dev)  # landed: decode's stale bytes below come after it
+            parent.send("reserve")
+            ready = _recv(parent, proc)
+            with no_host_sync():
+                opened.wait(ready)
+                full, window = push(prefill.cache, p.pages, p.slot, n, peer, PAGES, SLOT, window=True)
+                done = ring.record()
+            ref = _reference(prefill, p, n, prefill_dev)
+            prefill.release(p)  # at once: later work on prefill's stream runs after the writes
+            row = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of one token of one layer, fp32
+            # SSFS: one full layer, whole pages of 4 tokens; three sliding layers, their rings' filled part.
+            assert (full, window) == (-(-n // 4) * 4 * row, 3 * min(n, W) * row)
+            parent.send((done, n, ref))
+            assert _recv(parent, proc) == "ok"
     finally:
+        if peer is not None:  # the exporter outlives the mapping: unmap before the child exits
+            torch.cuda.synchronize(prefill_dev)
+            peer.close()
+        if proc.is_alive():
+            parent.send("stop")
         proc.join(timeout=60)
         if proc.is_alive():
             proc.kill()
