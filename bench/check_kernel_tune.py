@@ -8,6 +8,8 @@ Kernel time comes from a CUDA graph of 20 checks (host launch cost excluded: tha
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import triton
 
@@ -31,6 +33,7 @@ def cases():
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     checker = Checker("cuda")
     rows = torch.arange(4096, device="cuda", dtype=torch.int32)
     print(f"{'case':24s} {'plan (br,bc,warps,splits)':>26s} {'us':>8s} {'GB/s':>7s}", "copy us  copy GB/s")

@@ -1,0 +1,56 @@
+"""The benchmarks under bench/ stay runnable: device time is scarce, and a script that fails to start
+on the GPU machine wastes it. Every script parses `--help` without CUDA; the ones that also run on CPU
+(the serving bench's two modes with a tiny model, the engine's host-side bench) run end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
+TINY = {"layers": "SF", "window": 16, "vocab": 256, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16,
+        "intermediate": 128, "max_context": 512}  # fmt: skip
+
+
+def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_bench_script_starts(script: str) -> None:
+    out = _run(f"bench/{script}", "--help", timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "usage:" in out.stdout
+
+
+def test_the_serving_bench_compares_colocated_and_disaggregated_on_cpu(tmp_path: Path) -> None:
+    rows_file = tmp_path / "serving.json"
+    out = _run(
+        "bench/serving.py", "--device", "cpu", "--dtype", "float32", "--model", "random:" + json.dumps(TINY),
+        "--rates", "20", "--sessions", "2", "--turns", "2", "--prefix-tokens", "24", "--turn-tokens", "8",
+        "--output-tokens", "3", "--modes", "colocated,disaggregated",
+        "--service-args", "--num-pages 128 --max-running 4 --max-batch-tokens 128", "--json", str(rows_file),
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(rows_file.read_text())
+    assert [r["mode"] for r in rows] == ["colocated", "disaggregated"]
+    for r in rows:
+        assert r["requests"] == 4 and r["errors"] == {}, r
+        assert 0 < r["ttft_p50"] <= r["ttft_p99"] and r["output_tok_s"] > 0
+
+
+def test_the_engine_host_bench_runs_on_cpu() -> None:
+    out = _run("bench/engine_host.py", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert {r["path"] for r in rows} == {"general", "incremental"}
