@@ -20,6 +20,7 @@ from shared.batch import ChunkItem, ForwardBatch, Mode
 from shared.cuda_graph import DecodeGraphs
 from shared.kv.cache import KVCache
 from shared.kv.window import window_buffer
+from shared.model.kernels import KVStore
 from shared.model.transformer import Transformer
 from shared.sampling import SamplingBatch, sample
 
@@ -48,15 +49,37 @@ def expected_positions(batch: ForwardBatch) -> torch.Tensor:
 
 
 class BatchAttention:
-    """The model's AttentionFn for one ForwardBatch: stores K/V and attends, layer by layer."""
+    """The model's AttentionFn for one ForwardBatch: stores K/V and attends, layer by layer.
+
+    Where it may, it hands the K/V store to the model's RoPE kernel (`store_target`): a full layer's
+    rows always (its attention reads them from the pages), a sliding layer's only when every sequence
+    has one query (decode): the token's ring index then holds position L - W, which that query does
+    not see, so overwriting it before attention changes nothing. A longer chunk still stores after
+    attention: its later tokens would overwrite history its earlier queries read.
+    """
 
     def __init__(self, cache: KVCache, batch: ForwardBatch, ops: AttentionOps, scale: float) -> None:
         self.cache, self.batch, self.ops, self.scale = cache, batch, ops, scale
+        self._stored: set[int] = set()  # layers whose K/V the RoPE kernel stores
+
+    def store_target(self, layer: int) -> KVStore | None:
+        c, b, i = self.cache, self.batch, self.cache.kind_index[layer]
+        if not c.is_sliding(layer):
+            if b.mode is Mode.REPLAY:  # replay reads the pages the prompt already filled
+                return None
+            target = KVStore(c.k_pages_flat[i], c.v_pages_flat[i], b.full_store)
+        elif b.max_q == 1:
+            target = KVStore(c.k_ring_flat[i], c.v_ring_flat[i], b.ring_store)
+        else:
+            return None
+        self._stored.add(layer)
+        return target
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c, b, i = self.cache, self.batch, self.cache.kind_index[layer]
+        stored = layer in self._stored
         if not c.is_sliding(layer):
-            if b.mode is not Mode.REPLAY:  # replay reads the pages the prompt already filled
+            if b.mode is not Mode.REPLAY and not stored:  # replay reads the pages the prompt already filled
                 self.ops.store_kv(k, v, c.k_pages_flat[i], c.v_pages_flat[i], b.full_store)
             return self.ops.paged_attention(
                 q, c.k_pages_l[i], c.v_pages_l[i], b.block_table, b.cu_q, b.q_start,
@@ -69,7 +92,8 @@ class BatchAttention:
         )  # fmt: skip
         # Only after attention: the chunk's tokens overwrite history its earlier queries still read.
         # Their positions are stored by `store_ring_positions`, after the history checks.
-        self.ops.store_kv(k, v, c.k_ring_flat[i], c.v_ring_flat[i], b.ring_store)
+        if not stored:
+            self.ops.store_kv(k, v, c.k_ring_flat[i], c.v_ring_flat[i], b.ring_store)
         return out
 
     def store_ring_positions(self) -> None:

@@ -1,8 +1,10 @@
 """The attention seam of the engine: one abstract interface, a torch and a Triton implementation.
 
 The model's attention layers call `store_kv` then `paged_attention` for full-attention layers, and
-`ring_attention` then `store_kv` for sliding layers. Both implementations share every argument
-check and contract, and take only host-side sizes as Python ints, so neither ever syncs.
+`ring_attention` then `store_kv` for sliding layers; in a decode step (one query per sequence) the
+model's RoPE kernel stores the K/V instead (shared/runner.py `BatchAttention.store_target`). Both
+implementations share every argument check and contract, and take only host-side sizes as Python
+ints, so neither ever syncs.
 """
 
 from __future__ import annotations

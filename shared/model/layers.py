@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig, RopeScaling
-from shared.model.kernels import ModelKernels, kernels_for
+from shared.model.kernels import KVStore, ModelKernels, kernels_for
 
 _TORCH = kernels_for("cpu", "torch")
 
@@ -84,13 +84,21 @@ class Rotary(nn.Module):
         k: torch.Tensor,
         kernels: ModelKernels = _TORCH,
         qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+        *,
+        store: KVStore | None = None,
+        v: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] rotated to `positions`; with `qk_norm` (Qwen3's q_norm and k_norm)
-        each head is normed first, in the same kernel."""
-        if qk_norm is None:
-            return kernels.rope(q, k, positions, self.cos_sin)
-        q_norm, k_norm = qk_norm
-        return kernels.rope(q, k, positions, self.cos_sin, q_norm.weight, k_norm.weight, q_norm.eps)
+        each head is normed first, in the same kernel. With `store`, the rotated k and `v` are also
+        written into the KV cache rows it names, still in the same kernel."""
+        norm: tuple[torch.Tensor, torch.Tensor, float] | tuple[()] = ()
+        if qk_norm is not None:
+            norm = (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+        if store is None:
+            return kernels.rope(q, k, positions, self.cos_sin, *norm)
+        if v is None:
+            raise ValueError("Rotary: storing K/V needs v")
+        return kernels.rope_store(q, k, v, positions, self.cos_sin, store, *norm)
 
 
 class SwiGLU(nn.Module):

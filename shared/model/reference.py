@@ -37,6 +37,9 @@ class DenseAttention:
         self.cfg = cfg
         self.full_mask, self.sliding_mask = build_masks(cu_seqlens, cfg.sliding_window)
 
+    def store_target(self, layer: int) -> None:
+        return None  # no cache: k and v are used as they come
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         mask = self.sliding_mask if self.cfg.is_sliding(layer) else self.full_mask
         group = q.shape[1] // k.shape[1]

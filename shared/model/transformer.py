@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.kernels import Backend, ModelKernels, kernels_for
+from shared.model.kernels import Backend, KVStore, ModelKernels, kernels_for
 from shared.model.layers import RMSNorm, Rotary, SwiGLU
 
 
@@ -32,6 +32,13 @@ class AttentionFn(Protocol):
     """
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+    def store_target(self, layer: int) -> KVStore | None:
+        """Where the layer's K/V may be stored by the RoPE kernel, or None (the function stores them).
+
+        Called once per layer, before `__call__`: a function that hands out a target must not store
+        that layer's K/V itself (one kernel less per layer)."""
+        ...
 
 
 class Attention(nn.Module):
@@ -59,7 +66,7 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
-        q, k = rotary(positions, q, k, kernels, qk_norm)
+        q, k = rotary(positions, q, k, kernels, qk_norm, store=attn.store_target(self.layer), v=v)
         out = attn(self.layer, q, k, v)
         return self.o_proj(out.reshape(t, self.q_size))
 

@@ -147,6 +147,26 @@ def test_the_triton_kernels_through_the_runner_match_too():
         torch.testing.assert_close(row, want[s.done - 1], rtol=1e-4, atol=1e-4)
 
 
+def test_decode_with_rope_storing_kv_in_one_kernel_matches_the_reference_past_the_window():
+    # Triton model kernels too: a decode step's RoPE kernel writes each layer's K/V into the pages and
+    # rings (`BatchAttention.store_target`), a sliding layer's before its attention, where the token's
+    # ring index still holds position L - W. Decoding on for two windows wraps every ring twice.
+    from shared.attention import ops_for
+
+    cfg = tiny_config("SFSS")
+    model = tiny_model(cfg)
+    model.kernel_backend = "triton"
+    cache = KVCache(cfg, KVConfig(page_size=PAGE, num_pages=32, max_requests=2))
+    runner = ModelRunner(model, cache, ops_for(cache.device, backend="triton"))
+    seqs = [Seq(cache, 0, random_tokens(3 * W + 1, seed=6)), Seq(cache, 1, random_tokens(3 * W + 1, seed=7))]
+    wants = [reference(model, s.tokens) for s in seqs]
+    run(runner, [seqs[0].chunk(W - 1), seqs[1].chunk(2)], Mode.EXTEND)
+    for _ in range(2 * W):
+        logits = run(runner, [s.chunk(1) for s in seqs], Mode.DECODE)
+        for row, s, want in zip(logits, seqs, wants, strict=True):
+            torch.testing.assert_close(row, want[s.done - 1], rtol=1e-4, atol=1e-4)
+
+
 def test_rows_padding_a_graph_batch_change_nothing_for_the_real_ones():
     # What a CUDA graph of 6 rows sees for 2 sequences, run eagerly here: the padding rows point at the
     # scratch slot, store nothing, and leave its ring empty.

@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_testutil import assert_matches
 
-from shared.model.kernels import TorchKernels, TritonKernels, kernels_for, reference
+from shared.model.kernels import KVStore, TorchKernels, TritonKernels, kernels_for, reference
 from shared.model.kernels.rms_norm import add_rms_norm, rms_norm
 from shared.model.kernels.rope import rope
 from shared.model.kernels.silu_mul import silu_mul
@@ -86,6 +86,47 @@ def test_rope_matches_reference(
     for actual, ref in zip(got, expected, strict=True):
         assert actual.is_contiguous()
         assert_matches(actual, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize(("tokens", "hq", "hkv", "d"), [(1, 1, 1, 2), (6, 3, 1, 10), (5, 4, 2, 16)])
+def test_rope_store_writes_the_rotated_k_and_v_where_store_kv_would(
+    tokens: int, hq: int, hkv: int, d: int, qk_norm: bool, dtype: torch.dtype
+) -> None:
+    qkv = rand(tokens, (hq + 2 * hkv) * d, dtype=dtype, scale=2.0, seed=4)
+    q, k, v = (t.view(tokens, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    table = rope_table(40, d)
+    positions = torch.tensor([0, 39, -1, 17, 5, 23][:tokens], device=DEVICE)
+    # Scattered cache rows; -1 (padding, a skipped token) stores nothing.
+    index = torch.tensor([7, 2, -1, 11, 0, 5][:tokens], device=DEVICE)
+    weights = (norm_weight(d, dtype, seed=5), norm_weight(d, dtype, seed=6)) if qk_norm else (None, None)
+
+    def cache() -> KVStore:
+        stale = rand(12, hkv, d, dtype=dtype, seed=9)  # what the skipped and untouched rows keep
+        return KVStore(stale, stale.clone(), index)
+
+    got_store, want_store = cache(), cache()
+    got = TritonKernels().rope_store(q, k, v, positions, table, got_store, *weights, eps=1e-6)
+    want = TorchKernels().rope_store(q, k, v, positions, table, want_store, *weights, eps=1e-6)
+    for actual, ref in zip(got, want, strict=True):
+        assert_matches(actual, ref)
+    assert_matches(got_store.k_dst, want_store.k_dst)
+    assert torch.equal(got_store.v_dst, want_store.v_dst)  # v is copied, never rounded
+    kept = index[index >= 0]
+    assert torch.equal(got_store.k_dst[kept], got[1][index >= 0])  # the cache holds what attention gets
+
+
+def test_rope_store_refuses_a_store_that_does_not_fit() -> None:
+    q, k = qk_views(3, 2, 1, 8, torch.float32)
+    table, positions = rope_table(10, 8), torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    rows = torch.zeros(5, 1, 8, device=DEVICE)
+    store = KVStore(rows, rows.clone(), torch.zeros(3, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="needs v shaped like k"):
+        rope(q, k, positions, table, store=store, v=torch.zeros(3, 2, 8, device=DEVICE))
+    bad = KVStore(torch.zeros(5, 2, 8, device=DEVICE), torch.zeros(5, 2, 8, device=DEVICE), store.index)
+    with pytest.raises(ValueError, match="do not match rows"):
+        rope(q, k, positions, table, store=bad, v=torch.zeros_like(k))
 
 
 def test_rope_takes_int32_positions_and_clamps_past_the_table() -> None:

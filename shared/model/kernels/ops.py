@@ -9,14 +9,26 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from shared.attention import reference as attention_reference
 from shared.model.kernels import reference
 
 Tensor = torch.Tensor
 Backend = Literal["auto", "torch", "triton"]
+
+
+@dataclass(frozen=True)
+class KVStore:
+    """Where a layer's new K/V rows go: row t to `k_dst[index[t]]` / `v_dst[index[t]]` ([S, Hkv, D]
+    flat cache rows, shared/attention's `store_kv` layout); index < 0 skips the row."""
+
+    k_dst: Tensor
+    v_dst: Tensor
+    index: Tensor
 
 
 class ModelKernels(ABC):
@@ -36,6 +48,13 @@ class ModelKernels(ABC):
         q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 0.0,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """q [T, Hq, D] and k [T, Hkv, D] rotated to `positions` (per-head RMSNorm first with weights)."""
+
+    @abstractmethod
+    def rope_store(
+        self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor, store: KVStore,
+        q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 0.0,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """`rope`, and the rotated k and v [T, Hkv, D] stored as `store` says (the KV cache write)."""
 
     @abstractmethod
     def silu_mul(self, gate_up: Tensor) -> Tensor:
@@ -58,6 +77,14 @@ class TorchKernels(ModelKernels):
         q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 0.0,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         return reference.rope(q, k, positions, cos_sin, q_weight, k_weight, eps)
+
+    def rope_store(
+        self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor, store: KVStore,
+        q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 0.0,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        q, k = reference.rope(q, k, positions, cos_sin, q_weight, k_weight, eps)
+        attention_reference.store_kv(k, v, store.k_dst, store.v_dst, store.index)
+        return q, k
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         return reference.silu_mul(gate_up)
@@ -86,6 +113,12 @@ class TritonKernels(ModelKernels):
         q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 0.0,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         return self._rope(q, k, positions, cos_sin, q_weight, k_weight, eps)
+
+    def rope_store(
+        self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor, store: KVStore,
+        q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 0.0,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        return self._rope(q, k, positions, cos_sin, q_weight, k_weight, eps, store=store, v=v)
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         return self._silu_mul(gate_up)
