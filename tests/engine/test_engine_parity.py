@@ -147,13 +147,20 @@ def test_the_triton_kernels_through_the_runner_match_too():
         torch.testing.assert_close(row, want[s.done - 1], rtol=1e-4, atol=1e-4)
 
 
-def test_decode_with_rope_storing_kv_in_one_kernel_matches_the_reference_past_the_window():
+@pytest.mark.parametrize("variant", ["llama", "qwen3-qk-norm", "one-kv-head"])
+def test_decode_with_rope_storing_kv_in_one_kernel_matches_the_reference_past_the_window(variant):
     # Triton model kernels too: a decode step's RoPE kernel writes each layer's K/V into the pages and
     # rings (`BatchAttention.store_target`), a sliding layer's before its attention, where the token's
     # ring index still holds position L - W. Decoding on for two windows wraps every ring twice.
+    import dataclasses
+
     from shared.attention import ops_for
 
     cfg = tiny_config("SFSS")
+    if variant == "qwen3-qk-norm":  # the kernel norms each head of q and k before rotating and storing
+        cfg = dataclasses.replace(cfg, qk_norm=True)
+    elif variant == "one-kv-head":  # four query heads share one stored K/V head
+        cfg = dataclasses.replace(cfg, num_kv_heads=1)
     model = tiny_model(cfg)
     model.kernel_backend = "triton"
     cache = KVCache(cfg, KVConfig(page_size=PAGE, num_pages=32, max_requests=2))
