@@ -20,12 +20,13 @@ HYBRID_2B = {"layers": "SSSF" * 7, "window": 1024, "vocab": 32000, "hidden": 204
              "kv_heads": 8, "head_dim": 128, "intermediate": 6144, "max_context": 8192}  # fmt: skip
 
 
-def start(mode: str, model: str, device: str, extra: list[str]) -> list[_Child]:
+def start(mode: str, model: str, device: str, extra: list[str], decode_extra: list[str]) -> list[_Child]:
     """colocated: decode alone on GPU 0. disaggregated: prefill on GPU 0, decode on GPU 1, KV inline.
     disaggregated-cuda_ipc: the same with both GPUs visible to both, prefill writing into decode's pool."""
     common = ["--model", model, *extra]
     if mode == "colocated":
-        decode = _Child("decode_service", "0", *common, "--device", device, env={"CUDA_VISIBLE_DEVICES": "0"})
+        gpu0 = {"CUDA_VISIBLE_DEVICES": "0"}
+        decode = _Child("decode_service", "0", *common, *decode_extra, "--device", device, env=gpu0)
         return [decode]
     ipc = mode == "disaggregated-cuda_ipc"
     if device == "cpu":
@@ -40,7 +41,8 @@ def start(mode: str, model: str, device: str, extra: list[str]) -> list[_Child]:
         raise SystemExit("prefill did not start")
     remote = ["--prefill-target", prefill.target, "--local-prefill-max-tokens", "0"]
     remote += ["--kv-transfer", "cuda_ipc"] if ipc else []
-    decode = _Child("decode_service", "0", *common, "--device", decode_dev, *remote, env=env[1])
+    decode_args = [*common, *decode_extra, "--device", decode_dev, *remote]
+    decode = _Child("decode_service", "0", *decode_args, env=env[1])
     return [decode, prefill]
 
 
@@ -57,13 +59,14 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=512)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--service-args", default="--num-pages 8192 --max-running 64 --max-batch-tokens 8192")
+    ap.add_argument("--decode-args", default="", help="decode's only, e.g. --mixed-steps")
     ap.add_argument("--json")
     args = ap.parse_args()
     trace = AgenticTrace(args.sessions, args.turns, args.prefix_tokens, args.turn_tokens, args.output_tokens)
     extra = ["--dtype", args.dtype, *args.service_args.split()]
     rows = []
     for mode in args.modes.split(","):
-        children = start(mode, args.model, args.device, extra)
+        children = start(mode, args.model, args.device, extra, args.decode_args.split())
         try:
             if not children[0].wait_ready(600):
                 raise SystemExit(f"{mode}: decode did not start")

@@ -22,6 +22,7 @@ class ServiceConfig(CommonConfig):
     window_history: bool = True  # ask prefill for the SWA rings; False: rebuild them by bounded replay
     # inline | cuda_ipc (same node, CUDA: prefill writes into this pool) | nixl (cross node, NIXL/UCX)
     kv_transfer: str = "inline"
+    mixed_steps: bool = False  # decode in every step beside local prompt chunks (bounded inter-token gaps)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -50,6 +51,8 @@ _HELP = {
     "cuda_ipc (same node: prefill writes into this service's GPU pool through CUDA IPC; both GPUs must be "
     "visible to the prefill process and the two share an IPC namespace) or nixl (any node: prefill writes "
     "into this service's pool, GPU or CPU, with NIXL over UCX; needs pdserve[nixl] on both services)",
+    "mixed_steps": "decode every running request in every step, beside the prompt chunks computed "
+    "here (a token waits at most one step); default: prompts first, then decode steps (CUDA graphs)",
     "window_history": "ask prefill for the sliding-window rings (--no-window-history: rebuild them here "
     "by bounded replay)",
 }

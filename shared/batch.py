@@ -54,6 +54,9 @@ class ForwardBatch:
     sample_positions: torch.Tensor  # [B] int64 position of the token each sequence samples next
     num_real: int = -1  # rows that are real sequences (the rest pad a CUDA graph); -1 = all
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # the packed int32/int64 storage
+    # EXTEND: leading rows of one token each (a mixed step's decodes) ahead of longer chunks; attention
+    # runs them apart, as a decode, instead of padding each to the longest chunk.
+    decode_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.num_real < 0:
@@ -153,10 +156,13 @@ class ForwardBatch:
         buf64 = _upload(cache.device, torch.int64, [
             ids, pos, full_store, ring_store, ring_dst, [c - 1 for c in cu[1:]], sample_positions,
         ], into and into[1])  # fmt: skip
-        return cls.from_packed(
+        batch = cls.from_packed(
             mode, buf32, buf64, rows=rows, tokens=len(ids), ring=len(ring_dst), width=max_pages,
             max_q=max([len(it.token_ids) for it in items] + [1]), num_real=num_real,
         )  # fmt: skip
+        if mode is Mode.EXTEND and batch.max_q > 1:
+            batch.decode_rows = next((i for i, it in enumerate(items) if len(it.token_ids) != 1), 0)
+        return batch
 
 
 # The packed order of each buffer's fields. The block table comes last: a decode step whose rows did

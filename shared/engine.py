@@ -8,9 +8,9 @@ N is still producing is gathered on the device from N's output, so the one wait 
 tokens. A request that finishes at N may still be written by N+1: its pages and window are freed
 only once N+1 has completed, never while the device may still write them.
 
-Who decides what runs (prefill-first admission, chunked prefill under a token budget, decode
-batching): `shared/engine_schedule.py`. How a decode step's batch is built without redoing what the
-step before it built (a persistent page table, per-composition host buffers):
+Who decides what runs (admission in arrival order, mixed steps of decode tokens and prompt chunks
+under a token budget): `shared/engine_schedule.py`. How a decode step's batch is built without
+redoing what the step before it built (a persistent page table, per-composition host buffers):
 `shared/engine_decode.py`. Who owns the KV (allocation, deferred frees, and the reserve /
 admit_prefilled / hold_kv / release / rebuild_window the services use to hand it between
 processes): `shared/engine_kv.py`. This file runs the loop and owns each request's lifecycle.
@@ -40,9 +40,12 @@ __all__ = ["Engine", "EngineConfig"]
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch_tokens: int = 256  # prefill token budget per step (chunked prefill)
+    max_batch_tokens: int = 256  # token budget per step: the decodes' tokens, then prompt chunks
     max_running: int = 32
     overlap: bool = True  # prepare step N+1 while step N runs
+    # Decode in every step beside prompt chunks (bounds the wait between two tokens to one step), or
+    # (False) prompt chunks alone while any prompt has work, then decode.
+    mixed: bool = False
     # Decode batch sizes captured as CUDA graphs on a CUDA device; () = eager only.
     cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -131,7 +134,7 @@ class Engine(KVOwnership):
     def step(self) -> list[tuple[Request, int]]:
         """Launch the next forward and report the (request, token) pairs of the previous one."""
         admit(self.waiting, self.running, self.cfg.max_running, self._allocate_kv)
-        launched = self._launch(schedule(self.running, self.cfg.max_batch_tokens))
+        launched = self._launch(schedule(self.running, self.cfg.max_batch_tokens, self.cfg.mixed))
         done, self._inflight = self._inflight, launched
         produced = self._complete(done) if done is not None else []
         if not self.cfg.overlap and self._inflight is not None:
@@ -165,6 +168,8 @@ class Engine(KVOwnership):
         else:
             batch = self.runner.build_batch(plan.items, plan.mode)
             counts = [len(item.token_ids) for item in plan.items]
+            if self._inflight is not None:  # a mixed step's decode rows come first: row i is token i
+                batch.take_inputs_from(self._inflight.tokens, _pending_rows(reqs, self._inflight))
         if reqs != self._sampling_reqs:  # decode batches repeat their composition step after step
             self._sampling = SamplingBatch.build([r.params for r in reqs], self.cache.device)
             self._sampling_reqs = reqs

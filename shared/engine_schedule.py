@@ -7,8 +7,13 @@ takes as an argument).
 
 - Admission: waiting requests take a window slot and pages for prompt + max_tokens, all or nothing,
   strictly in arrival order (when the head does not fit, everyone behind it waits too).
-- Prefill first: prompts are computed in chunks under the step's token budget.
-- Decode: when no prompt work is left, every running request that still owes tokens decodes one.
+- Prefill first (the default): prompts are computed in chunks under the step's token budget; when no
+  prompt work is left, every running request that still owes tokens decodes one. Fast decode steps
+  (CUDA graphs), but a burst of long prompts stalls every stream for as many steps as it takes.
+- Mixed steps (`EngineConfig.mixed`): every running request that owes a token decodes one in every
+  step, and prompts fill the rest of the budget. A decode then waits at most one step, a longer one
+  (a mixed step runs without a graph). Decode tokens come first in a mixed step: row i is token i,
+  so an input still in flight is gathered by row as in a pure decode step.
 """
 
 from __future__ import annotations
@@ -50,11 +55,18 @@ def admit(
         running.append(req)
 
 
-def schedule(running: list[Request], budget: int) -> Plan:
-    """Prompt chunks under `budget` tokens if any prompt has work left, else one decode token each."""
+def schedule(running: list[Request], budget: int, mixed: bool = False) -> Plan:
+    """Prompt chunks under `budget` tokens while any prompt has work, else one decode token for each
+    request that owes one. `mixed`: the decode tokens in every step, prompt chunks in what is left."""
+    decoding = [
+        req for req in running
+        if req.num_scheduled >= len(req.prompt) and len(req.output) + req.pending < req.params.max_tokens
+    ]  # fmt: skip
     items: list[ChunkItem] = []
     reqs: list[Request] = []
     emits: list[bool] = []
+    if mixed:
+        budget -= len(decoding)
     for req in running:
         if req.num_scheduled < len(req.prompt) and budget > 0:
             start = req.num_scheduled
@@ -63,10 +75,13 @@ def schedule(running: list[Request], budget: int) -> Plan:
             reqs.append(req)
             emits.append(start + n == len(req.prompt))
             budget -= n
-    if items:
+    if not items:
+        return Plan(Mode.DECODE, decoding, [True] * len(decoding), items)
+    if not mixed or not decoding:
         return Plan(Mode.EXTEND, reqs, emits, items)
-    reqs = [
-        req for req in running
-        if req.num_scheduled >= len(req.prompt) and len(req.output) + req.pending < req.params.max_tokens
-    ]  # fmt: skip
-    return Plan(Mode.DECODE, reqs, [True] * len(reqs), items)
+    # -1: an input token the step in flight is still producing (the engine gathers it on the device).
+    first = [
+        ChunkItem(r.slot, r.num_scheduled, [r.output[-1] if r.output and not r.pending else -1], r.pages)
+        for r in decoding
+    ]
+    return Plan(Mode.EXTEND, decoding + reqs, [True] * len(decoding) + emits, first + items)

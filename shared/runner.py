@@ -10,6 +10,7 @@ side stream, instead of one small kernel each in series with them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,7 @@ class BatchAttention:
     def __init__(self, cache: KVCache, batch: ForwardBatch, ops: AttentionOps, scale: float) -> None:
         self.cache, self.batch, self.ops, self.scale = cache, batch, ops, scale
         self._stored: set[int] = set()  # layers whose K/V the RoPE kernel stores
+        self._rest_cu: torch.Tensor | None = None  # a mixed step's cu_q past its decode rows
 
     def store_target(self, layer: int) -> KVStore | None:
         c, b, i = self.cache, self.batch, self.cache.kind_index[layer]
@@ -81,20 +83,33 @@ class BatchAttention:
         if not c.is_sliding(layer):
             if b.mode is not Mode.REPLAY and not stored:  # replay reads the pages the prompt already filled
                 self.ops.store_kv(k, v, c.k_pages_flat[i], c.v_pages_flat[i], b.full_store)
-            return self.ops.paged_attention(
-                q, c.k_pages_l[i], c.v_pages_l[i], b.block_table, b.cu_q, b.q_start,
-                max_q=b.max_q, scale=self.scale, window=None,
-            )  # fmt: skip
+            kp, vp = c.k_pages_l[i], c.v_pages_l[i]
+            return self._by_part(lambda r, t, cu, max_q: self.ops.paged_attention(
+                q[t], kp, vp, b.block_table[r], cu, b.q_start[r], max_q=max_q, scale=self.scale, window=None,
+            ))  # fmt: skip
         k_ring, v_ring = window_buffer(c, layer, b.slots, b.ring_context)
-        out = self.ops.ring_attention(
-            q, k, v, k_ring, v_ring, b.slots, b.cu_q, b.ring_context,
-            max_q=b.max_q, scale=self.scale, window=c.window,
-        )  # fmt: skip
+        out = self._by_part(lambda r, t, cu, max_q: self.ops.ring_attention(
+            q[t], k[t], v[t], k_ring, v_ring, b.slots[r], cu, b.ring_context[r],
+            max_q=max_q, scale=self.scale, window=c.window,
+        ))  # fmt: skip
         # Only after attention: the chunk's tokens overwrite history its earlier queries still read.
         # Their positions are stored by `store_ring_positions`, after the history checks.
         if not stored:
             self.ops.store_kv(k, v, c.k_ring_flat[i], c.v_ring_flat[i], b.ring_store)
         return out
+
+    def _by_part(self, attend: Callable[[slice, slice, torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+        """`attend(rows, tokens, cu_q, max_q)` over the whole batch, or, in a mixed step, over its
+        decode rows (one token each, as a decode) and its prompt chunks apart, joined in token order."""
+        b, nd = self.batch, self.batch.decode_rows
+        everything = slice(None)
+        if not 0 < nd < b.num_seqs:
+            return attend(everything, everything, b.cu_q, b.max_q)
+        if self._rest_cu is None:  # once per forward: the chunks' offsets past the decode rows
+            self._rest_cu = b.cu_q[nd:] - nd
+        decodes = attend(slice(0, nd), slice(0, nd), b.cu_q[: nd + 1], 1)
+        chunks = attend(slice(nd, None), slice(nd, None), self._rest_cu, b.max_q)
+        return torch.cat([decodes, chunks])
 
     def store_ring_positions(self) -> None:
         """Every sliding layer's ring now holds the chunk's positions, in one kernel for all layers

@@ -63,8 +63,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def build_engine(cfg: CommonConfig) -> tuple[LoadedModel, Engine]:
-    """Load the model and build its Engine (blocking: run off the event loop)."""
+def build_engine(cfg: CommonConfig, *, mixed: bool = False) -> tuple[LoadedModel, Engine]:
+    """Load the model and build its Engine (blocking: run off the event loop). `mixed`: decode tokens
+    in every step beside prompt chunks (`EngineConfig.mixed`)."""
     device, dtype = resolve_device(cfg.device), getattr(torch, cfg.dtype)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this loading thread's kernels and graph captures go there
@@ -77,7 +78,7 @@ def build_engine(cfg: CommonConfig) -> tuple[LoadedModel, Engine]:
         dtype=kv_dtype,
         device=str(device),
     )
-    engine_cfg = EngineConfig(max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running)
+    engine_cfg = EngineConfig(max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running, mixed=mixed)
     return loaded, Engine(loaded.model, kv, engine_cfg)
 
 

@@ -78,6 +78,8 @@ def test_disaggregation_flags_and_the_prefill_config() -> None:
     assert (cfg.window_history, cfg.prefill_target, cfg.local_prefill_max_tokens) == (False, "p:1", 0)
     assert parse_args(["--window-history"], env=env).window_history is True
     assert parse_args(["--no-window-history"], env={}).window_history is False
+    assert parse_args([], env={}).mixed_steps is False  # prompts first, then graph-captured decode steps
+    assert parse_args([], env={"PDSERVE_MIXED_STEPS": "true"}).mixed_steps is True
     with pytest.raises(ValueError):
         ServiceConfig(prefill_timeout=0)
     pcfg = parse_prefill_args([], env=env)
