@@ -2,9 +2,9 @@
 
 `forward` only enqueues device work: no host sync inside. It returns the sampled tokens on device,
 their copy on its way to pinned host memory, and the one event the scheduler waits on (the one wait
-per step) before reading that copy. The checks of the inputs and of every
-sliding layer's history run inside `invariants.concurrent_checks`: on CUDA beside the layers, on a
-side stream, instead of one small kernel each in series with them.
+per step) before reading that copy. The checks of the inputs and of every sliding layer's history
+run inside `invariants.concurrent_checks`: on CUDA beside the layers, on a side stream, instead of
+one small kernel each in series with them.
 """
 
 from __future__ import annotations
