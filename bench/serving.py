@@ -20,13 +20,19 @@ HYBRID_2B = {"layers": "SSSF" * 7, "window": 1024, "vocab": 32000, "hidden": 204
              "kv_heads": 8, "head_dim": 128, "intermediate": 6144, "max_context": 8192}  # fmt: skip
 
 
+MODES = ("colocated", "colocated-mixed", "disaggregated", "disaggregated-cuda_ipc")
+
+
 def start(mode: str, model: str, device: str, extra: list[str], decode_extra: list[str]) -> list[_Child]:
-    """colocated: decode alone on GPU 0. disaggregated: prefill on GPU 0, decode on GPU 1, KV inline.
-    disaggregated-cuda_ipc: the same with both GPUs visible to both, prefill writing into decode's pool."""
+    """colocated: decode alone on GPU 0, prompts first. colocated-mixed: the same with --mixed-steps
+    (decode in every step beside the prompt chunks). disaggregated: prefill on GPU 0, decode on GPU 1,
+    KV inline. disaggregated-cuda_ipc: the same with both GPUs visible to both, prefill writing into
+    decode's pool."""
     common = ["--model", model, *extra]
-    if mode == "colocated":
+    if mode in ("colocated", "colocated-mixed"):
         gpu0 = {"CUDA_VISIBLE_DEVICES": "0"}
-        decode = _Child("decode_service", "0", *common, *decode_extra, "--device", device, env=gpu0)
+        mixed = ["--mixed-steps"] if mode == "colocated-mixed" else []
+        decode = _Child("decode_service", "0", *common, *mixed, *decode_extra, "--device", device, env=gpu0)
         return [decode]
     ipc = mode == "disaggregated-cuda_ipc"
     if device == "cpu":
@@ -52,16 +58,23 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rates", default="1,2,4")
-    ap.add_argument("--modes", default="colocated,disaggregated,disaggregated-cuda_ipc")
+    ap.add_argument(
+        "--modes",
+        default="colocated,disaggregated,disaggregated-cuda_ipc",
+        help="of " + ", ".join(MODES),
+    )
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--prefix-tokens", type=int, default=2048)
     ap.add_argument("--turn-tokens", type=int, default=512)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--service-args", default="--num-pages 8192 --max-running 64 --max-batch-tokens 8192")
-    ap.add_argument("--decode-args", default="", help="decode's only, e.g. --mixed-steps")
+    ap.add_argument("--decode-args", default="", help="decode's only (write --decode-args=--flag)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown:
+        ap.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
     trace = AgenticTrace(args.sessions, args.turns, args.prefix_tokens, args.turn_tokens, args.output_tokens)
     extra = ["--dtype", args.dtype, *args.service_args.split()]
     rows = []

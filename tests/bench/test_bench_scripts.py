@@ -33,17 +33,18 @@ def test_every_bench_script_starts(script: str) -> None:
 
 
 def test_the_serving_bench_compares_colocated_and_disaggregated_on_cpu(tmp_path: Path) -> None:
+    assert "unknown modes" in _run("bench/serving.py", "--modes", "colocated,typo", timeout=120).stderr
     rows_file = tmp_path / "serving.json"
     out = _run(
         "bench/serving.py", "--device", "cpu", "--dtype", "float32", "--model", "random:" + json.dumps(TINY),
         "--rates", "20", "--sessions", "2", "--turns", "2", "--prefix-tokens", "24", "--turn-tokens", "8",
-        "--output-tokens", "3", "--modes", "colocated,disaggregated",
+        "--output-tokens", "3", "--modes", "colocated,colocated-mixed,disaggregated",
         "--service-args", "--num-pages 128 --max-running 4 --max-batch-tokens 128", "--json", str(rows_file),
         timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(rows_file.read_text())
-    assert [r["mode"] for r in rows] == ["colocated", "disaggregated"]
+    assert [r["mode"] for r in rows] == ["colocated", "colocated-mixed", "disaggregated"]
     for r in rows:
         assert r["requests"] == 4 and r["errors"] == {}, r
         assert 0 < r["ttft_p50"] <= r["ttft_p99"] and r["output_tok_s"] > 0
