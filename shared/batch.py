@@ -54,8 +54,9 @@ class ForwardBatch:
     sample_positions: torch.Tensor  # [B] int64 position of the token each sequence samples next
     num_real: int = -1  # rows that are real sequences (the rest pad a CUDA graph); -1 = all
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # the packed int32/int64 storage
-    # EXTEND: leading rows of one token each (a mixed step's decodes) ahead of longer chunks; attention
-    # runs them apart, as a decode, instead of padding each to the longest chunk.
+    # EXTEND: leading rows of one token each (a mixed step's decodes, or any one-token chunk that comes
+    # first) ahead of longer chunks; attention runs them apart, as a decode, instead of padding each
+    # to the longest chunk.
     decode_rows: int = 0
 
     def __post_init__(self) -> None:
