@@ -1,9 +1,11 @@
 """The fused check kernel against the HBM roofline (a torch copy of the same bytes), per shape.
 
 Kernel time comes from a CUDA graph of 20 checks (host launch cost excluded: that is measured by
-`invariants_overhead.py --profile`).
+`invariants_overhead.py --profile`). `--sweep` times every tile of the window check instead, on
+inputs read from HBM (a graph over 8 distinct copies, more than L2 holds) beside a read-only
+reduction (`amax`) of the same bytes: the floor a check kernel can reach.
 
-    python bench/check_kernel_tune.py
+    python bench/check_kernel_tune.py [--sweep]
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import triton
 
 from invariants import Checker, Invariant, Severity, predicates
+from invariants.kernels import check_rows
 from invariants.kernels.check_rows import plan
 from invariants.predicates import window_expected
 
@@ -32,9 +35,62 @@ def cases():
     yield "in_range 4096x1 i64", predicates.in_range(ids, 0, 128), ids
 
 
+def _graph_ms(fn, calls: int) -> float:
+    fn()  # compile outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return triton.testing.do_bench(graph.replay, return_mode="median") / calls
+
+
+def _tiles(window: int):
+    for bc in (256, 512, 1024, 2048, 4096):
+        for br in (1, 2, 4, 8, 16):
+            for warps in (2, 4, 8, 16):
+                if bc <= window and 32 * warps <= br * bc <= 16384:
+                    yield br, bc, warps
+
+
+def sweep_case(checker: Checker, batch: int, window: int, copies: int = 8) -> None:
+    """Every (rows, cols, warps) tile of one window shape, each input read from HBM."""
+    lens = [torch.randint(window, 4 * window, (batch,), device="cuda") for _ in range(copies)]
+    rings = [window_expected(x, window).int() for x in lens]
+    preds = [predicates.window_positions(r, x) for r, x in zip(rings, lens, strict=True)]
+    ids = torch.arange(batch, device="cuda", dtype=torch.int32)
+    nbytes = rings[0].numel() * 4
+
+    def checks() -> None:
+        for p in preds:
+            checker.check(INV, p, ids, crash=False)
+
+    amax_ms = _graph_ms(lambda: [torch.amax(r) for r in rings], 1) / copies
+    results = []
+    for br, bc, warps in _tiles(window):
+        chunk = -(-window // bc) * bc
+        check_rows.plan = lambda *_, t=(br, bc, warps, 1, chunk): t
+        results.append((_graph_ms(checks, 1) / copies, br, bc, warps))
+        print(f"window {batch}x{window} {f'{br},{bc},{warps}':>14s} {1e3 * results[-1][0]:7.2f} us")
+    check_rows.plan = plan
+    default = _graph_ms(checks, 1) / copies
+    ms, br, bc, warps = min(results)
+    print(
+        f"window {batch}x{window} i32 from HBM: best tile {br},{bc},{warps} {1e3 * ms:.2f} us "
+        f"({nbytes / ms / 1e6:.0f} GB/s); default {plan(batch, window, 1 << 20)[:3]} {1e3 * default:.2f} us; "
+        f"amax of the same bytes {1e3 * amax_ms:.2f} us ({nbytes / amax_ms / 1e6:.0f} GB/s)"
+    )
+
+
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time every tile of the window check from HBM")
+    args = parser.parse_args()
     checker = Checker("cuda")
+    if args.sweep:
+        for batch, window in ((4096, 1024), (2048, 1024), (512, 4096)):
+            sweep_case(checker, batch, window)
+        assert not checker.drain(), "every timed input holds"
+        return
     rows = torch.arange(4096, device="cuda", dtype=torch.int32)
     print(f"{'case':24s} {'plan (br,bc,warps,splits)':>26s} {'us':>8s} {'GB/s':>7s}", "copy us  copy GB/s")
     for name, pred, a in cases():

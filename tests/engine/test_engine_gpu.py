@@ -41,6 +41,24 @@ def test_triton_path_matches_the_reference_teacher_forced(layout):
             batch = ForwardBatch.build([s.chunk(1) for s in seqs], Mode.DECODE, cache)
 
 
+@pytest.mark.parametrize("layout", ["SSFS", "FSFS"])
+def test_a_mixed_step_on_cuda_matches_the_reference(layout):
+    # What `EngineConfig.mixed` schedules: decode rows first, then a prompt chunk, in one EXTEND
+    # batch. The decode rows take the decode kernels, the chunk the prefill ones.
+    cpu_model, cache, runner = cuda_runner(layout)
+    old = [Seq(cache, i, random_tokens(W + 9, seed=30 + i)) for i in range(2)]
+    new = Seq(cache, 2, random_tokens(2 * W + 3, seed=40))
+    seqs = [*old, new]
+    wants = [reference(cpu_model, s.tokens) for s in seqs]
+    runner.forward(ForwardBatch.build([s.chunk(W + 2) for s in old], Mode.EXTEND, cache), None)
+    for chunk in (W - 1, W - 1, 5):
+        batch = ForwardBatch.build([*(s.chunk(1) for s in old), new.chunk(chunk)], Mode.EXTEND, cache)
+        assert batch.decode_rows == 2
+        logits = runner.forward(batch, None, return_logits=True).logits.cpu()
+        for row, s, want in zip(logits, seqs, wants, strict=True):
+            torch.testing.assert_close(row, want[s.done - 1], rtol=2e-2, atol=2e-2)  # tf32 dots
+
+
 @pytest.mark.parametrize("level", ["off", "warn", "strict"])
 def test_model_runner_forward_never_syncs(level):
     _, cache, runner = cuda_runner()
