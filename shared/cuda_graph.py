@@ -56,7 +56,9 @@ class DecodeGraphs:
                     runner.forward_logits(batch)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # Our own capture stream: torch's default one is made once per process, on whichever
+                # device captured first, and capturing on it would switch to that device.
+                with torch.cuda.graph(graph, pool=pool, stream=side):
                     logits = runner.forward_logits(batch)
                 self.graphs[size] = (graph, logits)
 

@@ -135,3 +135,21 @@ def test_engine_with_graphs_matches_eager_and_never_syncs_in_decode():
     assert decode.num_seqs == 4 and decode.num_real == 3, "a graph batch, padded"
     with no_host_sync():
         runner.forward(decode, None)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_engines_on_two_gpus_of_one_process_each_capture_on_their_own():
+    # torch's default capture stream lives on the device that captured first: an engine on cuda:1
+    # built after one on cuda:0 must still capture (and launch every kernel) on cuda:1.
+    cfg = tiny_config("SSFS")
+    prompts = [random_tokens(n, seed=n) for n in (5, 2 * W + 3, 9)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for device in ("cuda:0", "cuda:1"):
+        kv = KVConfig(page_size=16, num_pages=64, max_requests=4, device=device)
+        cfg_engine = EngineConfig(max_batch_tokens=64, cuda_graph_sizes=(1, 4))
+        engine = Engine(tiny_model(cfg).to(device), kv, cfg_engine)
+        assert engine.runner.graphs is not None and engine.runner.graphs.graphs, "captured"
+        outs.append([r.output for r in engine.generate(prompts, sp)])
+        engine.check_idle_integrity()
+    assert outs[0] == outs[1]
