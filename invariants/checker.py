@@ -131,6 +131,9 @@ class Checker:
             if not bool(pred.row_ok().all()):
                 raise InvariantViolation(strict_message(inv.name))
             return
+        if self._on_cuda and self._use_triton and torch.cuda.current_device() != self.device.index:
+            with torch.cuda.device(self.device):  # Triton launches on the thread's current device
+                return self.check(inv, pred, rows, crash=crash)
         if self._use_triton:
             from invariants.kernels import check_rows
 

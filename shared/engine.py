@@ -32,7 +32,7 @@ from shared.kv.cache import KVCache, KVConfig
 from shared.kv.page_table import PageTable
 from shared.model.transformer import Transformer
 from shared.request import Phase, Request
-from shared.runner import ModelRunner
+from shared.runner import ModelRunner, on_device
 from shared.sampling import SamplingBatch, SamplingParams
 
 __all__ = ["Engine", "EngineConfig"]
@@ -133,6 +133,10 @@ class Engine(KVOwnership):
 
     def step(self) -> list[tuple[Request, int]]:
         """Launch the next forward and report the (request, token) pairs of the previous one."""
+        with on_device(self.cache.device):  # batch building launches kernels too
+            return self._step()
+
+    def _step(self) -> list[tuple[Request, int]]:
         admit(self.waiting, self.running, self.cfg.max_running, self._allocate_kv)
         launched = self._launch(schedule(self.running, self.cfg.max_batch_tokens, self.cfg.mixed))
         done, self._inflight = self._inflight, launched

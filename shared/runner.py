@@ -9,6 +9,7 @@ one small kernel each in series with them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,12 @@ POSITIONS_CONSECUTIVE = Invariant(
     "engine.positions_consecutive", Severity.GUARD,
     "each sequence's tokens carry consecutive positions from where its cache ends",
 )  # fmt: skip
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` current for the block: Triton kernels, graph replays and events go to the thread's
+    current device, and an engine may live on another (cuda:1 of a process that sees two GPUs)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def expected_positions(batch: ForwardBatch) -> torch.Tensor:
@@ -181,6 +188,10 @@ class ModelRunner:
     def forward(
         self, batch: ForwardBatch, sampling: SamplingBatch | None, *, return_logits: bool = False
     ) -> ForwardOutput:
+        with on_device(self.cache.device):
+            return self._forward(batch, sampling, return_logits)
+
+    def _forward(self, batch: ForwardBatch, sampling: SamplingBatch | None, keep: bool) -> ForwardOutput:
         logits = self.graphs.replay(batch) if self.graphs is not None else None
         if logits is None:
             logits = self.forward_logits(batch)
@@ -198,4 +209,4 @@ class ModelRunner:
             host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return ForwardOutput(tokens, logits.float() if return_logits else None, ready, host)
+        return ForwardOutput(tokens, logits.float() if keep else None, ready, host)

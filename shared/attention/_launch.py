@@ -60,8 +60,8 @@ def choose_tiles(group: int, head_dim: int, max_q: int) -> Tiles:
     block_d = max(16, next_pow2(head_dim))
     if interpreting():  # small tiles: the interpreter's cost grows with the tile, not the launch
         target_m, block_n, warps, stages = 16, 16, 4, 1
-    elif max_q == 1:
-        target_m, block_n, warps, stages = 16, 64, 4, 2
+    elif max_q == 1:  # bench/attention_tune.py at the engine's decode shape, both ops (docs/benchmarks.md)
+        target_m, block_n, warps, stages = 16, 32, 4, 3
     else:
         target_m = 64 if block_d <= 128 else 32
         block_n, warps, stages = (64, 4, 2) if block_d <= 128 else (32, 8, 2)
@@ -106,17 +106,15 @@ def _is_int(x: object) -> bool:
 #
 # A decode-shaped call (every chunk in one query tile) has one program per (sequence, kv head), each
 # streaming all its keys alone, and a lone program cannot keep enough loads in flight to draw its
-# share of bandwidth. An SM holds only ~3 such programs at once (two pipeline stages of 64-key K and
-# V tiles are ~64 KB of its 228 KB shared memory), so 64 sequences x 8 kv heads = 512 programs on an
-# H200's 132 SMs is ~1.3 waves: measured at 51 us a layer (~2.7 TB/s) against 33 us to copy the same
-# bytes, its last partial wave leaving most SMs idle. The rule: S is the smallest power of two with
-# programs x S >= PROGRAMS_PER_SM x SMs (several programs per SM, a short tail), lowered until every
-# split keeps MIN_TILES_PER_SPLIT key tiles of the host-side key bound (a shorter split is mostly
-# pipeline prologue, and each split adds an fp32 partial row and merge work), and at most MAX_SPLITS.
-# Batch 64 x 8 heads gets S = 2 there (it got 1: the old rule never split a grid of >= 1 program per
-# SM); batch 1 keeps up to 32; batch 256 stays at 1. bench/attention.py --engine-only times S = 1,
-# the rule's S and forced factors at that shape.
-PROGRAMS_PER_SM = 4
+# share of bandwidth. Decode tiles (32 keys, three pipeline stages: 48 KB of K and V a program) let
+# an SM hold ~4 programs, so 64 sequences x 8 kv heads = 512 programs fill an H200's 132 SMs in one
+# wave: measured at 39.6 us a layer (ring) and 39.5 us (paged) unsplit against 33.1 us to copy the
+# same bytes, and 47-49 us split in two, whose partial rows and merge cost more than they bring.
+# The rule: S is the smallest power of two with programs x S >= PROGRAMS_PER_SM x SMs, lowered
+# until every split keeps MIN_TILES_PER_SPLIT key tiles of the host-side key bound (a shorter split
+# is mostly pipeline prologue), and at most MAX_SPLITS. Batch 64 x 8 heads gets S = 1; batch 1
+# splits by length, up to 32. bench/attention_tune.py times S = 1, 2, 4 beside the rule's.
+PROGRAMS_PER_SM = 3
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 32
 

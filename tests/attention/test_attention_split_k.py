@@ -54,16 +54,17 @@ def test_ring_split_k_half_precision(dtype: torch.dtype) -> None:
 
 
 def test_rule_at_the_engine_decode_shape() -> None:
-    """Batch 64 x 8 kv heads = 512 programs is under 4 x 132 SMs: the old rule gave 1 split, now 2."""
-    assert split_count(64 * 8, 1024, 64, H200_SMS) == 2  # ring, W = 1024
-    assert split_count(64 * 8, 33 * 16, 64, H200_SMS) == 2  # paged, a table just wide enough for 528 keys
-    assert split_count(64 * 8, 512 * 16, 64, H200_SMS) == 2  # paged, a graph-wide table (8192 keys)
-    assert split_count(256 * 8, 4096, 64, H200_SMS) == 1  # already ~16 programs per SM
-    # Batch 1 keeps what it had: as many splits as length allows, up to 32.
-    assert split_count(8, 32768, 64, H200_SMS) == 32
-    assert split_count(8, 8192, 64, H200_SMS) == 32
-    assert split_count(8, 1024, 64, H200_SMS) == 4
-    assert split_count(8, 300, 64, H200_SMS) == 1  # under two splits of four 64-key tiles
+    """Batch 64 x 8 kv heads = 512 programs fill 132 SMs at ~4 decode programs each: no split (the
+    tuned 32-key tiles were fastest unsplit there). Batch 1 splits as far as its length allows."""
+    bn = choose_tiles(2, 128, 1).block_n
+    assert bn == 32 or interpreting()
+    assert split_count(64 * 8, 1024, 32, H200_SMS) == 1  # ring, W = 1024
+    assert split_count(64 * 8, 512 * 16, 32, H200_SMS) == 1  # paged, a graph-wide table (8192 keys)
+    assert split_count(16 * 8, 1024, 32, H200_SMS) == 4  # batch 16: 128 programs, 4 splits reach 396
+    assert split_count(8, 32768, 32, H200_SMS) == 32
+    assert split_count(8, 1024, 32, H200_SMS) == 8  # eight splits of four 32-key tiles
+    assert split_count(8, 300, 32, H200_SMS) == 2
+    assert split_count(8, 200, 32, H200_SMS) == 1  # under two splits of four 32-key tiles
 
 
 @pytest.mark.parametrize("sms", [16, 78, 132])

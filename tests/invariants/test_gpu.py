@@ -74,6 +74,18 @@ def test_a_warn_hit_is_reported_by_poll_without_blocking():
     assert (v.rows, v.new_hits, v.total) == ((77,), 1, 2)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_check_on_a_gpu_that_is_not_the_current_one_runs_and_counts_there():
+    torch.cuda.set_device(0)
+    slots, lens, pos = swa_case("cuda:1")
+    pos[2] = -1
+    with levels("warn"):
+        expect(SWA_HISTORY_PRESENT, predicates.window_positions(pos, lens), rows=slots)
+        [v] = invariants.checker("cuda:1").drain()
+    assert (v.rows, v.new_hits) == ((77,), 1)
+    assert torch.cuda.current_device() == 0, "the thread's device is left as it was"
+
+
 def test_a_check_captured_in_a_graph_counts_on_every_replay():
     slots, lens, pos = swa_case()
     pos[0] = -1
