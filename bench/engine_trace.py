@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--mixed", action="store_true", help="EngineConfig.mixed (decode --mixed-steps)")
+    ap.add_argument("--no-warm-up", action="store_true", help="skip Engine.warm_up (the services run it)")
     ap.add_argument("--slow-ms", type=float, default=100.0, help="print steps longer than this")
     args = ap.parse_args()
     cache = Path(tempfile.mkdtemp(prefix="triton-"))
@@ -65,6 +66,10 @@ def main() -> None:
     engine = Engine(loaded.model, kv, cfg)
     built = time.perf_counter() - t0
     print(f"engine built in {built:.1f} s; {_compiled(cache)} kernels compiled", flush=True)
+    if not args.no_warm_up:
+        before = _compiled(cache)
+        took = engine.warm_up()
+        print(f"warmed up in {took:.1f} s; {_compiled(cache) - before} kernels compiled", flush=True)
     trace = AgenticTrace(args.sessions, args.turns, args.prefix_tokens, args.turn_tokens, args.output_tokens)
     prompts = trace.prompts(loaded.model.cfg.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)

@@ -30,7 +30,7 @@ __all__ = ["add_services", "build_serving", "serve"]
 
 def build_serving(cfg: ServiceConfig) -> Serving:
     """Load the model, build the Engine, handshake with prefill, start the scheduler (blocking)."""
-    loaded, engine = build_engine(cfg, mixed=cfg.mixed_steps)
+    loaded, engine = build_engine(cfg, "decode", mixed=cfg.mixed_steps)
     prefill = ipc = nixl = None
     if cfg.prefill_target:
         layout = KVLayout.of(engine.cache, loaded.name)

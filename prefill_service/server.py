@@ -21,7 +21,7 @@ __all__ = ["add_services", "build_serving", "serve"]
 
 def build_serving(cfg: PrefillConfig) -> PrefillServing:
     """Load the model, build the Engine and start its scheduler thread (blocking: run off the loop)."""
-    loaded, engine = build_engine(cfg)
+    loaded, engine = build_engine(cfg, "prefill")
     scheduler = PrefillScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue))
     scheduler.start()
     limits = Limits(vocab_size=loaded.config.vocab_size, max_context=engine.max_context())

@@ -18,6 +18,8 @@ processes): `shared/engine_kv.py`. This file runs the loop and owns each request
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,6 +38,10 @@ from shared.runner import ModelRunner, on_device
 from shared.sampling import SamplingBatch, SamplingParams
 
 __all__ = ["Engine", "EngineConfig"]
+
+# Prompt lengths `Engine.warm_up` runs: one in each power-of-two bucket of a chunk's query tile (tiles
+# cap at 64 query rows), and one of several key tiles.
+WARM_UP_LENGTHS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 1000)
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,37 @@ class Engine(KVOwnership):
         while not all(r.finished for r in reqs) or self._inflight is not None:
             self.step()
         return reqs
+
+    def warm_up(self, *, force: bool = False) -> float:
+        """Compile, before any traffic, what the first requests would otherwise compile mid-step.
+
+        Triton compiles a kernel on its first launch with each set of launch constants: the query
+        tile a chunk's length picks, the split-K factor a batch's size and table width pick. Each
+        takes ~1 s, and every request in flight waits on it (on an H200, the serving trace's first
+        pass spent 5.7 s of 8.6 in three such steps; `bench/engine_trace.py`). Throwaway greedy
+        requests: each query-tile length alone, all of them in one step, and a prompt that arrives
+        while another decodes (a mixed step, if `cfg.mixed`). Everything they held is freed after.
+        CUDA only (nothing compiles on a CPU) unless `force`. Returns the seconds it took.
+        """
+        if self.cache.device.type != "cuda" and not force:
+            return 0.0
+        if not self.idle:
+            raise RuntimeError("warm up an engine before its first request")
+        start = time.perf_counter()
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        room = self.max_context() - params.max_tokens
+        lengths = [n for n in WARM_UP_LENGTHS if n <= room]
+        for n in lengths:
+            self.generate([[0] * n], params)
+        self.generate([[0] * n for n in lengths[: self.cfg.max_running]], params)
+        first = self.add_request([0] * lengths[len(lengths) // 2], dataclasses.replace(params, max_tokens=8))
+        while not first.output:
+            self.step()
+        self.generate([[0] * lengths[-1]], params)
+        while not first.finished or self.in_flight:
+            self.step()
+        self.check_idle_integrity()
+        return time.perf_counter() - start
 
     # ---- steps of step() ----
 

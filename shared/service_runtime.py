@@ -63,9 +63,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def build_engine(cfg: CommonConfig, *, mixed: bool = False) -> tuple[LoadedModel, Engine]:
-    """Load the model and build its Engine (blocking: run off the event loop). `mixed`: decode tokens
-    in every step beside prompt chunks (`EngineConfig.mixed`)."""
+def build_engine(cfg: CommonConfig, role: str, *, mixed: bool = False) -> tuple[LoadedModel, Engine]:
+    """Load the model, build its Engine and warm it up (blocking: run off the event loop). `role`
+    names the log; `mixed`: decode tokens in every step beside prompt chunks (`EngineConfig.mixed`)."""
     device, dtype = resolve_device(cfg.device), getattr(torch, cfg.dtype)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this loading thread's kernels and graph captures go there
@@ -79,7 +79,11 @@ def build_engine(cfg: CommonConfig, *, mixed: bool = False) -> tuple[LoadedModel
         device=str(device),
     )
     engine_cfg = EngineConfig(max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running, mixed=mixed)
-    return loaded, Engine(loaded.model, kv, engine_cfg)
+    engine = Engine(loaded.model, kv, engine_cfg)
+    took = engine.warm_up()  # before ready: a first request must not wait on kernel compiles
+    if took:
+        logging.getLogger(f"{role}_service").info("warmed up in %.1f s", took)
+    return loaded, engine
 
 
 def service_telemetry(role: str, cfg: CommonConfig) -> Telemetry:

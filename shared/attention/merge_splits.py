@@ -14,7 +14,7 @@ import triton.language as tl
 from shared.attention._launch import next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # changes every step
 def _merge_splits_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, num_tokens, num_heads, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -22,7 +22,9 @@ from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
 
 
-@triton.jit
+# num_tokens and the block table's width change every step: specializing on them (== 1, % 16) would
+# compile mid-traffic.
+@triton.jit(do_not_specialize=["stride_bt", "num_tokens"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, q_start_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,

@@ -23,7 +23,8 @@ from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
 
 
-@triton.jit
+# num_tokens changes every step: specializing on it (== 1, % 16) would compile mid-traffic.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _ring_attention_kernel(
     q_ptr, kn_ptr, vn_ptr, kr_ptr, vr_ptr, slots_ptr, cu_q_ptr, q_start_ptr, out_ptr, part_o_ptr,
     part_lse_ptr, stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,

@@ -1,0 +1,43 @@
+"""`Engine.warm_up`: throwaway requests before traffic, so that first launches (Triton compiles) do not
+stall real requests; it leaves nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine import Engine, EngineConfig
+from shared.kv.cache import KVConfig
+from shared.sampling import SamplingParams
+from tests.engine.engine_testutil import W, random_tokens, tiny_config, tiny_model
+
+
+def engine(mixed: bool = False) -> Engine:
+    kv = KVConfig(page_size=4, num_pages=512, max_requests=4)
+    return Engine(tiny_model(tiny_config("SSFS")), kv, EngineConfig(max_batch_tokens=64, mixed=mixed))
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_warmed_up_engine_is_idle_and_generates_what_a_fresh_one_does(mixed):
+    prompts = [random_tokens(n, seed=n) for n in (3, W + 2, 50)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=3, seed=1, max_tokens=4, ignore_eos=True)]  # fmt: skip
+    warmed = engine(mixed)
+    assert warmed.warm_up(force=True) > 0
+    assert warmed.idle and warmed.cache.pages.num_used == 0 and warmed.cache.slots.num_used == 0
+    got = [r.output for r in warmed.generate(prompts, params)]
+    assert got == [r.output for r in engine(mixed).generate(prompts, params)]
+    warmed.check_idle_integrity()
+
+
+def test_on_a_cpu_warm_up_does_nothing_unless_forced():
+    eng = engine()
+    assert eng.warm_up() == 0.0
+    assert eng.idle and eng.cache.pages.num_used == 0
+
+
+def test_warm_up_refuses_an_engine_with_requests():
+    eng = engine()
+    eng.add_request(random_tokens(5), SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="before its first request"):
+        eng.warm_up(force=True)
