@@ -55,3 +55,17 @@ def test_the_engine_host_bench_runs_on_cpu() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert {r["path"] for r in rows} == {"general", "incremental"}
+
+
+def test_the_engine_trace_bench_runs_two_passes_on_cpu() -> None:
+    out = _run(
+        "bench/engine_trace.py", "--device", "cpu", "--dtype", "float32",
+        "--model", "random:" + json.dumps(TINY), "--sessions", "3", "--turns", "2", "--prefix-tokens", "24",
+        "--turn-tokens", "8", "--output-tokens", "3", "--num-pages", "128", "--max-running", "4",
+        "--max-batch-tokens", "128", "--rate", "50",
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["pass"] for r in rows] == [0, 1]
+    assert all(r["requests"] == 6 and 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] for r in rows), rows

@@ -1,0 +1,106 @@
+"""The decode step's GEMMs at M = 64 / 16 / 1: cuBLAS (both of torch's BLAS back ends) against
+`skinny_gemm`'s default and a sweep of its configs, each against reading its weights at the copy rate.
+
+Shapes: the engine bench's ~2B hybrid (hidden 2048, 16/8 heads x 128, intermediate 6144, vocab
+128256), weights [N, K] bf16. Every timing is a CUDA graph over enough distinct weight copies that
+they come from HBM, as in a decode step (each layer's weights are read once).
+
+    python bench/gemm_decode.py [--rows 64,16,1] [--quick] [--json gemm.json]   (~2 min at M=64)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import triton
+
+from shared.model.kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm
+
+SHAPES = {  # name: (N, K)
+    "qkv": ((16 + 2 * 8) * 128, 2048),
+    "o": (2048, 2048),
+    "gate_up": (2 * 6144, 2048),
+    "down": (2048, 6144),
+    "lm_head": (128256, 2048),
+}
+
+
+def graph_us(fn, calls: int) -> float:  # type: ignore[no-untyped-def]
+    fn()  # compile, allocate
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return 1e3 * triton.testing.do_bench(graph.replay, return_mode="median") / calls
+
+
+def copy_rate() -> float:
+    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    ms = triton.testing.do_bench(lambda: x.clone(), return_mode="median")
+    return 2 * x.numel() / ms / 1e9  # TB/s, read + write
+
+
+def sweep(quick: bool):  # type: ignore[no-untyped-def]
+    """48 configs (12 with --quick): column block, K tile, K split, pipeline stages."""
+    block_n = (16, 32, 64) if not quick else (32,)
+    stages = (3, 4) if not quick else (4,)
+    for bn, bk, s, st in itertools.product(block_n, (128, 256), (1, 2, 4, 8), stages):
+        yield GemmConfig(block_n=bn, block_k=bk, split_k=s, num_warps=4, num_stages=st)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="64", help="M values, e.g. 64,16,1")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--quick", action="store_true", help="12 configs per shape instead of 48")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    tbs = copy_rate()
+    print(f"copy rate {tbs:.2f} TB/s")
+    rows = []
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        nbytes = n * k * 2
+        copies = max(1, -(-(256 << 20) // nbytes))  # > L2 in all
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        floor_us = nbytes / tbs / 1e6
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ ws[0].float().T
+            timed = {}
+            for lib in ("cublaslt", "cublas"):
+                torch.backends.cuda.preferred_blas_library(lib)
+                timed[lib] = graph_us(lambda: [torch.mm(x, w.T) for w in ws], copies)  # noqa: B023
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            default = choose_config(m, n, k)
+            torch.testing.assert_close(skinny_gemm(x, ws[0], default).float(), ref, rtol=3e-2, atol=3e-2)
+            timed["skinny default"] = graph_us(lambda: [skinny_gemm(x, w, default) for w in ws], copies)  # noqa: B023
+            best = None
+            for cfg in sweep(args.quick):
+                try:
+                    us = graph_us(lambda: [skinny_gemm(x, w, cfg) for w in ws], copies)  # noqa: B023
+                except Exception as exc:  # a config Triton cannot fit (shared memory): skipped
+                    print(f"  {name} M={m} {cfg}: {type(exc).__name__}")
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+            if best is not None:
+                torch.testing.assert_close(skinny_gemm(x, ws[0], best[1]).float(), ref, rtol=3e-2, atol=3e-2)
+                timed["skinny best"] = best[0]
+            row = {"shape": name, "M": m, "N": n, "K": k, "floor_us": round(floor_us, 2)}
+            row |= {key: round(us, 2) for key, us in timed.items()}
+            row["best_config"] = None if best is None else best[1].__dict__
+            rows.append(row)
+            shown = "  ".join(f"{key} {us:7.2f} us x{us / floor_us:4.2f}" for key, us in timed.items())
+            print(f"{name:8s} M={m:<3d} floor {floor_us:7.2f} us  {shown}", flush=True)
+            if best is not None:
+                print(f"         best {best[1]}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""A decode-shaped GEMM, out[M, N] = x[M, K] @ w[N, K]^T for a few rows (M <= 64), meant to read the
+weights at the copy rate.
+
+At M=64 cuBLAS reads a decode step's weights at ~58% of the copy rate on an H200 (o_proj 3.1x its
+floor, down_proj 2.0x; docs/benchmarks.md): a narrow output (2048 columns) makes too few of its tiles
+to fill 132 SMs, so it splits K and adds a reduction kernel. Here a program owns BLOCK_N output
+columns for every row and streams those weight rows through its pipeline. When N / BLOCK_N programs
+cannot fill the GPU, K is split too, and the last program of a column block to finish (a ticket)
+adds the fp32 partials and writes the result: one kernel, no zeroing pass.
+
+Not in the model's path: `bench/gemm_decode.py` times it against cuBLAS shape by shape on the GPU
+first, and only a measured win goes in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from shared.attention._launch import f32_dot, next_pow2
+from shared.model.kernels._checks import check_triton_device, fail
+
+__all__ = ["GemmConfig", "choose_config", "skinny_gemm"]
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_first = pid_k * k_chunk
+    for k0 in range(k_first, k_first + k_chunk, BLOCK_K):  # k_chunk is a multiple of BLOCK_K
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        x_mask = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=x_mask, other=0.0)
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if F32_DOT:  # fp32 operands, or bf16 in the interpreter (whose dot cannot take bf16)
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    dtype = out_ptr.dtype.element_ty
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    out = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(dtype), mask=out_mask)
+    else:
+        tile = rm[:, None] * N + rn[None, :]  # partials: [SPLIT_K, BLOCK_M, N] fp32
+        tl.store(part_ptr + pid_k * BLOCK_M * N + tile, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket releases them
+        ticket = tl.atomic_add(ticket_ptr + pid_n, 1)
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):  # in split order, whichever program came last: deterministic
+                total += tl.load(
+                    part_ptr + s * BLOCK_M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.store(out, total.to(dtype), mask=out_mask)
+            tl.atomic_xchg(ticket_ptr + pid_n, 0)  # ready for the next launch
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int = 32
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+_SMS_TARGET = 264  # two programs per SM of an H200: enough loads in flight to draw the copy rate
+
+
+def choose_config(m: int, n: int, k: int) -> GemmConfig:
+    """A starting point, until `bench/gemm_decode.py` has measured each shape: column blocks first,
+    K split until there are about two programs per SM, each split keeping at least 4 K tiles."""
+    block_n, block_k = 32, 256 if m <= 32 else 128
+    blocks = triton.cdiv(n, block_n)
+    split = 1
+    while blocks * split * 2 <= _SMS_TARGET and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return GemmConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def _ticket(device: torch.device, blocks: int) -> torch.Tensor:
+    """Zeroed int32 counters per column block, kept per device (each launch leaves them zeroed again).
+    Launches that share them must be stream-ordered: one model forward on one stream is."""
+    t = _tickets.get(device)
+    if t is None or t.numel() < blocks:
+        t = _tickets[device] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+    return t
+
+
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation; M <= 64."""
+    op = "skinny_gemm"
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        fail(op, f"x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != w.dtype or x.device != w.device:
+        fail(op, f"x and w must share dtype and device, got {x.dtype}/{x.device} and {w.dtype}/{w.device}")
+    (m, k), n = x.shape, w.shape[0]
+    if m > 64:
+        fail(op, f"is for at most 64 rows, got {m}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        fail(op, "x and w must be contiguous along K")
+    check_triton_device(op, x.device)
+    cfg = cfg or choose_config(m, n, k)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    block_m = max(16, next_pow2(m))  # the smallest tile a tensor-core dot takes
+    blocks = triton.cdiv(n, cfg.block_n)
+    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_chunk)  # no empty split: each adds its partial and takes its ticket
+    part = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    _skinny_gemm_kernel[(blocks, split)](
+        x, w, out, part, _ticket(x.device, blocks), m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
+        SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, F32_DOT=f32_dot(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

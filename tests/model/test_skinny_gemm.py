@@ -1,0 +1,67 @@
+"""`skinny_gemm` (interpreted on CPU, compiled on CUDA) against torch: split K or not, odd sizes, and
+the ticket counters left zeroed for the next launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.model.kernels import skinny_gemm as sg
+from shared.model.kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def operands(
+    m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    return x, w
+
+
+def want(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 64), (5, 33, 300), (16, 64, 512), (64, 96, 256)])
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_matches_torch_split_or_not(m: int, n: int, k: int, split_k: int) -> None:
+    x, w = operands(m, n, k)
+    got = skinny_gemm(x, w, GemmConfig(block_n=16, block_k=32, split_k=split_k, num_warps=2, num_stages=2))
+    torch.testing.assert_close(got, want(x, w), rtol=2e-2, atol=2e-2)
+    blocks = -(-n // 16)
+    assert int(sg._tickets[x.device][:blocks].abs().sum()) == 0, "every ticket is reset for the next launch"
+
+
+def test_a_split_that_would_be_empty_is_not_launched() -> None:
+    # K = 96 in 64-wide tiles, asked for 4 splits: two chunks of 64 cover it, and only two programs
+    # per column block add partials (a third one would wait for a ticket that never comes).
+    x, w = operands(3, 20, 96)
+    got = skinny_gemm(x, w, GemmConfig(block_n=16, block_k=64, split_k=4, num_warps=2, num_stages=2))
+    torch.testing.assert_close(got, want(x, w), rtol=2e-2, atol=2e-2)
+
+
+def test_repeated_launches_agree_bit_for_bit() -> None:
+    x, w = operands(8, 48, 512)
+    cfg = GemmConfig(block_n=16, block_k=64, split_k=4, num_warps=2, num_stages=2)
+    first = skinny_gemm(x, w, cfg)
+    assert torch.equal(skinny_gemm(x, w, cfg), first), "partials are added in split order"
+
+
+def test_bad_operands_are_refused_by_name() -> None:
+    x, w = operands(4, 16, 32)
+    with pytest.raises(ValueError, match="skinny_gemm: x must be"):
+        skinny_gemm(x, w[:, :16])
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        skinny_gemm(torch.cat([x] * 17), w)
+    with pytest.raises(ValueError, match="share dtype"):
+        skinny_gemm(x.float(), w)
+
+
+def test_the_default_config_splits_narrow_outputs_and_not_wide_ones() -> None:
+    assert choose_config(64, 2048, 2048).split_k > 1  # o_proj: 64 column blocks alone
+    assert choose_config(64, 2048, 6144).split_k > 1  # down_proj
+    assert choose_config(64, 12288, 2048).split_k == 1  # gate/up: 384 column blocks
+    assert choose_config(64, 128256, 2048).split_k == 1  # an LM head
