@@ -4,6 +4,7 @@
     python bench/engine.py                     # batches 1,16,64; prompt 512; 64 decode steps
     python bench/engine.py --batches 64 --no-hf
     python bench/engine.py --batches 64 --no-hf --prefill-prompt 0 --kernels torch   # unfused, to compare
+    python bench/engine.py --batches 64,16,1 --no-hf --gemm cublas,skinny   # the layers' GEMMs, A/B
 
 Model: hidden 2048, 28 layers, 16/8 heads x 128, intermediate 6144, 3 of 4 layers sliding (W=1024),
 vocab 128256, random bf16 weights (~1.9B parameters). The roofline of a decode step is the bytes it
@@ -209,19 +210,30 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="profile decode at this batch (graphs and eager)")
     ap.add_argument("--kernels", choices=["auto", "torch"], default="auto",
                     help="fused Triton elementwise ops (auto, on CUDA) or unfused torch")  # fmt: skip
+    ap.add_argument("--gemm", default="cublas",
+                    help="GEMMs at <= 64 rows: cublas, skinny, or both (cublas,skinny)")  # fmt: skip
     args = ap.parse_args()
+    gemms = args.gemm.split(",")
+    if not set(gemms) <= {"cublas", "skinny"}:
+        ap.error(f"--gemm: cublas and/or skinny, got {args.gemm!r}")
     bandwidth = copy_bandwidth()
     cfg, model, hf = make_models(not args.no_hf)
     model.kernel_backend = args.kernels
     params = sum(p.numel() for p in model.parameters()) / 1e9
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B; kernels {args.kernels}")
     rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        row = bench_engine(model, cfg, batch, args.prompt, args.steps, bandwidth)
-        if hf is not None:
-            row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
-        rows.append(row)
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    for gemm in gemms:  # side by side in one run: a GEMM's ratio is only meaningful within one
+        model.gemm_backend = gemm
+        for batch in (int(b) for b in args.batches.split(",")):
+            row = {"gemm": gemm, **bench_engine(model, cfg, batch, args.prompt, args.steps, bandwidth)}
+            if hf is not None and gemm == gemms[0]:
+                row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
+            rows.append(row)
+            print(
+                json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+                flush=True,
+            )
+    model.gemm_backend = gemms[-1]
     if args.prefill_prompt:
         row = bench_prefill(model, cfg, args.prefill_prompt, 4, matmul_peak())
         rows.append(row)

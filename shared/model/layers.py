@@ -111,4 +111,4 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, kernels: ModelKernels = _TORCH) -> torch.Tensor:
-        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
+        return kernels.silu_mul_linear(kernels.linear(x, self.gate_up_proj), self.down_proj)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.kernels import Backend, KVStore, ModelKernels, kernels_for
+from shared.model.kernels import Backend, Gemm, KVStore, ModelKernels, kernels_for
 from shared.model.layers import RMSNorm, Rotary, SwiGLU
 
 
@@ -61,14 +61,14 @@ class Attention(nn.Module):
         kernels: ModelKernels,
     ) -> torch.Tensor:  # fmt: skip
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = kernels.linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
         q, k = rotary(positions, q, k, kernels, qk_norm, store=attn.store_target(self.layer), v=v)
         out = attn(self.layer, q, k, v)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return kernels.linear(out.reshape(t, self.q_size), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -114,6 +114,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         # "auto": fused Triton kernels when the input is on CUDA, torch otherwise (see kernels_for).
         self.kernel_backend: Backend = kernels
+        self.gemm_backend: Gemm = "cublas"  # the Triton path's layer GEMMs (kernels_for)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -129,7 +130,7 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions: [T] (the batch's sequences, concatenated). Returns normed hidden [T, H]."""
-        kernels = kernels_for(input_ids.device, self.kernel_backend)
+        kernels = kernels_for(input_ids.device, self.kernel_backend, self.gemm_backend)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary, attn, kernels)

@@ -26,9 +26,10 @@ def cuda_runner(layout: str = "SSFS"):
     return cpu_model, cache, ModelRunner(model, cache)
 
 
-@pytest.mark.parametrize("layout", ["SSFS", "FSFS"])
-def test_triton_path_matches_the_reference_teacher_forced(layout):
+@pytest.mark.parametrize(("layout", "gemm"), [("SSFS", "cublas"), ("FSFS", "cublas"), ("SSFS", "skinny")])
+def test_triton_path_matches_the_reference_teacher_forced(layout, gemm):
     cpu_model, cache, runner = cuda_runner(layout)
+    runner.model.gemm_backend = gemm
     lengths = [W - 1, 3 * W + 2, 1, 40]
     seqs = [Seq(cache, i, random_tokens(n + 5, seed=20 + i)) for i, n in enumerate(lengths)]
     wants = [reference(cpu_model, s.tokens) for s in seqs]

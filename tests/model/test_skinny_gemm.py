@@ -32,7 +32,9 @@ def test_matches_torch_split_or_not(m: int, n: int, k: int, split_k: int) -> Non
     got = skinny_gemm(x, w, GemmConfig(block_n=16, block_k=32, split_k=split_k, num_warps=2, num_stages=2))
     torch.testing.assert_close(got, want(x, w), rtol=2e-2, atol=2e-2)
     blocks = -(-n // 16)
-    assert int(sg._tickets[x.device][:blocks].abs().sum()) == 0, "every ticket is reset for the next launch"
+    assert all(int(t[:blocks].abs().sum()) == 0 for t in sg._tickets.values()), (
+        "tickets reset for the next launch"
+    )
 
 
 def test_a_split_that_would_be_empty_is_not_launched() -> None:
@@ -48,6 +50,19 @@ def test_repeated_launches_agree_bit_for_bit() -> None:
     cfg = GemmConfig(block_n=16, block_k=64, split_k=4, num_warps=2, num_stages=2)
     first = skinny_gemm(x, w, cfg)
     assert torch.equal(skinny_gemm(x, w, cfg), first), "partials are added in split order"
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_silu_mul_in_the_prologue_equals_the_swiglu_kernel_then_the_gemm(split_k: int) -> None:
+    from shared.model.kernels.silu_mul import silu_mul
+
+    gate_up, w = operands(6, 40, 2 * 160)[0], operands(6, 40, 160)[1]
+    cfg = GemmConfig(block_n=16, block_k=32, split_k=split_k, num_warps=2, num_stages=2)
+    fused = skinny_gemm(gate_up, w, cfg, silu_mul=True)
+    assert torch.equal(fused, skinny_gemm(silu_mul(gate_up), w, cfg)), "the same activations, the same sums"
+    torch.testing.assert_close(fused, want(silu_mul(gate_up), w), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match=r"x must be \[M, 2K\] \(gate \| up\)"):
+        skinny_gemm(gate_up[:, :160], w, silu_mul=True)
 
 
 def test_bad_operands_are_refused_by_name() -> None:

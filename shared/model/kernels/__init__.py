@@ -6,6 +6,14 @@ Importing this package never imports triton: the kernel modules load when `Trito
 
 from __future__ import annotations
 
-from shared.model.kernels.ops import Backend, KVStore, ModelKernels, TorchKernels, TritonKernels, kernels_for
+from shared.model.kernels.ops import (
+    Backend,
+    Gemm,
+    KVStore,
+    ModelKernels,
+    TorchKernels,
+    TritonKernels,
+    kernels_for,
+)
 
-__all__ = ["Backend", "KVStore", "ModelKernels", "TorchKernels", "TritonKernels", "kernels_for"]
+__all__ = ["Backend", "Gemm", "KVStore", "ModelKernels", "TorchKernels", "TritonKernels", "kernels_for"]

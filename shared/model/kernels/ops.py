@@ -1,4 +1,4 @@
-"""The decoder's elementwise seam: one interface, torch on CPU and fused Triton kernels on CUDA.
+"""The decoder's kernel seam: one interface, torch on CPU and fused Triton kernels on CUDA.
 
 Mirrors shared/attention/ops.py: `kernels_for(device)` picks the implementation, and a backend can be
 forced (Triton on CPU needs TRITON_INTERPRET=1, as the tests set). Neither implementation reads a
@@ -13,12 +13,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from shared.attention import reference as attention_reference
 from shared.model.kernels import reference
 
 Tensor = torch.Tensor
 Backend = Literal["auto", "torch", "triton"]
+# The layers' GEMMs: torch's (cuBLAS on a GPU), or `skinny_gemm` for batches of at most 64 rows.
+# "cublas" until bench/gemm_decode.py has measured skinny_gemm faster on the GPU (docs/benchmarks.md).
+Gemm = Literal["cublas", "skinny"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,15 @@ class KVStore:
 
 class ModelKernels(ABC):
     name: str
+    gemm: Gemm = "cublas"
+
+    def linear(self, x: Tensor, layer: nn.Linear) -> Tensor:
+        """`layer(x)`: torch's GEMM (cuBLAS on a GPU)."""
+        return F.linear(x, layer.weight, layer.bias)
+
+    def silu_mul_linear(self, gate_up: Tensor, layer: nn.Linear) -> Tensor:
+        """`layer(silu_mul(gate_up))`: the MLP's activation and down projection."""
+        return self.linear(self.silu_mul(gate_up), layer)
 
     @abstractmethod
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -95,12 +109,26 @@ class TritonKernels(ModelKernels):
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, gemm: Gemm = "cublas") -> None:
         # Imported here, not at module load: the interpreter is chosen when a kernel is decorated.
-        from shared.model.kernels import rms_norm, rope, silu_mul
+        from shared.model.kernels import rms_norm, rope, silu_mul, skinny_gemm
 
         self._rms_norm, self._add_rms_norm = rms_norm.rms_norm, rms_norm.add_rms_norm
         self._rope, self._silu_mul = rope.rope, silu_mul.silu_mul
+        self._skinny_gemm, self.gemm = skinny_gemm.skinny_gemm, gemm
+
+    def _skinny(self, x: Tensor, layer: nn.Linear) -> bool:
+        return self.gemm == "skinny" and x.dim() == 2 and 0 < x.shape[0] <= 64 and layer.bias is None
+
+    def linear(self, x: Tensor, layer: nn.Linear) -> Tensor:
+        if self._skinny(x, layer):
+            return self._skinny_gemm(x, layer.weight)
+        return super().linear(x, layer)
+
+    def silu_mul_linear(self, gate_up: Tensor, layer: nn.Linear) -> Tensor:
+        if self._skinny(gate_up, layer):  # the activation in the GEMM's prologue: one kernel fewer
+            return self._skinny_gemm(gate_up, layer.weight, silu_mul=True)
+        return super().silu_mul_linear(gate_up, layer)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return self._rms_norm(x, weight, eps)
@@ -125,13 +153,16 @@ class TritonKernels(ModelKernels):
 
 
 @functools.cache
-def _instance(backend: str) -> ModelKernels:
-    return TorchKernels() if backend == "torch" else TritonKernels()
+def _instance(backend: str, gemm: Gemm = "cublas") -> ModelKernels:
+    return TorchKernels() if backend == "torch" else TritonKernels(gemm)
 
 
-def kernels_for(device: torch.device | str, backend: Backend = "auto") -> ModelKernels:
-    """Triton on CUDA, torch elsewhere; `backend` forces one. Instances are shared (they hold no state)."""
+def kernels_for(device: torch.device | str, backend: Backend = "auto", gemm: Gemm = "cublas") -> ModelKernels:
+    """Triton on CUDA, torch elsewhere; `backend` forces one. `gemm` picks the Triton path's GEMMs
+    (the torch path always uses torch's). Instances are shared (they hold no state)."""
     device = torch.device(device)
+    if gemm not in ("cublas", "skinny"):
+        raise ValueError(f"kernels_for: gemm must be 'cublas' or 'skinny', got {gemm!r}")
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     if backend == "torch":
@@ -140,5 +171,5 @@ def kernels_for(device: torch.device | str, backend: Backend = "auto") -> ModelK
         from shared.attention._launch import check_triton_device
 
         check_triton_device("kernels_for", device)
-        return _instance("triton")
+        return _instance("triton", gemm)
     raise ValueError(f"kernels_for: backend must be 'auto', 'torch' or 'triton', got {backend!r}")

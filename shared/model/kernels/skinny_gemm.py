@@ -8,8 +8,9 @@ columns for every row and streams those weight rows through its pipeline. When N
 cannot fill the GPU, K is split too, and the last program of a column block to finish (a ticket)
 adds the fp32 partials and writes the result: one kernel, no zeroing pass.
 
-Not in the model's path: `bench/gemm_decode.py` times it against cuBLAS shape by shape on the GPU
-first, and only a measured win goes in.
+The model takes it only when asked (`Transformer.gemm_backend = "skinny"`, `ModelKernels.linear`):
+`bench/gemm_decode.py` and `bench/engine.py --gemm cublas,skinny` measure it against cuBLAS on the
+GPU first, and only a measured win becomes the default.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton.language as tl
 
 from shared.attention._launch import f32_dot, next_pow2
 from shared.model.kernels._checks import check_triton_device, fail
+from shared.model.kernels._round import round_to
 
 __all__ = ["GemmConfig", "choose_config", "skinny_gemm"]
 
@@ -30,7 +32,7 @@ __all__ = ["GemmConfig", "choose_config", "skinny_gemm"]
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, SILU_MUL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -44,7 +46,13 @@ def _skinny_gemm_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         x_mask = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=x_mask, other=0.0)
+        x_at = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+        x = tl.load(x_at, mask=x_mask, other=0.0)
+        if SILU_MUL:  # x holds [gate | up]: silu(gate) * up, rounded where `silu_mul` rounds
+            up = tl.load(x_at + K, mask=x_mask, other=0.0).to(tl.float32)
+            gate = x.to(tl.float32)
+            act = round_to(gate / (1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty)
+            x = round_to(act * up, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
         w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
         w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if F32_DOT:  # fp32 operands, or bf16 in the interpreter (whose dot cannot take bf16)
@@ -94,26 +102,33 @@ def choose_config(m: int, n: int, k: int) -> GemmConfig:
     return GemmConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
-_tickets: dict[torch.device, torch.Tensor] = {}
+_tickets: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def _ticket(device: torch.device, blocks: int) -> torch.Tensor:
-    """Zeroed int32 counters per column block, kept per device (each launch leaves them zeroed again).
-    Launches that share them must be stream-ordered: one model forward on one stream is."""
-    t = _tickets.get(device)
+    """Zeroed int32 counters per column block, one set per device and stream (each launch leaves them
+    zeroed again; launches on one stream are ordered, two threads' streams get two sets)."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    t = _tickets.get(key)
     if t is None or t.numel() < blocks:
-        t = _tickets[device] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+        t = _tickets[key] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
     return t
 
 
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation; M <= 64."""
+def skinny_gemm(
+    x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None, *, silu_mul: bool = False
+) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation; M <= 64. `silu_mul`: x is the
+    MLP's [M, 2K] gate | up, and the product is `silu_mul(x) @ w^T`, the activation computed as the
+    tiles are loaded (the SwiGLU kernel and its [M, K] round trip fused away)."""
     op = "skinny_gemm"
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        fail(op, f"x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    width = 2 * w.shape[1] if silu_mul and w.dim() == 2 else w.shape[-1]
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != width:
+        want = "[M, 2K] (gate | up)" if silu_mul else "[M, K]"
+        fail(op, f"x must be {want} and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != w.dtype or x.device != w.device:
         fail(op, f"x and w must share dtype and device, got {x.dtype}/{x.device} and {w.dtype}/{w.device}")
-    (m, k), n = x.shape, w.shape[0]
+    m, (n, k) = x.shape[0], w.shape
     if m > 64:
         fail(op, f"is for at most 64 rows, got {m}")
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -131,6 +146,6 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None)
     _skinny_gemm_kernel[(blocks, split)](
         x, w, out, part, _ticket(x.device, blocks), m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, F32_DOT=f32_dot(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
