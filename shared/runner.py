@@ -156,7 +156,10 @@ class ModelRunner:
         """Model + KV + checks up to each sequence's last-token logits (what a CUDA graph holds)."""
         # In series, before the block: this assert must stop the process before attention reads
         # through a bad page id (a concurrent check guarantees only "by the end of the block").
-        expect(PAGE_IDS_IN_RANGE, lambda: predicates.in_range(batch.block_table, 0, self.num_pages))
+        # Flat: the table's width changes with the batch, and the check kernel specializes on its row
+        # width (a new compile, mid-traffic, for each new kind of width); a flat view has one.
+        table = batch.block_table
+        expect(PAGE_IDS_IN_RANGE, lambda: predicates.in_range(table.reshape(-1), 0, self.num_pages))
         attn = BatchAttention(self.cache, batch, self.ops, self.scale)
         # Every check in the block reads what the block never writes after it: the batch's inputs,
         # and each sliding layer's `ring_pos`, whose only write in the step follows the block.

@@ -11,19 +11,21 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.attention._launch import next_pow2
+from shared.attention._launch import MAX_SPLITS, next_pow2
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # changes every step
+# num_tokens and num_splits change with the batch: one compiled kernel for them all (SPLITS_P2 is
+# the most splits the rule gives, rounded up to a power of two).
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _merge_splits_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, num_tokens, num_heads, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_o_ptr, part_lse_ptr, out_ptr, num_tokens, num_heads, stride_ot, stride_oh, num_splits,
+    SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
     d = tl.arange(0, BLOCK_D)
-    s_ok = s < NUM_SPLITS
+    s_ok = s < num_splits
     row = (s * num_tokens + t) * num_heads + h
     lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
@@ -50,7 +52,7 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
         raise ValueError("merge_splits: partials must be contiguous and out's last dim contiguous")
     splits, tokens, heads, head_dim = part_o.shape
     _merge_splits_kernel[(tokens, heads)](
-        part_o, part_lse, out, tokens, heads, out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits), HEAD_DIM=head_dim,
+        part_o, part_lse, out, tokens, heads, out.stride(0), out.stride(1), splits,
+        SPLITS_P2=max(next_pow2(splits), MAX_SPLITS), HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)),
     )  # fmt: skip

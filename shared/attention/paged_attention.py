@@ -2,7 +2,7 @@
 
 One program owns one tile of (query, head) rows of one sequence and one kv head, and walks the keys
 it can see in blocks of BLOCK_N positions, gathering each key's page through the block table (so
-any page size works and a block may straddle pages). With NUM_SPLITS > 1 (decode-shaped calls
+any page size works and a block may straddle pages). With num_splits > 1 (decode-shaped calls
 with few programs, see `_launch.choose_splits`) each program takes one slice of the key range and
 writes a partial result that `merge_splits` combines (`_split_k.py`).
 
@@ -22,19 +22,19 @@ from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
 
 
-# num_tokens and the block table's width change every step: specializing on them (== 1, % 16) would
-# compile mid-traffic.
-@triton.jit(do_not_specialize=["stride_bt", "num_tokens"])
+# num_tokens and the block table's width change every step, num_splits every batch shape: specializing
+# on them (== 1, % 16) would compile a new kernel mid-traffic. One compiled kernel per query tile.
+@triton.jit(do_not_specialize=["stride_bt", "num_tokens", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, q_start_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_bt, stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window,
+    stride_bt, stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    qb = tl.program_id(0) // NUM_SPLITS
-    split = tl.program_id(0) % NUM_SPLITS
+    qb = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
     b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_off = qb * BLOCK_Q
@@ -50,7 +50,7 @@ def _paged_attention_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(start + q_off - window + 1, 0)
     hi = tl.where(q_off < qlen, hi, lo)
-    k_lo, k_hi = split_range(lo, hi, split, NUM_SPLITS, BLOCK_N)
+    k_lo, k_hi = split_range(lo, hi, split, num_splits, BLOCK_N)
 
     d = tl.arange(0, BLOCK_D)
     d_ok = (d < HEAD_DIM)[None, :]
@@ -75,7 +75,7 @@ def _paged_attention_kernel(
 
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
-        stride_ot, stride_oh, BLOCK_D, HEAD_DIM, NUM_SPLITS,
+        stride_ot, stride_oh, num_splits, BLOCK_D, HEAD_DIM,
     )  # fmt: skip
 
 
@@ -109,10 +109,10 @@ def paged_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads, float(scale) * LOG2E,
-        window if window is not None else 0,
+        window if window is not None else 0, num_splits,
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim, PAGE_SIZE=page_size,
-        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, F32_DOT=f32_dot(q.dtype),
+        HAS_WINDOW=window is not None, F32_DOT=f32_dot(q.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

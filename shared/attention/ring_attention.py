@@ -6,7 +6,7 @@ head) rows of one sequence and one kv head and makes two passes with one online 
 entries (at most min(W, L0) of them), then the chunk's keys it can see causally. Everything a
 program reads is bounded by W + BLOCK_Q keys, whatever the context length.
 
-Decode-shaped calls (see `_launch.choose_splits`) split pass 1 over NUM_SPLITS programs per query
+Decode-shaped calls (see `_launch.choose_splits`) split pass 1 over num_splits programs per query
 tile, each taking a run of whole key tiles of the filled entries; pass 2 belongs to the last split,
 and `merge_splits` combines the partial results (`_split_k.py`, shared with paged attention).
 """
@@ -23,19 +23,19 @@ from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
 
 
-# num_tokens changes every step: specializing on it (== 1, % 16) would compile mid-traffic.
-@triton.jit(do_not_specialize=["num_tokens"])
+# num_tokens changes every step and num_splits every batch shape: specializing on either (== 1, % 16)
+# would compile a new kernel mid-traffic. One compiled kernel per query tile.
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _ring_attention_kernel(
     q_ptr, kn_ptr, vn_ptr, kr_ptr, vr_ptr, slots_ptr, cu_q_ptr, q_start_ptr, out_ptr, part_o_ptr,
     part_lse_ptr, stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_krs, stride_kri, stride_krh, stride_vrs, stride_vri, stride_vrh,
-    stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window,
+    stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    qb = tl.program_id(0) // NUM_SPLITS
-    split = tl.program_id(0) % NUM_SPLITS
+    qb = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
     b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_off = qb * BLOCK_Q
@@ -56,7 +56,7 @@ def _ring_attention_kernel(
     # to the tile's first query only while q_off < W - 1, so later tiles of a long chunk skip it.
     # This split's share of them is [r_lo, r_hi).
     ring_hi = tl.where(live & (q_off < window - 1), tl.minimum(window, start), 0)
-    r_lo, r_hi = split_range(0, ring_hi, split, NUM_SPLITS, BLOCK_N)
+    r_lo, r_hi = split_range(0, ring_hi, split, num_splits, BLOCK_N)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     kr_base = kr_ptr + slot * stride_krs + kvh * stride_krh
     vr_base = vr_ptr + slot * stride_vrs + kvh * stride_vrh
@@ -74,7 +74,7 @@ def _ring_attention_kernel(
     # Pass 2, the chunk: key offsets j with qi - W < j <= qi for some row of the tile. Only the last
     # split reads them (a decode's one key, or a short chunk: not worth a split of their own).
     j_lo = tl.maximum(q_off - window + 1, 0)
-    j_hi = tl.where(live & (split == NUM_SPLITS - 1), tl.minimum(q_off + BLOCK_Q, qlen), j_lo)
+    j_hi = tl.where(live & (split == num_splits - 1), tl.minimum(q_off + BLOCK_Q, qlen), j_lo)
     for j0 in range(j_lo, j_hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         j_ok = j < j_hi
@@ -90,7 +90,7 @@ def _ring_attention_kernel(
 
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
-        stride_ot, stride_oh, BLOCK_D, HEAD_DIM, NUM_SPLITS,
+        stride_ot, stride_oh, num_splits, BLOCK_D, HEAD_DIM,
     )  # fmt: skip
 
 
@@ -119,9 +119,9 @@ def ring_attention(
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_ring.stride(0), k_ring.stride(1), k_ring.stride(2), v_ring.stride(0), v_ring.stride(1),
         v_ring.stride(2), out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads,
-        float(scale) * LOG2E, window,
+        float(scale) * LOG2E, window, num_splits,
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim, NUM_SPLITS=num_splits,
+        BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim,
         F32_DOT=f32_dot(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

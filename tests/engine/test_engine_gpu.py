@@ -154,3 +154,29 @@ def test_engines_on_two_gpus_of_one_process_each_capture_on_their_own():
         outs.append([r.output for r in engine.generate(prompts, sp)])
         engine.check_idle_integrity()
     assert outs[0] == outs[1]
+
+
+def test_after_warm_up_prompts_of_new_lengths_compile_no_kernel():
+    # What a first request would otherwise wait on: a Triton compile (~1 s on an H200) for a launch
+    # constant not seen yet. Lengths none of `warm_up`'s, arriving together and one by one.
+    from triton import knobs
+
+    cfg = tiny_config("SSFS")
+    kv = KVConfig(page_size=16, num_pages=256, max_requests=8, device="cuda")
+    engine = Engine(tiny_model(cfg).cuda(), kv, EngineConfig(max_batch_tokens=64))
+    assert engine.warm_up() > 0
+    compiled: list[str] = []
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["repr"])
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        engine.generate([random_tokens(n, seed=n) for n in (4, 7, 23, 40)], sp)
+        late = []
+        for n in (70, 150, 300, 11, 6):
+            late.append(engine.add_request(random_tokens(n, seed=n), sp))
+            engine.step()
+        while not all(r.finished for r in late) or engine.in_flight:
+            engine.step()
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+    assert compiled == [], f"compiled after warm-up: {compiled}"
+    engine.check_idle_integrity()

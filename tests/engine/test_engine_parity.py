@@ -201,3 +201,14 @@ def test_tokens_out_of_position_trip_positions_consecutive():
     batch.positions[3] += 1  # a builder bug: a skipped position
     with levels("strict"), pytest.raises(InvariantViolation, match=r"engine.positions_consecutive"):
         runner.forward(batch, None)
+
+
+def test_a_page_id_outside_the_pool_trips_page_ids_in_range_before_attention_reads_it():
+    from invariants import InvariantViolation, levels
+
+    _, cache, runner = make("SSFS")
+    seq = Seq(cache, 0, random_tokens(12))
+    batch = ForwardBatch.build([seq.chunk(6)], Mode.EXTEND, cache)
+    batch.block_table[0, 1] = cache.cfg.num_pages  # one past the pool
+    with levels("strict"), pytest.raises(InvariantViolation, match=r"kv.page_ids_in_range"):
+        runner.forward(batch, None)
