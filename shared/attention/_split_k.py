@@ -50,14 +50,21 @@ def store_result(
         tl.store(part_lse_ptr + row, lse, mask=row_ok)
 
 
+_UNUSED: dict[torch.device, torch.Tensor] = {}
+
+
 def outputs(q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, part_o, part_lse): out like q, and with splits the fp32 partials [S, T, Hq, D], [S, T, Hq].
 
-    Without splits the kernel never touches the partials, so `out` stands in for both.
+    Without splits the kernel never touches the partials; an fp32 stand-in takes their place, so that
+    split and unsplit launches share one compiled kernel (Triton compiles per pointer type).
     """
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_splits == 1:
-        return out, out, out
+        unused = _UNUSED.get(q.device)
+        if unused is None:
+            unused = _UNUSED[q.device] = torch.empty(1, dtype=torch.float32, device=q.device)
+        return out, unused, unused
     part_o = torch.empty(num_splits, *q.shape, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_splits, *q.shape[:2], dtype=torch.float32, device=q.device)
     return out, part_o, part_lse

@@ -41,3 +41,12 @@ def test_warm_up_refuses_an_engine_with_requests():
     eng.add_request(random_tokens(5), SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="before its first request"):
         eng.warm_up(force=True)
+
+
+@pytest.mark.parametrize("num_pages", [1, 2, 3])
+def test_warm_up_fits_any_pool_that_holds_a_request(num_pages):
+    # 4, 8 and 12 tokens of context: the lengths and the mixed step shrink to what fits.
+    kv = KVConfig(page_size=4, num_pages=num_pages, max_requests=2)
+    eng = Engine(tiny_model(tiny_config("SSFS")), kv, EngineConfig(max_batch_tokens=8))
+    eng.warm_up(force=True)
+    assert eng.idle and eng.cache.pages.num_used == 0 and eng.cache.slots.num_used == 0

@@ -65,6 +65,11 @@ def test_silu_mul_in_the_prologue_equals_the_swiglu_kernel_then_the_gemm(split_k
         skinny_gemm(gate_up[:, :160], w, silu_mul=True)
 
 
+def test_an_empty_inner_dimension_gives_zeros() -> None:
+    x, w = operands(3, 20, 0)
+    assert torch.equal(skinny_gemm(x, w), torch.zeros(3, 20, dtype=x.dtype, device=x.device))
+
+
 def test_bad_operands_are_refused_by_name() -> None:
     x, w = operands(4, 16, 32)
     with pytest.raises(ValueError, match="skinny_gemm: x must be"):

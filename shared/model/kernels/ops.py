@@ -118,7 +118,12 @@ class TritonKernels(ModelKernels):
         self._skinny_gemm, self.gemm = skinny_gemm.skinny_gemm, gemm
 
     def _skinny(self, x: Tensor, layer: nn.Linear) -> bool:
-        return self.gemm == "skinny" and x.dim() == 2 and 0 < x.shape[0] <= 64 and layer.bias is None
+        """skinny_gemm takes it: few rows, no bias, rows contiguous along K; else torch's GEMM."""
+        w = layer.weight
+        return (
+            self.gemm == "skinny" and layer.bias is None and x.dim() == 2 and 0 < x.shape[0] <= 64
+            and x.dtype == w.dtype and x.stride(-1) == 1 and w.stride(-1) == 1
+        )  # fmt: skip
 
     def linear(self, x: Tensor, layer: nn.Linear) -> Tensor:
         if self._skinny(x, layer):

@@ -103,14 +103,18 @@ def choose_config(m: int, n: int, k: int) -> GemmConfig:
 
 
 _tickets: dict[tuple[torch.device, int], torch.Tensor] = {}
+_retired: list[torch.Tensor] = []  # outgrown ticket sets: a captured graph may still count in one
 
 
 def _ticket(device: torch.device, blocks: int) -> torch.Tensor:
     """Zeroed int32 counters per column block, one set per device and stream (each launch leaves them
-    zeroed again; launches on one stream are ordered, two threads' streams get two sets)."""
+    zeroed again; launches on one stream are ordered, two threads' streams get two sets). A set that
+    grows keeps its old buffer alive: a CUDA graph captured with it replays into it."""
     key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     t = _tickets.get(key)
     if t is None or t.numel() < blocks:
+        if t is not None:
+            _retired.append(t)
         t = _tickets[key] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
     return t
 
@@ -138,6 +142,8 @@ def skinny_gemm(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    if k == 0:  # an empty sum
+        return out.zero_()
     block_m = max(16, next_pow2(m))  # the smallest tile a tensor-core dot takes
     blocks = triton.cdiv(n, cfg.block_n)
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
