@@ -170,11 +170,11 @@ class Engine(KVOwnership):
         """Compile, before any traffic, what the first requests would otherwise compile mid-step.
 
         Triton compiles a kernel on its first launch with each set of launch constants: the query
-        tile a chunk's length picks, the split-K factor a batch's size and table width pick. Each
-        takes ~1 s, and every request in flight waits on it (on an H200, the serving trace's first
-        pass spent 5.7 s of 8.6 in three such steps; `bench/engine_trace.py`). Throwaway greedy
-        requests: each query-tile length alone, all of them together, and a prompt that arrives
-        while another decodes (a mixed step, if `cfg.mixed`). Everything they held is freed after.
+        tile a chunk's length picks, decode's tiles or prefill's, a mode flag. Each takes ~1 s, and
+        every request in flight waits on it (on an H200, the serving trace's first pass spent 5.7 s
+        of 8.6 in three such steps; `bench/engine_trace.py`). Throwaway greedy requests: each
+        query-tile length alone, all of them together, and a prompt that arrives while another
+        decodes (a mixed step, if `cfg.mixed`). Everything they held is freed after.
         CUDA only (nothing compiles on a CPU) unless `force`. Returns the seconds it took.
         """
         if self.cache.device.type != "cuda" and not force:
