@@ -23,8 +23,13 @@ from shared.attention._split_k import merge, outputs, split_range, store_result
 
 
 # num_tokens and the block table's width change every step, num_splits every batch shape: specializing
-# on them (== 1, % 16) would compile a new kernel mid-traffic. One compiled kernel per query tile.
-@triton.jit(do_not_specialize=["stride_bt", "num_tokens", "num_splits"])
+# on them (== 1, % 16) would compile a new kernel mid-traffic. So would the alignment of the block
+# table and the per-sequence int32 fields, views into one packed buffer at offsets that move with the
+# batch (read a few values at a time). One compiled kernel per query tile.
+@triton.jit(
+    do_not_specialize=["stride_bt", "num_tokens", "num_splits"],
+    do_not_specialize_on_alignment=["bt_ptr", "cu_q_ptr", "q_start_ptr"],
+)
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, q_start_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,

@@ -24,8 +24,13 @@ from shared.attention._split_k import merge, outputs, split_range, store_result
 
 
 # num_tokens changes every step and num_splits every batch shape: specializing on either (== 1, % 16)
-# would compile a new kernel mid-traffic. One compiled kernel per query tile.
-@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+# would compile a new kernel mid-traffic. So would the alignment of the per-sequence int32 fields,
+# views into one packed buffer at offsets that move with the batch (read a value at a time, they
+# gain nothing from it). One compiled kernel per query tile.
+@triton.jit(
+    do_not_specialize=["num_tokens", "num_splits"],
+    do_not_specialize_on_alignment=["slots_ptr", "cu_q_ptr", "q_start_ptr"],
+)
 def _ring_attention_kernel(
     q_ptr, kn_ptr, vn_ptr, kr_ptr, vr_ptr, slots_ptr, cu_q_ptr, q_start_ptr, out_ptr, part_o_ptr,
     part_lse_ptr, stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,

@@ -15,7 +15,9 @@ from shared.attention._checks import check_last_dim_contiguous, check_store
 from shared.attention._launch import check_triton_device, next_pow2
 
 
-@triton.jit
+# The store index is a view into a packed buffer at an offset that moves with the batch (one value a
+# program): no alignment specialization, no compile mid-traffic.
+@triton.jit(do_not_specialize_on_alignment=["idx_ptr"])
 def _store_kv_kernel(
     kn_ptr, vn_ptr, kd_ptr, vd_ptr, idx_ptr,
     stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kds, stride_kdh, stride_vds, stride_vdh,

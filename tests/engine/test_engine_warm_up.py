@@ -50,3 +50,35 @@ def test_warm_up_fits_any_pool_that_holds_a_request(num_pages):
     eng = Engine(tiny_model(tiny_config("SSFS")), kv, EngineConfig(max_batch_tokens=8))
     eng.warm_up(force=True)
     assert eng.idle and eng.cache.pages.num_used == 0 and eng.cache.slots.num_used == 0
+
+
+def test_after_warm_up_prompts_of_new_lengths_launch_no_kernel_variant_it_did_not():
+    # The Triton kernels (interpreted here), keyed as a GPU compiles them: every variant a trace of
+    # other lengths, together and arriving one by one, needs was compiled by the warm-up. Before the
+    # packed per-sequence fields stopped deciding the attention kernels' alignment key, this found two.
+    from shared.attention import ops_for
+    from tests.engine.variants_testutil import launched_variants
+
+    model = tiny_model(tiny_config("SF"))
+    model.kernel_backend = "triton"
+    eng = Engine(
+        model, KVConfig(page_size=4, num_pages=16, max_requests=4), EngineConfig(max_batch_tokens=32)
+    )
+    eng.runner.ops = ops_for(eng.cache.device, backend="triton")
+    with launched_variants() as warmed:
+        eng.warm_up(force=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with launched_variants() as traffic:
+        eng.generate([random_tokens(n, seed=n) for n in (7, 23, 50)], sp)
+        late = []
+        for n in (30, 11):
+            late.append(eng.add_request(random_tokens(n, seed=n), sp))
+            eng.step()
+        while not all(r.finished for r in late) or eng.in_flight:
+            eng.step()
+    assert {key[0] for key in traffic} >= {
+        "_ring_attention_kernel",
+        "_paged_attention_kernel",
+        "_rope_kernel",
+    }
+    assert traffic <= warmed, f"variants first launched after the warm-up: {traffic - warmed}"

@@ -75,7 +75,10 @@ def _copy_heads(
     tl.store(dst + h * stride_dst_h + d, tl.load(src + h * stride_src_h + d, mask=mask), mask=mask)
 
 
-@triton.jit
+# positions and the store index are views into one packed int64 buffer at offsets that move with the
+# batch; read one value a program, they gain nothing from alignment, and specializing on it would
+# compile a new kernel mid-traffic.
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "idx_ptr"])
 def _rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, v_ptr, kd_ptr, vd_ptr, idx_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
