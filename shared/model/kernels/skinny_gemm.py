@@ -28,7 +28,9 @@ from shared.model.kernels._round import round_to
 __all__ = ["GemmConfig", "choose_config", "skinny_gemm"]
 
 
-@triton.jit
+# M (the batch's rows) changes every step: only masks read it, and specializing on it would compile
+# mid-traffic. BLOCK_M takes three values (16, 32, 64), which the engine's warm-up launches.
+@triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
