@@ -52,18 +52,26 @@ def test_warm_up_fits_any_pool_that_holds_a_request(num_pages):
     assert eng.idle and eng.cache.pages.num_used == 0 and eng.cache.slots.num_used == 0
 
 
-def test_after_warm_up_prompts_of_new_lengths_launch_no_kernel_variant_it_did_not():
-    # The Triton kernels (interpreted here), keyed as a GPU compiles them: every variant a trace of
-    # other lengths, together and arriving one by one, needs was compiled by the warm-up. Before the
-    # packed per-sequence fields stopped deciding the attention kernels' alignment key, this found two.
+@pytest.fixture
+def triton_checks_at_warn():
+    """The process's CPU Checker through the Triton check kernel (interpreted), at WARN."""
+    import invariants
+
+    invariants.reset_checkers()
+    invariants.checker("cpu", use_triton=True)
+    with invariants.levels("warn"):
+        yield
+    invariants.reset_checkers()
+
+
+def _new_variants_after_warm_up() -> tuple[set, set]:
     from shared.attention import ops_for
     from tests.engine.variants_testutil import launched_variants
 
     model = tiny_model(tiny_config("SF"))
     model.kernel_backend = "triton"
-    eng = Engine(
-        model, KVConfig(page_size=4, num_pages=16, max_requests=4), EngineConfig(max_batch_tokens=32)
-    )
+    kv = KVConfig(page_size=4, num_pages=16, max_requests=4)
+    eng = Engine(model, kv, EngineConfig(max_batch_tokens=32))
     eng.runner.ops = ops_for(eng.cache.device, backend="triton")
     with launched_variants() as warmed:
         eng.warm_up(force=True)
@@ -76,9 +84,25 @@ def test_after_warm_up_prompts_of_new_lengths_launch_no_kernel_variant_it_did_no
             eng.step()
         while not all(r.finished for r in late) or eng.in_flight:
             eng.step()
+    return warmed, traffic
+
+
+def test_after_warm_up_prompts_of_new_lengths_launch_no_kernel_variant_it_did_not():
+    # The Triton kernels (interpreted here), keyed as a GPU compiles them: every variant a trace of
+    # other lengths, together and arriving one by one, needs was compiled by the warm-up. Before the
+    # packed per-sequence fields stopped deciding the attention kernels' alignment key, this found two.
+    warmed, traffic = _new_variants_after_warm_up()
     assert {key[0] for key in traffic} >= {
         "_ring_attention_kernel",
         "_paged_attention_kernel",
         "_rope_kernel",
     }
+    assert traffic <= warmed, f"variants first launched after the warm-up: {traffic - warmed}"
+
+
+def test_at_warn_the_check_kernels_variants_are_warmed_up_too(triton_checks_at_warn):
+    # At WARN every check is a launch of the fused check kernel, whose key includes the alignment of
+    # what it reads (some of it views into the packed batch): the warm-up's mix of lengths covers them.
+    warmed, traffic = _new_variants_after_warm_up()
+    assert "_check_rows" in {key[0] for key in traffic}
     assert traffic <= warmed, f"variants first launched after the warm-up: {traffic - warmed}"
