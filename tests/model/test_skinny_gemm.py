@@ -85,3 +85,14 @@ def test_the_default_config_splits_narrow_outputs_and_not_wide_ones() -> None:
     assert choose_config(64, 2048, 6144).split_k > 1  # down_proj
     assert choose_config(64, 12288, 2048).split_k == 1  # gate/up: 384 column blocks
     assert choose_config(64, 128256, 2048).split_k == 1  # an LM head
+
+
+def test_the_default_config_fits_its_operand_tiles_in_shared_memory() -> None:
+    # fp32 operands and the SwiGLU prologue's second input tile would overflow an H200's 227 KiB with
+    # the bf16 tiles (seen on the GPU as OutOfResources); the K tile, then the pipeline, shrink.
+    for m, itemsize, silu in [(64, 2, False), (64, 2, True), (21, 4, True), (64, 4, True)]:
+        cfg = choose_config(m, 2048, 6144, itemsize=itemsize, silu_mul=silu)
+        a_rows = max(16, 1 << (m - 1).bit_length()) * (2 if silu else 1)
+        assert cfg.num_stages * cfg.block_k * itemsize * (a_rows + cfg.block_n) <= sg._SMEM_BUDGET, cfg
+    fp32_swiglu = choose_config(64, 2048, 6144, itemsize=4, silu_mul=True)
+    assert fp32_swiglu.block_k < choose_config(64, 2048, 6144).block_k

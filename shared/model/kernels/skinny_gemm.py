@@ -91,17 +91,27 @@ class GemmConfig:
 
 
 _SMS_TARGET = 264  # two programs per SM of an H200: enough loads in flight to draw the copy rate
+# Operand tiles in flight, all stages: under an H200's 227 KiB of shared memory per block with room for
+# Triton's own scratch. fp32 operands or the SwiGLU prologue's two input tiles otherwise exceed it.
+_SMEM_BUDGET = 192 << 10
 
 
-def choose_config(m: int, n: int, k: int) -> GemmConfig:
+def choose_config(m: int, n: int, k: int, *, itemsize: int = 2, silu_mul: bool = False) -> GemmConfig:
     """A starting point, until `bench/gemm_decode.py` has measured each shape: column blocks first,
-    K split until there are about two programs per SM, each split keeping at least 4 K tiles."""
-    block_n, block_k = 32, 256 if m <= 32 else 128
+    K split until there are about two programs per SM, each split keeping at least 4 K tiles; the K
+    tile and then the pipeline shrink until the stages' operand tiles fit in shared memory."""
+    block_n, block_k, stages = 32, 256 if m <= 32 else 128, 4
+    a_rows = max(16, next_pow2(m)) * (2 if silu_mul else 1)  # SwiGLU loads gate and up tiles
+    while stages * block_k * itemsize * (a_rows + block_n) > _SMEM_BUDGET and stages > 2:
+        if block_k > 64:
+            block_k //= 2
+        else:
+            stages -= 1
     blocks = triton.cdiv(n, block_n)
     split = 1
     while blocks * split * 2 <= _SMS_TARGET and k // (split * 2) >= 4 * block_k:
         split *= 2
-    return GemmConfig(block_n=block_n, block_k=block_k, split_k=split)
+    return GemmConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=stages)
 
 
 _tickets: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -140,7 +150,7 @@ def skinny_gemm(
     if x.stride(1) != 1 or w.stride(1) != 1:
         fail(op, "x and w must be contiguous along K")
     check_triton_device(op, x.device)
-    cfg = cfg or choose_config(m, n, k)
+    cfg = cfg or choose_config(m, n, k, itemsize=x.element_size(), silu_mul=silu_mul)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
