@@ -1,9 +1,6 @@
 """The decode step's GEMMs at M = 64 / 16 / 1: cuBLAS (both of torch's BLAS back ends) against
 `skinny_gemm`'s default and a sweep of its configs, each against reading its weights at the copy rate.
 
-"down_silu" is the down projection as the engine runs it: skinny_gemm with the SwiGLU in its prologue
-against the Triton SwiGLU kernel followed by cuBLAS.
-
 Shapes: the engine bench's ~2B hybrid (hidden 2048, 16/8 heads x 128, intermediate 6144, vocab
 128256), weights [N, K] bf16. Every timing is a CUDA graph over enough distinct weight copies that
 they come from HBM, as in a decode step (each layer's weights are read once).
@@ -20,7 +17,6 @@ import json
 import torch
 import triton
 
-from shared.model.kernels.silu_mul import silu_mul
 from shared.model.kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm
 
 SHAPES = {  # name: (N, K)
@@ -28,7 +24,6 @@ SHAPES = {  # name: (N, K)
     "o": (2048, 2048),
     "gate_up": (2 * 6144, 2048),
     "down": (2048, 6144),
-    "down_silu": (2048, 6144),  # the engine's down projection: SwiGLU of [M, 2K] gate | up fused in
     "lm_head": (128256, 2048),
 }
 
@@ -71,23 +66,22 @@ def main() -> None:
         copies = max(1, -(-(256 << 20) // nbytes))  # > L2 in all
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
         floor_us = nbytes / tbs / 1e6
-        silu = name == "down_silu"
         for m in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(m, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16)
-            ref = (silu_mul(x) if silu else x).float() @ ws[0].float().T
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ ws[0].float().T
 
             def torch_gemm(w: torch.Tensor) -> torch.Tensor:
-                return torch.mm(silu_mul(x) if silu else x, w.T)  # noqa: B023
+                return torch.mm(x, w.T)  # noqa: B023
 
             def ours(w: torch.Tensor, cfg: GemmConfig) -> torch.Tensor:
-                return skinny_gemm(x, w, cfg, silu_mul=silu)  # noqa: B023
+                return skinny_gemm(x, w, cfg)  # noqa: B023
 
             timed = {}
             for lib in ("cublaslt", "cublas"):
                 torch.backends.cuda.preferred_blas_library(lib)
                 timed[lib] = graph_us(lambda: [torch_gemm(w) for w in ws], copies)  # noqa: B023
             torch.backends.cuda.preferred_blas_library("cublaslt")
-            default = choose_config(m, n, k, silu_mul=silu)
+            default = choose_config(m, n, k)
             torch.testing.assert_close(ours(ws[0], default).float(), ref, rtol=3e-2, atol=3e-2)
             timed["skinny default"] = graph_us(lambda: [ours(w, default) for w in ws], copies)  # noqa: B023
             best = None

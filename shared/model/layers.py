@@ -111,4 +111,4 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, kernels: ModelKernels = _TORCH) -> torch.Tensor:
-        return kernels.silu_mul_linear(kernels.linear(x, self.gate_up_proj), self.down_proj)
+        return kernels.linear(kernels.silu_mul(kernels.linear(x, self.gate_up_proj)), self.down_proj)

@@ -52,19 +52,6 @@ def test_repeated_launches_agree_bit_for_bit() -> None:
     assert torch.equal(skinny_gemm(x, w, cfg), first), "partials are added in split order"
 
 
-@pytest.mark.parametrize("split_k", [1, 4])
-def test_silu_mul_in_the_prologue_equals_the_swiglu_kernel_then_the_gemm(split_k: int) -> None:
-    from shared.model.kernels.silu_mul import silu_mul
-
-    gate_up, w = operands(6, 40, 2 * 160)[0], operands(6, 40, 160)[1]
-    cfg = GemmConfig(block_n=16, block_k=32, split_k=split_k, num_warps=2, num_stages=2)
-    fused = skinny_gemm(gate_up, w, cfg, silu_mul=True)
-    assert torch.equal(fused, skinny_gemm(silu_mul(gate_up), w, cfg)), "the same activations, the same sums"
-    torch.testing.assert_close(fused, want(silu_mul(gate_up), w), rtol=2e-2, atol=2e-2)
-    with pytest.raises(ValueError, match=r"x must be \[M, 2K\] \(gate \| up\)"):
-        skinny_gemm(gate_up[:, :160], w, silu_mul=True)
-
-
 def test_an_empty_inner_dimension_gives_zeros() -> None:
     x, w = operands(3, 20, 0)
     assert torch.equal(skinny_gemm(x, w), torch.zeros(3, 20, dtype=x.dtype, device=x.device))
@@ -88,11 +75,10 @@ def test_the_default_config_splits_narrow_outputs_and_not_wide_ones() -> None:
 
 
 def test_the_default_config_fits_its_operand_tiles_in_shared_memory() -> None:
-    # fp32 operands and the SwiGLU prologue's second input tile would overflow an H200's 227 KiB with
-    # the bf16 tiles (seen on the GPU as OutOfResources); the K tile, then the pipeline, shrink.
-    for m, itemsize, silu in [(64, 2, False), (64, 2, True), (21, 4, True), (64, 4, True)]:
-        cfg = choose_config(m, 2048, 6144, itemsize=itemsize, silu_mul=silu)
-        a_rows = max(16, 1 << (m - 1).bit_length()) * (2 if silu else 1)
+    # fp32 operands would overflow an H200's 227 KiB with the bf16 tiles (seen on the GPU as
+    # OutOfResources); the K tile, then the pipeline, shrink.
+    for m, itemsize in [(64, 2), (21, 4), (64, 4)]:
+        cfg = choose_config(m, 2048, 6144, itemsize=itemsize)
+        a_rows = max(16, 1 << (m - 1).bit_length())
         assert cfg.num_stages * cfg.block_k * itemsize * (a_rows + cfg.block_n) <= sg._SMEM_BUDGET, cfg
-    fp32_swiglu = choose_config(64, 2048, 6144, itemsize=4, silu_mul=True)
-    assert fp32_swiglu.block_k < choose_config(64, 2048, 6144).block_k
+    assert choose_config(21, 2048, 6144, itemsize=4).block_k < choose_config(21, 2048, 6144).block_k

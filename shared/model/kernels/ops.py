@@ -44,10 +44,6 @@ class ModelKernels(ABC):
         """`layer(x)`: torch's GEMM (cuBLAS on a GPU)."""
         return F.linear(x, layer.weight, layer.bias)
 
-    def silu_mul_linear(self, gate_up: Tensor, layer: nn.Linear) -> Tensor:
-        """`layer(silu_mul(gate_up))`: the MLP's activation and down projection."""
-        return self.linear(self.silu_mul(gate_up), layer)
-
     @abstractmethod
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """x [T, H] -> LlamaRMSNorm(x), a new tensor."""
@@ -129,11 +125,6 @@ class TritonKernels(ModelKernels):
         if self._skinny(x, layer):
             return self._skinny_gemm(x, layer.weight)
         return super().linear(x, layer)
-
-    def silu_mul_linear(self, gate_up: Tensor, layer: nn.Linear) -> Tensor:
-        if self._skinny(gate_up, layer):  # the activation in the GEMM's prologue: one kernel fewer
-            return self._skinny_gemm(gate_up, layer.weight, silu_mul=True)
-        return super().silu_mul_linear(gate_up, layer)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return self._rms_norm(x, weight, eps)

@@ -8,9 +8,12 @@ columns for every row and streams those weight rows through its pipeline. When N
 cannot fill the GPU, K is split too, and the last program of a column block to finish (a ticket)
 adds the fp32 partials and writes the result: one kernel, no zeroing pass.
 
-The model takes it only when asked (`Transformer.gemm_backend = "skinny"`, `ModelKernels.linear`):
-`bench/gemm_decode.py` and `bench/engine.py --gemm cublas,skinny` measure it against cuBLAS on the
-GPU first, and only a measured win becomes the default.
+The model takes it only when asked (`Transformer.gemm_backend = "skinny"`, `ModelKernels.linear`).
+Measured on an H200 (`bench/gemm_decode.py`, docs/benchmarks.md) it does not beat cuBLAS at M=64
+(within 0.5 µs on down, up to 1.4 µs slower on the others) and gains 1-3 µs on the wide and deep
+shapes at M <= 16: the default stays cuBLAS. A SwiGLU prologue (the activation computed as the tiles
+load) was tried and measured 3-8x slower than the SwiGLU kernel plus cuBLAS: every column block
+recomputed the activation of the whole [M, K] input.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import triton.language as tl
 
 from shared.attention._launch import f32_dot, next_pow2
 from shared.model.kernels._checks import check_triton_device, fail
-from shared.model.kernels._round import round_to
 
 __all__ = ["GemmConfig", "choose_config", "skinny_gemm"]
 
@@ -34,7 +36,7 @@ __all__ = ["GemmConfig", "choose_config", "skinny_gemm"]
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr, SILU_MUL: tl.constexpr,
+    F32_DOT: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -47,14 +49,8 @@ def _skinny_gemm_kernel(
     for k0 in range(k_first, k_first + k_chunk, BLOCK_K):  # k_chunk is a multiple of BLOCK_K
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        x_mask = m_ok[:, None] & k_ok[None, :]
         x_at = x_ptr + rm[:, None] * stride_xm + rk[None, :]
-        x = tl.load(x_at, mask=x_mask, other=0.0)
-        if SILU_MUL:  # x holds [gate | up]: silu(gate) * up, rounded where `silu_mul` rounds
-            up = tl.load(x_at + K, mask=x_mask, other=0.0).to(tl.float32)
-            gate = x.to(tl.float32)
-            act = round_to(gate / (1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty)
-            x = round_to(act * up, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
+        x = tl.load(x_at, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
         w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if F32_DOT:  # fp32 operands, or bf16 in the interpreter (whose dot cannot take bf16)
@@ -92,16 +88,16 @@ class GemmConfig:
 
 _SMS_TARGET = 264  # two programs per SM of an H200: enough loads in flight to draw the copy rate
 # Operand tiles in flight, all stages: under an H200's 227 KiB of shared memory per block with room for
-# Triton's own scratch. fp32 operands or the SwiGLU prologue's two input tiles otherwise exceed it.
+# Triton's own scratch. fp32 operands with the bf16 tiles exceed it.
 _SMEM_BUDGET = 192 << 10
 
 
-def choose_config(m: int, n: int, k: int, *, itemsize: int = 2, silu_mul: bool = False) -> GemmConfig:
+def choose_config(m: int, n: int, k: int, *, itemsize: int = 2) -> GemmConfig:
     """A starting point, until `bench/gemm_decode.py` has measured each shape: column blocks first,
     K split until there are about two programs per SM, each split keeping at least 4 K tiles; the K
     tile and then the pipeline shrink until the stages' operand tiles fit in shared memory."""
     block_n, block_k, stages = 32, 256 if m <= 32 else 128, 4
-    a_rows = max(16, next_pow2(m)) * (2 if silu_mul else 1)  # SwiGLU loads gate and up tiles
+    a_rows = max(16, next_pow2(m))
     while stages * block_k * itemsize * (a_rows + block_n) > _SMEM_BUDGET and stages > 2:
         if block_k > 64:
             block_k //= 2
@@ -131,17 +127,11 @@ def _ticket(device: torch.device, blocks: int) -> torch.Tensor:
     return t
 
 
-def skinny_gemm(
-    x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None, *, silu_mul: bool = False
-) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation; M <= 64. `silu_mul`: x is the
-    MLP's [M, 2K] gate | up, and the product is `silu_mul(x) @ w^T`, the activation computed as the
-    tiles are loaded (the SwiGLU kernel and its [M, K] round trip fused away)."""
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation; M <= 64."""
     op = "skinny_gemm"
-    width = 2 * w.shape[1] if silu_mul and w.dim() == 2 else w.shape[-1]
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != width:
-        want = "[M, 2K] (gate | up)" if silu_mul else "[M, K]"
-        fail(op, f"x must be {want} and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        fail(op, f"x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != w.dtype or x.device != w.device:
         fail(op, f"x and w must share dtype and device, got {x.dtype}/{x.device} and {w.dtype}/{w.device}")
     m, (n, k) = x.shape[0], w.shape
@@ -150,7 +140,7 @@ def skinny_gemm(
     if x.stride(1) != 1 or w.stride(1) != 1:
         fail(op, "x and w must be contiguous along K")
     check_triton_device(op, x.device)
-    cfg = cfg or choose_config(m, n, k, itemsize=x.element_size(), silu_mul=silu_mul)
+    cfg = cfg or choose_config(m, n, k, itemsize=x.element_size())
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -164,6 +154,6 @@ def skinny_gemm(
     _skinny_gemm_kernel[(blocks, split)](
         x, w, out, part, _ticket(x.device, blocks), m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, F32_DOT=f32_dot(x.dtype),
-        SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
