@@ -26,6 +26,7 @@ import triton.language as tl
 
 from shared.attention._launch import f32_dot, next_pow2
 from shared.model.kernels._checks import check_triton_device, fail
+from shared.pdl import gdc_start, pdl_args
 
 __all__ = ["GemmConfig", "choose_config", "skinny_gemm"]
 
@@ -36,8 +37,9 @@ __all__ = ["GemmConfig", "choose_config", "skinny_gemm"]
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    gdc_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -86,27 +88,26 @@ class GemmConfig:
     num_stages: int = 4
 
 
-_SMS_TARGET = 264  # two programs per SM of an H200: enough loads in flight to draw the copy rate
 # Operand tiles in flight, all stages: under an H200's 227 KiB of shared memory per block with room for
 # Triton's own scratch. fp32 operands with the bf16 tiles exceed it.
 _SMEM_BUDGET = 192 << 10
 
 
 def choose_config(m: int, n: int, k: int, *, itemsize: int = 2) -> GemmConfig:
-    """A starting point, until `bench/gemm_decode.py` has measured each shape: column blocks first,
-    K split until there are about two programs per SM, each split keeping at least 4 K tiles; the K
-    tile and then the pipeline shrink until the stages' operand tiles fit in shared memory."""
-    block_n, block_k, stages = 32, 256 if m <= 32 else 128, 4
+    """The sweep's best at a decode step's shapes (`bench/gemm_decode.py` on an H200, M = 64/16/1):
+    outputs too narrow for 32-column blocks to fill the SMs take 16-column blocks, or split K four
+    ways when K is deep (the down projection); wide outputs stream 128-deep K tiles. The K tile, then
+    the pipeline, shrink until the stages' operand tiles fit in shared memory."""
+    narrow = triton.cdiv(n, 32) < 96
+    split = 4 if narrow and k >= 4096 else 1
+    block_n = 16 if narrow and split == 1 else 32
+    block_k, stages = (256 if split == 1 and n <= 4096 else 128), 4
     a_rows = max(16, next_pow2(m))
     while stages * block_k * itemsize * (a_rows + block_n) > _SMEM_BUDGET and stages > 2:
         if block_k > 64:
             block_k //= 2
         else:
             stages -= 1
-    blocks = triton.cdiv(n, block_n)
-    split = 1
-    while blocks * split * 2 <= _SMS_TARGET and k // (split * 2) >= 4 * block_k:
-        split *= 2
     return GemmConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=stages)
 
 
@@ -154,6 +155,6 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None)
     _skinny_gemm_kernel[(blocks, split)](
         x, w, out, part, _ticket(x.device, blocks), m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, F32_DOT=f32_dot(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )  # fmt: skip
     return out
