@@ -5,7 +5,6 @@
     python bench/engine.py --batches 64 --no-hf
     python bench/engine.py --batches 64 --no-hf --prefill-prompt 0 --kernels torch   # unfused, to compare
     python bench/engine.py --batches 64,16,1 --no-hf --gemm cublas,skinny   # the layers' GEMMs, A/B
-    python bench/engine.py --batches 64,16,1 --no-hf --pdl on,off   # programmatic dependent launch, A/B
 
 Model: hidden 2048, 28 layers, 16/8 heads x 128, intermediate 6144, 3 of 4 layers sliding (W=1024),
 vocab 128256, random bf16 weights (~1.9B parameters). The roofline of a decode step is the bytes it
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -36,14 +34,6 @@ HF_CONFIG = {
     "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 7,
     "rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
 }  # fmt: skip
-
-
-def set_pdl(on: bool) -> None:
-    """PDL for the kernels launched (and the graphs captured) from now on."""
-    from shared import pdl
-
-    os.environ["PDSERVE_PDL"] = "1" if on else "0"
-    pdl._enabled.cache_clear()
 
 
 def copy_bandwidth() -> float:
@@ -220,37 +210,33 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="profile decode at this batch (graphs and eager)")
     ap.add_argument("--kernels", choices=["auto", "torch"], default="auto",
                     help="fused Triton elementwise ops (auto, on CUDA) or unfused torch")  # fmt: skip
-    ap.add_argument("--gemm", default="cublas",
-                    help="GEMMs at <= 64 rows: cublas, skinny, or both (cublas,skinny)")  # fmt: skip
-    ap.add_argument("--pdl", default="on", help="dependent launch (shared/pdl.py): on, off, or on,off")
+    ap.add_argument(
+        "--gemm",
+        default="auto",
+        help="GEMMs at <= 64 rows: auto (skinny to 16 rows), cublas, skinny, or a list",
+    )
     args = ap.parse_args()
-    gemms, pdls = args.gemm.split(","), args.pdl.split(",")
-    if not set(gemms) <= {"cublas", "skinny"}:
-        ap.error(f"--gemm: cublas and/or skinny, got {args.gemm!r}")
-    if not set(pdls) <= {"on", "off"}:
-        ap.error(f"--pdl: on and/or off, got {args.pdl!r}")
+    gemms = args.gemm.split(",")
+    if not set(gemms) <= {"auto", "cublas", "skinny"}:
+        ap.error(f"--gemm: auto, cublas and/or skinny, got {args.gemm!r}")
     bandwidth = copy_bandwidth()
     cfg, model, hf = make_models(not args.no_hf)
     model.kernel_backend = args.kernels
     params = sum(p.numel() for p in model.parameters()) / 1e9
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B; kernels {args.kernels}")
     rows = []
-    # Side by side in one run: a ratio is only meaningful within one.
-    for pdl_on, gemm in ((p, g) for p in pdls for g in gemms):
-        set_pdl(pdl_on == "on")
+    for gemm in gemms:  # side by side in one run: a GEMM's ratio is only meaningful within one
         model.gemm_backend = gemm
         for batch in (int(b) for b in args.batches.split(",")):
-            row = {"gemm": gemm, "pdl": pdl_on}
-            row |= bench_engine(model, cfg, batch, args.prompt, args.steps, bandwidth)
-            if hf is not None and (pdl_on, gemm) == (pdls[0], gemms[0]):
+            row = {"gemm": gemm, **bench_engine(model, cfg, batch, args.prompt, args.steps, bandwidth)}
+            if hf is not None and gemm == gemms[0]:
                 row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
             rows.append(row)
             print(
                 json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
                 flush=True,
             )
-    set_pdl(pdls[0] == "on")
-    model.gemm_backend = gemms[0]
+    model.gemm_backend = gemms[-1]
     if args.prefill_prompt:
         row = bench_prefill(model, cfg, args.prefill_prompt, 4, matmul_peak())
         rows.append(row)

@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from shared.attention._launch import MAX_SPLITS, next_pow2
-from shared.pdl import gdc_start, pdl_args
 
 
 # num_tokens and num_splits change with the batch: one compiled kernel for them all (SPLITS_P2 is
@@ -20,9 +19,8 @@ from shared.pdl import gdc_start, pdl_args
 @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _merge_splits_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, num_tokens, num_heads, stride_ot, stride_oh, num_splits,
-    SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    gdc_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
@@ -56,5 +54,5 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
     _merge_splits_kernel[(tokens, heads)](
         part_o, part_lse, out, tokens, heads, out.stride(0), out.stride(1), splits,
         SPLITS_P2=max(next_pow2(splits), MAX_SPLITS), HEAD_DIM=head_dim,
-        BLOCK_D=max(16, next_pow2(head_dim)), **pdl_args(out.device),
+        BLOCK_D=max(16, next_pow2(head_dim)),
     )  # fmt: skip

@@ -21,7 +21,6 @@ from shared.attention._checks import check_last_dim_contiguous, check_ring
 from shared.attention._launch import LOG2E, Tiles, check_triton_device, choose_splits, f32_dot, resolve_tiles
 from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
-from shared.pdl import gdc_start, pdl_args
 
 
 # num_tokens changes every step and num_splits every batch shape: specializing on either (== 1, % 16)
@@ -39,9 +38,7 @@ def _ring_attention_kernel(
     stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
-    PDL: tl.constexpr,
 ):  # fmt: skip
-    gdc_start(PDL)
     qb = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     b = tl.program_id(1)
@@ -131,6 +128,5 @@ def ring_attention(
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim,
         F32_DOT=f32_dot(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **pdl_args(q.device),
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

@@ -114,7 +114,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         # "auto": fused Triton kernels when the input is on CUDA, torch otherwise (see kernels_for).
         self.kernel_backend: Backend = kernels
-        self.gemm_backend: Gemm = "cublas"  # the Triton path's layer GEMMs (kernels_for)
+        self.gemm_backend: Gemm = "auto"  # the Triton path's layer GEMMs (kernels_for)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

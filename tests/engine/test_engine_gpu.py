@@ -180,34 +180,3 @@ def test_after_warm_up_prompts_of_new_lengths_compile_no_kernel():
         knobs.runtime.jit_post_compile_hook = None
     assert compiled == [], f"compiled after warm-up: {compiled}"
     engine.check_idle_integrity()
-
-
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs Hopper"
-)
-@pytest.mark.parametrize("gemm", ["cublas", "skinny"])
-def test_decode_graphs_with_dependent_launch_compute_what_plain_launches_compute(gemm, monkeypatch):
-    """Kernels that may start before the one ahead of them ends (shared/pdl.py) wait for its writes
-    before touching anything: the same logits, bit for bit, with and without PDL."""
-    from shared import pdl
-
-    runners = {}
-    for flag in ("1", "0"):  # the flag is read when a kernel is launched: into each runner's graphs
-        monkeypatch.setenv("PDSERVE_PDL", flag)
-        pdl._enabled.cache_clear()
-        assert ("launch_pdl" in pdl.pdl_args(torch.device("cuda"))) == (flag == "1")
-        _, cache, runner = cuda_runner()  # same seed: the same weights
-        runner.model.gemm_backend = gemm
-        runner.capture_decode_graphs([4, 8], max_pages=8)
-        runners[flag] = (cache, runner)
-    pdl._enabled.cache_clear()
-    seqs = {f: [Seq(c, i, random_tokens(60, seed=i)) for i in range(7)] for f, (c, _) in runners.items()}
-    for f, (cache, runner) in runners.items():
-        runner.forward(ForwardBatch.build([s.chunk(30) for s in seqs[f]], Mode.EXTEND, cache), None)
-    for _ in range(6):
-        logits = {}
-        for f, (_, runner) in runners.items():
-            batch = runner.build_batch([s.chunk(1) for s in seqs[f]], Mode.DECODE)
-            assert batch.num_seqs == 8, "the graph path"
-            logits[f] = runner.forward(batch, None, return_logits=True).logits.clone()
-        assert torch.equal(logits["1"], logits["0"])

@@ -84,3 +84,19 @@ def test_the_default_config_fits_its_operand_tiles_in_shared_memory() -> None:
         a_rows = max(16, 1 << (m - 1).bit_length())
         assert cfg.num_stages * cfg.block_k * itemsize * (a_rows + cfg.block_n) <= sg._SMEM_BUDGET, cfg
     assert choose_config(21, 4096, 2048, itemsize=4).block_k < choose_config(21, 4096, 2048).block_k
+
+
+def test_the_default_gemm_takes_the_skinny_kernel_up_to_16_rows_and_torch_above() -> None:
+    # Where the H200 measured each faster (docs/benchmarks.md): the skinny kernel at decode batches
+    # of up to 16 rows, cuBLAS above. Told apart by their roundings: each result equals one exactly.
+    from torch import nn
+
+    from shared.model.kernels.ops import kernels_for
+
+    kernels = kernels_for(DEVICE, "triton")
+    layer = nn.Linear(96, 40, bias=False).to(DEVICE, torch.bfloat16)
+    for m, skinny in ((1, True), (16, True), (17, False), (64, False)):
+        x = operands(m, 40, 96)[0]
+        got = kernels.linear(x, layer)
+        want = skinny_gemm(x, layer.weight) if skinny else torch.nn.functional.linear(x, layer.weight)
+        assert torch.equal(got, want), f"{m} rows"

@@ -21,9 +21,10 @@ from shared.model.kernels import reference
 
 Tensor = torch.Tensor
 Backend = Literal["auto", "torch", "triton"]
-# The layers' GEMMs: torch's (cuBLAS on a GPU), or `skinny_gemm` for batches of at most 64 rows.
-# "cublas" until bench/gemm_decode.py has measured skinny_gemm faster on the GPU (docs/benchmarks.md).
-Gemm = Literal["cublas", "skinny"]
+# The layers' GEMMs: torch's (cuBLAS on a GPU), or `skinny_gemm` for batches of at most 64 rows
+# ("skinny"), or at most 16 ("auto", the default: where the H200 measured it faster, docs/benchmarks.md).
+Gemm = Literal["auto", "cublas", "skinny"]
+_SKINNY_ROWS = {"auto": 16, "skinny": 64, "cublas": 0}
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class TritonKernels(ModelKernels):
 
     name = "triton"
 
-    def __init__(self, gemm: Gemm = "cublas") -> None:
+    def __init__(self, gemm: Gemm = "auto") -> None:
         # Imported here, not at module load: the interpreter is chosen when a kernel is decorated.
         from shared.model.kernels import rms_norm, rope, silu_mul, skinny_gemm
 
@@ -117,7 +118,7 @@ class TritonKernels(ModelKernels):
         """skinny_gemm takes it: few rows, no bias, rows contiguous along K; else torch's GEMM."""
         w = layer.weight
         return (
-            self.gemm == "skinny" and layer.bias is None and x.dim() == 2 and 0 < x.shape[0] <= 64
+            layer.bias is None and x.dim() == 2 and 0 < x.shape[0] <= _SKINNY_ROWS[self.gemm]
             and x.dtype == w.dtype and x.stride(-1) == 1 and w.stride(-1) == 1
         )  # fmt: skip
 
@@ -149,16 +150,16 @@ class TritonKernels(ModelKernels):
 
 
 @functools.cache
-def _instance(backend: str, gemm: Gemm = "cublas") -> ModelKernels:
+def _instance(backend: str, gemm: Gemm = "auto") -> ModelKernels:
     return TorchKernels() if backend == "torch" else TritonKernels(gemm)
 
 
-def kernels_for(device: torch.device | str, backend: Backend = "auto", gemm: Gemm = "cublas") -> ModelKernels:
+def kernels_for(device: torch.device | str, backend: Backend = "auto", gemm: Gemm = "auto") -> ModelKernels:
     """Triton on CUDA, torch elsewhere; `backend` forces one. `gemm` picks the Triton path's GEMMs
     (the torch path always uses torch's). Instances are shared (they hold no state)."""
     device = torch.device(device)
-    if gemm not in ("cublas", "skinny"):
-        raise ValueError(f"kernels_for: gemm must be 'cublas' or 'skinny', got {gemm!r}")
+    if gemm not in _SKINNY_ROWS:
+        raise ValueError(f"kernels_for: gemm must be 'auto', 'cublas' or 'skinny', got {gemm!r}")
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     if backend == "torch":

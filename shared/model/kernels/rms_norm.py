@@ -23,16 +23,14 @@ from shared.model.kernels._checks import (
     fail,
 )
 from shared.model.kernels._round import round_to
-from shared.pdl import gdc_start, pdl_args
 
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out, size, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    gdc_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
@@ -77,7 +75,6 @@ def _launch(
         x, res, weight, out, dst,
         x.stride(0), res.stride(0), out.stride(0), dst.stride(0), size, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)),
-        **pdl_args(x.device),
     )  # fmt: skip
     return out, res_out
 

@@ -29,7 +29,6 @@ from shared.model.kernels._checks import (
 )
 from shared.model.kernels._round import round_to
 from shared.model.kernels.ops import KVStore
-from shared.pdl import gdc_start, pdl_args
 
 
 @triton.jit
@@ -87,9 +86,8 @@ def _rope_kernel(
     num_positions, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
-    STORE: tl.constexpr, PDL: tl.constexpr,
+    STORE: tl.constexpr,
 ):  # fmt: skip
-    gdc_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     dst = tl.zeros([1, 1], tl.int64)
     if STORE:  # the token's cache row; negative: padding or a skipped token, nothing stored
@@ -195,6 +193,6 @@ def rope(
         cos_sin.shape[0], float(eps),
         HQ=hq, HKV=k.shape[1], HALF=half, BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half,
         BLOCK_D=next_pow2(d), NORM=norm, STORE=store is not None,
-        num_warps=4 if block_hq * block_half <= 2048 else 8, **pdl_args(q.device),
+        num_warps=4 if block_hq * block_half <= 2048 else 8,
     )  # fmt: skip
     return q_out, k_out

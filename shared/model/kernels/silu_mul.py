@@ -14,12 +14,10 @@ import triton.language as tl
 from shared.attention._launch import next_pow2
 from shared.model.kernels._checks import check_activation, check_triton_device, fail
 from shared.model.kernels._round import round_to
-from shared.pdl import gdc_start, pdl_args
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    gdc_start(PDL)
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
@@ -44,6 +42,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, next_pow2(size))
     _silu_mul_kernel[(rows, triton.cdiv(size, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=block, num_warps=4, **pdl_args(out.device)
+        gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=block, num_warps=4
     )
     return out

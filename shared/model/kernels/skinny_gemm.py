@@ -8,12 +8,12 @@ columns for every row and streams those weight rows through its pipeline. When N
 cannot fill the GPU, K is split too, and the last program of a column block to finish (a ticket)
 adds the fp32 partials and writes the result: one kernel, no zeroing pass.
 
-The model takes it only when asked (`Transformer.gemm_backend = "skinny"`, `ModelKernels.linear`).
-Measured on an H200 (`bench/gemm_decode.py`, docs/benchmarks.md) it does not beat cuBLAS at M=64
-(within 0.5 µs on down, up to 1.4 µs slower on the others) and gains 1-3 µs on the wide and deep
-shapes at M <= 16: the default stays cuBLAS. A SwiGLU prologue (the activation computed as the tiles
-load) was tried and measured 3-8x slower than the SwiGLU kernel plus cuBLAS: every column block
-recomputed the activation of the whole [M, K] input.
+Where the model takes it (`ModelKernels.linear`, `Transformer.gemm_backend`): by default ("auto")
+for batches of at most 16 rows, where an H200 measured it faster: 1-1.5 µs less than cuBLAS on the
+gate/up and down projections (`bench/gemm_decode.py`), 3-4% off a decode step at batch 1 and 16
+(`bench/engine.py --gemm cublas,skinny`). At 64 rows it does not beat cuBLAS (docs/benchmarks.md).
+A SwiGLU prologue (the activation computed as the tiles load) was tried and measured 3-8x slower
+than the SwiGLU kernel plus cuBLAS: every column block recomputed the whole input's activation.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import triton.language as tl
 
 from shared.attention._launch import f32_dot, next_pow2
 from shared.model.kernels._checks import check_triton_device, fail
-from shared.pdl import gdc_start, pdl_args
 
 __all__ = ["GemmConfig", "choose_config", "skinny_gemm"]
 
@@ -37,9 +36,8 @@ __all__ = ["GemmConfig", "choose_config", "skinny_gemm"]
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr, PDL: tl.constexpr,
+    F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    gdc_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -155,6 +153,6 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None)
     _skinny_gemm_kernel[(blocks, split)](
         x, w, out, part, _ticket(x.device, blocks), m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, F32_DOT=f32_dot(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
