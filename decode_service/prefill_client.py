@@ -15,13 +15,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from shared.pb.pdserve.v1 import generation_pb2 as gen_pb
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.service_runtime import StartupError
-from shared.transfer.base import Chunk, KVLayout
+from shared.transfer.base import KVLayout
 from shared.transfer.cuda_ipc import IpcTarget, PoolExport
+from shared.transfer.inline import ChunkAssembler, KVBatch
 from shared.transfer.nixl import NixlPool, NixlTarget
 
 __all__ = ["PrefillClient", "PrefillFailed", "PrefillRefused", "PrefillResult", "handshake"]
@@ -132,10 +134,13 @@ class PrefillClient:
 
     async def prefill(
         self, rid: str, prompt: list[int], sampling: gen_pb.SamplingParams, history: bool,
-        client_remaining: float | None, deliver: Callable[[list[Chunk]], None],
+        client_remaining: float | None, deliver: Callable[[list[KVBatch | ValueError]], None],
         metadata: Sequence[tuple[str, str]] = (), target: IpcTarget | NixlTarget | None = None,
     ) -> PrefillResult:  # fmt: skip
-        """Run one prefill; `deliver` gets the KV chunks in order. `metadata` carries the traceparent.
+        """Run one prefill; `deliver` gets the KV in order, as batches joined from the chunks here (on the
+        event loop, so that decode's scheduler thread only copies them into the cache; pinned where CUDA
+        is), or, once, the ValueError of a bad chunk (that request fails; the rest of its KV is dropped).
+        `metadata` carries the traceparent.
 
         With `target` (cuda_ipc, nixl) prefill writes into decode's pool instead and no chunk comes."""
         timeout = self.call_timeout(client_remaining)
@@ -150,14 +155,29 @@ class PrefillClient:
             req, timeout=timeout, wait_for_ready=True, metadata=tuple(metadata) or None
         )
         nbytes = first_ns = 0
+        kv = ChunkAssembler(self.layout, len(prompt), pin=torch.cuda.is_available())
+        failed = False
         try:
             async for msg in call:
                 if msg.HasField("chunk"):
-                    chunk = Chunk.from_pb(msg.chunk)
+                    c = msg.chunk
+                    k, v = c.k, c.v
                     first_ns = first_ns or time.time_ns()
-                    nbytes += chunk.nbytes
-                    deliver([chunk])
+                    nbytes += len(k) + len(v)
+                    if failed:
+                        continue
+                    try:
+                        batches: list[KVBatch | ValueError] = [
+                            *kv.add(c.layer, c.window, c.token_start, c.token_count, k, v)
+                        ]
+                    except ValueError as exc:
+                        failed, batches = True, [exc]
+                    if batches:
+                        deliver(batches)
                 elif msg.HasField("done"):
+                    rest: list[KVBatch | ValueError] = [*kv.finish()]
+                    if rest:
+                        deliver(rest)
                     d = msg.done
                     now = time.time_ns()
                     if target is not None:  # the bytes went pool to pool: count what prefill wrote

@@ -38,7 +38,7 @@ from shared.scheduler_base import (
 )
 from shared.transfer.base import Chunk
 from shared.transfer.cuda_ipc import IpcReceiver
-from shared.transfer.inline import apply_chunk, begin_receive
+from shared.transfer.inline import KVBatch, apply_batch, apply_chunk, begin_receive
 from shared.transfer.nixl import NixlReceiver
 
 __all__ = [
@@ -103,8 +103,9 @@ class DecodeScheduler(Scheduler):
 
     # ---- any thread ----
 
-    def deliver(self, rid: str, chunks: list[Chunk]) -> None:
-        """KV chunks for a reserved request (dropped if it was aborted meanwhile)."""
+    def deliver(self, rid: str, chunks: list[KVBatch | Chunk | ValueError]) -> None:
+        """KV for a reserved request (dropped if it was aborted meanwhile): batches or chunks, in order; a
+        ValueError (a bad chunk, found where the stream is read) fails the request."""
         self._post(lambda: self._apply_chunks(rid, chunks))
 
     def prefilled(self, rid: str, first_token: int, history: bool, cuda_ipc_event: bytes = b"") -> None:
@@ -194,7 +195,7 @@ class DecodeScheduler(Scheduler):
         if req is not None:
             self._engine.release(req)  # the loop publishes the pool state after this
 
-    def _apply_chunks(self, rid: str, chunks: list[Chunk]) -> None:
+    def _apply_chunks(self, rid: str, chunks: list[KVBatch | Chunk | ValueError]) -> None:
         entry = self._reserved.get(rid)
         if entry is None:
             return  # aborted while the bytes were on their way
@@ -202,7 +203,12 @@ class DecodeScheduler(Scheduler):
         assert req is not None
         try:
             for chunk in chunks:
-                apply_chunk(self._engine.cache, req.pages, req.slot, chunk)
+                if isinstance(chunk, ValueError):
+                    raise chunk
+                if isinstance(chunk, KVBatch):
+                    apply_batch(self._engine.cache, req.pages, req.slot, chunk)
+                else:
+                    apply_chunk(self._engine.cache, req.pages, req.slot, chunk)
         except (ValueError, RuntimeError) as exc:  # a malformed chunk costs this request only
             self._drop_reserved(rid, f"bad KV chunk: {exc}")
 

@@ -160,7 +160,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     start = time.time_ns()
                     if ev.staged is not None:  # inline: each chunk's bytes copied as it is reached
                         for chunk in ev.staged.chunks(ev.max_chunk_bytes):
-                            yield pb.PrefillResponse(chunk=chunk.to_pb())
+                            yield chunk.response()
                     # Recorded before the last message: once decode has it, it cancels the call, and
                     # this generator may not run past the yield.
                     end = time.time_ns()

@@ -83,6 +83,21 @@ class Chunk:
             token_count=self.token_count, k=self.k, v=self.v,
         )  # fmt: skip
 
+    def response(self) -> pb.PrefillResponse:
+        """The stream message carrying this chunk, its fields set in place: `PrefillResponse(chunk=...)`
+        would copy a whole KVChunk into it (a serialization round trip per MB)."""
+        msg = pb.PrefillResponse()
+        c = msg.chunk
+        c.layer, c.window, c.token_start, c.token_count, c.k, c.v = (
+            self.layer,
+            self.window,
+            self.token_start,
+            self.token_count,
+            self.k,
+            self.v,
+        )
+        return msg
+
     @classmethod
     def from_pb(cls, msg: pb.KVChunk) -> Chunk:
         return cls(msg.layer, msg.window, msg.token_start, msg.token_count, msg.k, msg.v)

@@ -11,24 +11,22 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.host_copy import to_device
 from shared.kv.cache import KVCache
-from shared.transfer.base import Chunk
+from shared.model.config import SLIDING
+from shared.transfer.base import Chunk, KVLayout
 
 __all__ = [
-    "DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "StagedKV", "apply_chunk", "begin_receive", "extract_chunks",
-    "stage",
+    "DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "ChunkAssembler", "KVBatch", "StagedKV", "apply_batch",
+    "apply_chunk", "begin_receive", "extract_chunks", "stage",
 ]  # fmt: skip
 
 MAX_CHUNK_BYTES = (1 << 20) - 4096  # k + v of one message; the rest of 1 MiB is framing headroom
-DEFAULT_CHUNK_BYTES = 512 * 1024
-
-
-def _from_bytes(b: bytes, like: torch.Tensor, count: int) -> torch.Tensor:
-    flat = torch.frombuffer(bytearray(b), dtype=torch.uint8)  # bytearray: frombuffer wants writable
-    return to_device(flat.view(like.dtype).view(count, *like.shape[1:]), like.device)
+# As large as allowed: the cost per message (protobuf, gRPC, a scheduler wake-up) is most of the cost.
+DEFAULT_CHUNK_BYTES = MAX_CHUNK_BYTES
 
 
 def _flat_index(pages: list[int], page_size: int, start: int, count: int) -> torch.Tensor:
@@ -140,29 +138,142 @@ def extract_chunks(
     yield from staged.chunks(max_chunk_bytes)
 
 
+@dataclass(frozen=True)
+class KVBatch:
+    """K and V [n, Hkv, D] of positions [token_start, token_start + n) of one layer, on the host (pinned
+    when the receiver copies to a GPU): consecutive chunks, joined off the thread that applies them."""
+
+    layer: int
+    window: bool
+    token_start: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def token_count(self) -> int:
+        return self.k.shape[0]
+
+
+class ChunkAssembler:
+    """The receiving end of one request's stream, on the thread that reads it (never the cache's).
+
+    Checks every chunk against the layout and the prompt length, and copies its bytes into a host
+    buffer the size of what is left of that layer, so the thread owning the cache gets one `KVBatch`
+    per layer (a few index copies) instead of one per chunk. A bad chunk raises ValueError, and the
+    assembler stays unusable: the request fails, nothing of it is applied after the error.
+    """
+
+    def __init__(self, layout: KVLayout, num_tokens: int, *, pin: bool = False) -> None:
+        self.dtype = getattr(torch, layout.dtype)
+        self.row_shape = (layout.num_kv_heads, layout.head_dim)
+        self.row_bytes = layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
+        self.sliding = tuple(t == SLIDING for t in layout.layer_types)
+        self.window = layout.sliding_window
+        self.num_tokens = num_tokens
+        self.pin = pin
+        self._open: tuple[int, bool, int, int, torch.Tensor, torch.Tensor] | None = None  # layer, window,
+        # start, tokens so far, k and v buffers [capacity * row_bytes] uint8
+        self._failed = False
+
+    def add(
+        self, layer: int, window: bool, token_start: int, token_count: int, k: bytes, v: bytes
+    ) -> list[KVBatch]:
+        """Take one chunk's fields; returns the batches it completes (usually none or one)."""
+        if self._failed:
+            raise ValueError("an earlier chunk of this request was bad")
+        try:
+            return self._add(layer, window, token_start, token_count, k, v)
+        except ValueError:
+            self._failed = True
+            raise
+
+    def _add(self, layer: int, window: bool, start: int, n: int, k: bytes, v: bytes) -> list[KVBatch]:
+        if layer >= len(self.sliding) or self.sliding[layer] != window:
+            raise ValueError(f"chunk for layer {layer} (window={window}) does not fit this cache")
+        first = max(0, self.num_tokens - self.window) if window else 0
+        if n < 1 or start < first or start + n > self.num_tokens:
+            raise ValueError(
+                f"chunk tokens [{start}, {start + n}) outside the prompt's [{first}, {self.num_tokens})"
+            )
+        if len(k) != n * self.row_bytes or len(v) != n * self.row_bytes:
+            raise ValueError(
+                f"chunk of {n} tokens carries {len(k)} + {len(v)} bytes, not 2 x {n * self.row_bytes}"
+            )
+        out = []
+        cur = self._open
+        if cur is not None and (cur[0], cur[1], cur[2] + cur[3]) != (layer, window, start):
+            out.append(self._close())  # not the continuation of the open batch
+            cur = None
+        if cur is None:
+            rows = self.num_tokens - start  # what is left of this layer: the batch closes with its last chunk
+            kb, vb = (
+                torch.empty(rows * self.row_bytes, dtype=torch.uint8, pin_memory=self.pin) for _ in "kv"
+            )
+            cur = (layer, window, start, 0, kb, vb)
+        lo, hi = cur[3] * self.row_bytes, (cur[3] + n) * self.row_bytes
+        cur[4][lo:hi].numpy()[:] = np.frombuffer(k, dtype=np.uint8)
+        cur[5][lo:hi].numpy()[:] = np.frombuffer(v, dtype=np.uint8)
+        self._open = (*cur[:3], cur[3] + n, *cur[4:])
+        if cur[2] + cur[3] + n == self.num_tokens:
+            out.append(self._close())
+        return out
+
+    def finish(self) -> list[KVBatch]:
+        """The batch still open, if any (the stream has ended)."""
+        return [self._close()] if self._open is not None and not self._failed else []
+
+    def _close(self) -> KVBatch:
+        assert self._open is not None
+        layer, window, start, n, kb, vb = self._open
+        self._open = None
+        size = n * self.row_bytes
+        k, v = (b[:size].view(self.dtype).view(n, *self.row_shape) for b in (kb, vb))
+        return KVBatch(layer, window, start, k, v)
+
+
 def begin_receive(cache: KVCache, slot: int) -> None:
     """Empty the window slot's rings, so positions the sender has no history for read as absent."""
     cache.ring_pos[:, slot].fill_(-1)
 
 
 def apply_chunk(cache: KVCache, pages: list[int], slot: int, chunk: Chunk) -> None:
-    """Write one chunk into reserved `pages` / window `slot` (and set ring_pos for window chunks).
+    """Write one chunk into reserved `pages` / window `slot` (and set ring_pos for window chunks)."""
+    m = cache.model
+    row = m.num_kv_heads * m.head_dim * cache.k_pages.element_size()
+    n = chunk.token_count
+    if len(chunk.k) != n * row or len(chunk.v) != n * row:
+        raise ValueError(
+            f"chunk of {n} tokens carries {len(chunk.k)} + {len(chunk.v)} bytes, not 2 x {n * row}"
+        )
+    k, v = (
+        torch.frombuffer(bytearray(b), dtype=torch.uint8)
+        .view(cache.k_pages.dtype)
+        .view(n, m.num_kv_heads, m.head_dim)
+        for b in (chunk.k, chunk.v)
+    )  # bytearray: frombuffer wants a writable buffer
+    apply_batch(cache, pages, slot, KVBatch(chunk.layer, chunk.window, chunk.token_start, k, v))
 
-    Every upload goes through pinned memory: the decode scheduler thread applies chunks while a step
+
+def apply_batch(cache: KVCache, pages: list[int], slot: int, batch: KVBatch) -> None:
+    """Write a batch into reserved `pages` / window `slot` (and set ring_pos for a window batch).
+
+    Every upload goes through pinned memory: the decode scheduler thread applies batches while a step
     runs, and a copy from pageable memory would make it wait for that step."""
-    if chunk.layer >= cache.model.num_layers or cache.is_sliding(chunk.layer) != chunk.window:
-        raise ValueError(f"chunk for layer {chunk.layer} (window={chunk.window}) does not fit this cache")
-    i, n = cache.kind_index[chunk.layer], chunk.token_count
-    if chunk.window:
-        w = cache.window
-        pos = torch.arange(chunk.token_start, chunk.token_start + n)
-        idx = to_device(pos % w, cache.device)
-        cache.k_ring[i, slot][idx] = _from_bytes(chunk.k, cache.k_ring[i, slot], n)
-        cache.v_ring[i, slot][idx] = _from_bytes(chunk.v, cache.v_ring[i, slot], n)
-        cache.ring_pos[i, slot][idx] = to_device(pos.to(cache.ring_pos.dtype), cache.device)
+    if batch.layer >= cache.model.num_layers or cache.is_sliding(batch.layer) != batch.window:
+        raise ValueError(f"chunk for layer {batch.layer} (window={batch.window}) does not fit this cache")
+    i, n, start, dev = cache.kind_index[batch.layer], batch.token_count, batch.token_start, cache.device
+    k, v = to_device(batch.k, dev), to_device(batch.v, dev)
+    if batch.window:
+        if n > cache.window:
+            raise ValueError(f"window chunk of {n} tokens exceeds the window {cache.window}")
+        pos = torch.arange(start, start + n)
+        idx = to_device(pos % cache.window, dev)
+        cache.k_ring_l[i][slot].index_copy_(0, idx, k)
+        cache.v_ring_l[i][slot].index_copy_(0, idx, v)
+        cache.ring_pos_l[i][slot].index_copy_(0, idx, to_device(pos.to(cache.ring_pos.dtype), dev))
         return
-    if chunk.token_start + n > len(pages) * cache.page_size:
-        raise ValueError(f"chunk tokens [{chunk.token_start}, {chunk.token_start + n}) exceed the pages")
-    idx = to_device(_flat_index(pages, cache.page_size, chunk.token_start, n), cache.device)
-    cache.k_pages_flat[i][idx] = _from_bytes(chunk.k, cache.k_pages_flat[i], n)
-    cache.v_pages_flat[i][idx] = _from_bytes(chunk.v, cache.v_pages_flat[i], n)
+    if start + n > len(pages) * cache.page_size:
+        raise ValueError(f"chunk tokens [{start}, {start + n}) exceed the pages")
+    idx = to_device(_flat_index(pages, cache.page_size, start, n), dev)
+    cache.k_pages_flat[i].index_copy_(0, idx, k)
+    cache.v_pages_flat[i].index_copy_(0, idx, v)

@@ -110,3 +110,80 @@ def test_staging_and_applying_a_prompts_kv_on_cuda_never_waits_for_the_device():
         begin_receive(decode.cache, d.slot)
         for chunk in want:
             apply_chunk(decode.cache, d.pages, d.slot, chunk)
+    from shared.transfer.inline import ChunkAssembler, apply_batch
+
+    kv = ChunkAssembler(KVLayout.of(decode.cache, "m"), n, pin=True)  # on decode's gRPC thread
+    batches = [b for c in want for b in kv.add(c.layer, c.window, c.token_start, c.token_count, c.k, c.v)]
+    with no_host_sync():  # the batched path: pinned batches, one index copy per layer
+        begin_receive(decode.cache, d.slot)
+        for batch in [*batches, *kv.finish()]:
+            apply_batch(decode.cache, d.pages, d.slot, batch)
+
+
+def _receive_both_ways(n: int, window: bool):  # type: ignore[no-untyped-def]
+    """A prompt's chunks applied one by one into one decode cache and, joined by a ChunkAssembler into
+    per-layer batches, into another (same reservation): both caches, and the reservation."""
+    from shared.transfer.inline import ChunkAssembler, apply_batch
+
+    prefill, per_chunk, batched = engines("SSFS")
+    prompt = random_tokens(n, seed=n)
+    p = _prefilled(prefill, prompt)
+    a, b = per_chunk.reserve(prompt, GREEDY), batched.reserve(prompt, GREEDY)
+    assert a is not None and b is not None and a.pages == b.pages and a.slot == b.slot
+    chunks = list(extract_chunks(prefill.cache, p.pages, p.slot, n, window=window, max_chunk_bytes=700))
+    begin_receive(per_chunk.cache, a.slot)
+    for chunk in chunks:
+        apply_chunk(per_chunk.cache, a.pages, a.slot, chunk)
+    begin_receive(batched.cache, b.slot)
+    kv = ChunkAssembler(KVLayout.of(batched.cache, "m"), n)
+    batches = [x for c in chunks for x in kv.add(c.layer, c.window, c.token_start, c.token_count, c.k, c.v)]
+    batches += kv.finish()
+    layers = len(batched.cache.full_layers) + (len(batched.cache.sliding_layers) if window else 0)
+    assert len(batches) == layers < len(chunks)  # one batch per layer
+    for batch in batches:
+        apply_batch(batched.cache, b.pages, b.slot, batch)
+    prefill.release(p)
+    return per_chunk, batched, a, b
+
+
+@pytest.mark.parametrize("window", [True, False])
+@pytest.mark.parametrize("n", [3, W, 3 * W + 5])
+def test_batched_receive_equals_applying_each_chunk(n, window):
+    per_chunk, batched, a, b = _receive_both_ways(n, window)
+    for name in ("k_pages", "v_pages", "k_ring", "v_ring", "ring_pos"):
+        assert torch.equal(getattr(per_chunk.cache, name), getattr(batched.cache, name)), name
+    batched.admit_prefilled(b, 0, history=window)
+    per_chunk.admit_prefilled(a, 0, history=window)
+    run_to_end(batched)
+    run_to_end(per_chunk)
+    assert a.output == b.output
+
+
+def _chunk_fields(chunk):  # type: ignore[no-untyped-def]
+    return chunk.layer, chunk.window, chunk.token_start, chunk.token_count, chunk.k, chunk.v
+
+
+def test_a_malformed_chunk_is_refused_where_it_is_read_and_ends_that_stream():
+    from shared.transfer.inline import ChunkAssembler
+
+    prefill, decode, _ = engines("SSFS")
+    n = 2 * W
+    p = _prefilled(prefill, random_tokens(n))
+    chunks = list(extract_chunks(prefill.cache, p.pages, p.slot, n, max_chunk_bytes=700))
+    prefill.release(p)
+    layout = KVLayout.of(decode.cache, "m")
+    full = next(c for c in chunks if not c.window)
+    wrong = {
+        "layer kind": (full.layer, True, *_chunk_fields(full)[2:]),
+        "no such layer": (99, False, *_chunk_fields(full)[2:]),
+        "past the prompt": (full.layer, False, n, *_chunk_fields(full)[3:]),
+        "bytes short": (*_chunk_fields(full)[:4], full.k[:-1], full.v),
+        "no tokens": (full.layer, False, 0, 0, b"", b""),
+    }
+    for why, fields in wrong.items():
+        kv = ChunkAssembler(layout, n)
+        with pytest.raises(ValueError):
+            kv.add(*fields)
+        with pytest.raises(ValueError, match="earlier chunk"):  # nothing of this request after it
+            kv.add(*_chunk_fields(full))
+        assert kv.finish() == [], why
