@@ -19,6 +19,7 @@ class CommonConfig:
     model: str = ""  # checkpoint path; "" = the embedded default; random:<json> = a tiny test model
     device: str = "auto"  # auto = cuda when available, else cpu
     dtype: str = "float32"
+    gemm: str = "auto"  # the layers' GEMMs on CUDA at few rows (Transformer.gemm_backend)
     page_size: int = 16
     num_pages: int = 512
     max_running: int = 32
@@ -37,6 +38,8 @@ class CommonConfig:
             raise ValueError("max_queue and drain_timeout must be >= 0, port in [0, 65535]")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.gemm not in ("auto", "cublas", "skinny"):
+            raise ValueError(f"gemm must be auto, cublas or skinny, got {self.gemm!r}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
@@ -48,6 +51,8 @@ COMMON_HELP = {
     "Testing aid: random:<json> serves a tiny random model (see shared/api/model_source.py)",
     "device": "auto, cpu, cuda or cuda:N",
     "dtype": "model and KV dtype: float32, bfloat16 or float16",
+    "gemm": "the layers' GEMMs on CUDA: auto (the Triton skinny kernel up to 16 rows, where it measured "
+    "faster, cuBLAS above), cublas, or skinny (up to 64 rows)",
     "page_size": "tokens per KV page",
     "num_pages": "KV pages in the pool",
     "max_running": "requests running at once (also the number of sliding-window slots)",

@@ -70,6 +70,7 @@ def build_engine(cfg: CommonConfig, role: str, *, mixed: bool = False) -> tuple[
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this loading thread's kernels and graph captures go there
     loaded = load_served_model(cfg.model, device=device, dtype=dtype)
+    loaded.model.gemm_backend = cfg.gemm
     kv_dtype = next(loaded.model.parameters()).dtype
     kv = KVConfig(
         page_size=cfg.page_size,

@@ -86,6 +86,14 @@ def test_disaggregation_flags_and_the_prefill_config() -> None:
     assert (pcfg.port, pcfg.page_size) == (50052, 8)
 
 
+def test_gemm_flag_takes_auto_cublas_or_skinny_and_names_itself_otherwise() -> None:
+    assert parse_args([], env={}).gemm == "auto"
+    assert parse_args(["--gemm", "cublas"], env={}).gemm == "cublas"
+    assert parse_args([], env={"PDSERVE_GEMM": "skinny"}).gemm == "skinny"
+    with pytest.raises(ValueError, match="gemm must be auto, cublas or skinny, got 'tf32'"):
+        ServiceConfig(gemm="tf32")
+
+
 def test_device_flag_takes_auto_cpu_cuda_or_an_index_and_resolves_to_an_exact_device() -> None:
     for ok in ("auto", "cpu", "cuda", "cuda:1"):
         assert ServiceConfig(device=ok).device == ok
