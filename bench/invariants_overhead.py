@@ -1,5 +1,7 @@
 """What an SWA history check costs a decode step: none / naive / deferred flag / invariants OFF|WARN|STRICT
-and WARN with the checks on a side stream (`inv_warn_conc`: the step inside `invariants.concurrent_checks`).
+and WARN with the checks on a side stream (`inv_warn_conc`: the step inside `invariants.concurrent_checks`)
+or launched together at the step's end (`inv_warn_batched`: inside `invariants.batched_checks`, one
+kernel for all 40 windows).
 
 A synthetic step of 40 layers; each layer does an MLP-sized matmul pair and checks its sliding-window
 ring (positions [batch, W]) against the request lengths. Scenarios: `cpu-bound` (batch 8),
@@ -11,7 +13,7 @@ time, host enqueue time per step, and host syncs per step (PyTorch's sync debug 
 
     python bench/invariants_overhead.py            # on a CUDA machine; writes a table to stdout
     # a subset (`none` always runs first, as the baseline of vs_none):
-    python bench/invariants_overhead.py --scenarios gpu-bound --variants inv_warn,inv_warn_conc
+    python bench/invariants_overhead.py --scenarios gpu-bound --variants inv_warn,inv_warn_batched
 """
 
 from __future__ import annotations
@@ -118,6 +120,12 @@ def step_concurrent(s: Setup) -> torch.Tensor:
         return step_invariants(s)
 
 
+def step_batched(s: Setup) -> torch.Tensor:
+    # The layers' checks deferred to the step's end: one grouped launch for all 40 windows.
+    with invariants.batched_checks(s.x.device):
+        return step_invariants(s)
+
+
 VARIANTS: dict[str, tuple[Callable[[Setup], torch.Tensor], str | None]] = {
     "none": (step_none, None),
     "naive": (step_naive, None),
@@ -125,6 +133,7 @@ VARIANTS: dict[str, tuple[Callable[[Setup], torch.Tensor], str | None]] = {
     "inv_off": (step_invariants, "off"),
     "inv_warn": (step_invariants, "warn"),
     "inv_warn_conc": (step_concurrent, "warn"),
+    "inv_warn_batched": (step_batched, "warn"),
     "inv_strict": (step_invariants, "strict"),
 }
 

@@ -5,6 +5,7 @@
     ...
     for v in invariants.checker(device).poll(): ...   # where the scheduler already waits
     with invariants.concurrent_checks(device): ...     # its checks run beside its kernels (CUDA)
+    with invariants.batched_checks(device): ...        # its checks launch at its end, one kernel per kind
 
 Levels come from PDSERVE_INVARIANT_CHECK (off | warn | strict, with per-namespace overrides).
 """
@@ -12,7 +13,7 @@ Levels come from PDSERVE_INVARIANT_CHECK (off | warn | strict, with per-namespac
 from __future__ import annotations
 
 from invariants import predicates
-from invariants.api import checker, concurrent_checks, enabled, expect, reset_checkers
+from invariants.api import batched_checks, checker, concurrent_checks, enabled, expect, reset_checkers
 from invariants.checker import Checker, Listener
 from invariants.levels import Level, LevelConfig, configure, level_of, levels
 from invariants.registry import (
@@ -37,6 +38,7 @@ __all__ = [
     "Severity",
     "Violation",
     "all_invariants",
+    "batched_checks",
     "checker",
     "concurrent_checks",
     "configure",

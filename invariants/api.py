@@ -10,13 +10,13 @@ from types import TracebackType
 
 import torch
 
-from invariants import concurrent
+from invariants import batched, concurrent
 from invariants.checker import Checker
 from invariants.levels import Level, crashes, level_of
 from invariants.predicates import Predicate, is_true
 from invariants.registry import Invariant, InvariantError
 
-__all__ = ["checker", "concurrent_checks", "enabled", "expect", "reset_checkers"]
+__all__ = ["batched_checks", "checker", "concurrent_checks", "enabled", "expect", "reset_checkers"]
 
 PredicateLike = Predicate | torch.Tensor | Callable[[], "Predicate | torch.Tensor"]
 
@@ -129,3 +129,40 @@ def concurrent_checks(device: torch.device | str | None = None) -> contextlib.Ab
     """
     dev = _key(device)
     return _ConcurrentBlock(dev) if dev.type == "cuda" else _NOTHING
+
+
+class _BatchedBlock:
+    """A batched_checks block: depth per thread and device; the outermost end launches the deferred."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __enter__(self) -> None:
+        batched.enter(self.device)
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for chk in batched.leave(self.device):
+            if exc is None:
+                chk.flush()
+            else:  # the block failed (say, an invalidated capture): launching now could fail too
+                chk.discard()
+
+
+def batched_checks(device: torch.device | str | None = None) -> contextlib.AbstractContextManager[None]:
+    """Defer the block's WARN checks to its end and launch them as one kernel per kind.
+
+    A check that would launch the fused kernel (CUDA, or a Checker built with `use_triton=True`) is
+    recorded instead; the outermost block's end launches every recorded check of one kind (operation,
+    dtypes, tile) as ONE kernel over a table of their tensors, so a step with a check per layer pays
+    one kernel's ramp and tail, not one per layer. Contract: a check reads its inputs at the block's
+    end, so check only what the block does not overwrite after the check (as `concurrent_checks`
+    asks). STRICT checks, checks through an index, and float bounds launch at once, as outside. Inside
+    a `concurrent_checks` block the batched launches fork onto its side stream. Under a CUDA graph
+    capture the block must lie wholly inside the capture; each replay re-uploads the tables. An
+    exception inside drops the deferred checks. Blocks nest (the outermost launches).
+    """
+    return _BatchedBlock(_key(device))

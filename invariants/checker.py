@@ -8,6 +8,7 @@ Host side: a pinned mirror. `poll()` reads the mirror only once the copy's event
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -16,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from invariants import concurrent
+from invariants import batched, concurrent
 from invariants.predicates import Predicate
 from invariants.registry import (
     Invariant,
@@ -48,6 +49,13 @@ class _Throttle:
     def __init__(self) -> None:
         self.last: float | None = None
         self.unlogged = 0
+
+
+class _Deferred(threading.local):
+    """One thread's checks deferred inside `invariants.batched_checks()` (predicate, row ids, slot)."""
+
+    def __init__(self) -> None:
+        self.checks: list[tuple[Predicate, torch.Tensor | None, int]] = []
 
 
 class Checker:
@@ -88,6 +96,8 @@ class Checker:
         # Made now, like the slab, so that it exists before any capture that forks onto it.
         self._side = concurrent.SideBranch(self.device) if self._on_cuda else None
         self._pending = False
+        self._deferred = _Deferred()
+        self._graph_tables: list[torch.Tensor] = []  # read by captured uploads: kept with the Checker
         self._slots: dict[str, int] = {}
         self._invariants: list[Invariant] = []
         self._seen = np.zeros(max_invariants, dtype=np.int64)
@@ -131,6 +141,13 @@ class Checker:
             if not bool(pred.row_ok().all()):
                 raise InvariantViolation(strict_message(inv.name))
             return
+        if self._use_triton:
+            from invariants.kernels import check_rows
+
+            if not crash and batched.depth(self.device) and check_rows.groupable(pred):
+                self._deferred.checks.append((pred, rows, slot))
+                batched.note_pending(self.device, self)
+                return
         if self._on_cuda and self._use_triton and torch.cuda.current_device() != self.device.index:
             with torch.cuda.device(self.device):  # Triton launches on the thread's current device
                 return self.check(inv, pred, rows, crash=crash)
@@ -148,6 +165,28 @@ class Checker:
                 side.hold(used)
             return
         self._count_with_torch(pred, rows, slot)
+
+    def flush(self) -> None:
+        """Launch this thread's deferred checks, one kernel per kind (`invariants.batched_checks()`
+        calls it as its outermost block ends)."""
+        checks, self._deferred.checks = self._deferred.checks, []
+        if not checks:
+            return
+        from invariants.kernels import check_rows
+
+        with torch.cuda.device(self.device) if self._on_cuda else contextlib.nullcontext():
+            side = self._side if self._side is not None and concurrent.depth(self.device) else None
+            used, tables = check_rows.launch_grouped(
+                checks, counts=self.counts, bits=self.bits, fork=None if side is None else side.fork
+            )
+            if side is not None and used:
+                side.hold(tuple(used))
+            if self._on_cuda and torch.cuda.is_current_stream_capturing():
+                self._graph_tables += tables
+
+    def discard(self) -> None:
+        """Drop this thread's deferred checks (their block failed before its end)."""
+        self._deferred.checks = []
 
     @property
     def side_stream(self) -> torch.cuda.Stream | None:

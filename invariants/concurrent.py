@@ -24,6 +24,8 @@ from typing import Protocol
 
 import torch
 
+from invariants.blocks import Blocks
+
 __all__ = ["SideBranch", "depth", "enter", "leave", "note_fork"]
 
 
@@ -31,43 +33,10 @@ class _Joinable(Protocol):
     def join(self) -> None: ...
 
 
-class _Blocks(threading.local):
-    def __init__(self) -> None:
-        self.depth: dict[torch.device, int] = {}
-        # Branches forked onto since the outermost block of their device opened (any Checker,
-        # not only the process's: the block joins whatever its checks forked).
-        self.forked: dict[torch.device, list[_Joinable]] = {}
-
-
-_blocks = _Blocks()
-
-
-def depth(device: torch.device) -> int:
-    """How many concurrent_checks blocks for `device` this thread is inside."""
-    return _blocks.depth.get(device, 0)
-
-
-def enter(device: torch.device) -> None:
-    d = _blocks.depth
-    d[device] = d.get(device, 0) + 1
-
-
-def note_fork(device: torch.device, branch: _Joinable) -> None:
-    """`branch` forked inside this thread's block for `device`: its outermost end joins it."""
-    forked = _blocks.forked.setdefault(device, [])
-    if branch not in forked:
-        forked.append(branch)
-
-
-def leave(device: torch.device) -> list[_Joinable]:
-    """Close one block. The outermost returns the branches to join now; an inner one, []."""
-    d = _blocks.depth
-    left = d.get(device, 1) - 1
-    if left > 0:
-        d[device] = left
-        return []
-    d.pop(device, None)
-    return _blocks.forked.pop(device, [])
+# Branches forked onto since the outermost block of their device opened (any Checker, not only the
+# process's: the block joins whatever its checks forked).
+_blocks: Blocks[_Joinable] = Blocks()
+depth, enter, leave, note_fork = _blocks.depth, _blocks.enter, _blocks.leave, _blocks.note
 
 
 class _ThreadBranch(threading.local):

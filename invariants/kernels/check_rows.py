@@ -33,24 +33,17 @@ def _record(rows_ptr, counts_ptr, bits_ptr, r, rbad, slot, words_per_slot, HAS_R
         tl.atomic_or(bits_ptr + slot * words_per_slot + word, bit, mask=hit)
 
 
-def _check_rows(
-    a_ptr, b_ptr, index_ptr, rows_ptr, counts_ptr, bits_ptr, scratch_ptr, done_ptr,
-    R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words_per_slot, chunk,
-    OP: tl.constexpr, HAS_ROWS: tl.constexpr, ASSERT: tl.constexpr, MSG: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+@triton.jit
+def _rows_bad(
+    a_ptr, b_ptr, ra, r64, rmask, C, sa_r, sa_c, sb_r, sb_c, lo, hi, c_start, chunk,
+    OP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < R
-    r64 = r.to(tl.int64)
-    ra = r64  # the row of `a` this check row reads
-    if HAS_INDEX:
-        ra = tl.load(index_ptr + r, mask=rmask, other=0).to(tl.int64)
+    """1 for each row of the block with a failing element among columns [c_start, c_start + chunk)."""
     bad = tl.zeros([BLOCK_R], dtype=tl.int32)
     if OP == 5:
         L = tl.load(b_ptr + r64 * sb_r, mask=rmask, other=0).to(tl.int32)
         k = (L - 1 + C) % C
     # `chunk` is a multiple of BLOCK_C, so `c < C` is the only column mask (and stays vectorizable).
-    c_start = tl.program_id(1) * chunk
     for c0 in range(c_start, c_start + chunk, BLOCK_C):
         c = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
         m = rmask[:, None] & (c < C)[None, :]
@@ -73,6 +66,25 @@ def _check_rows(
             e = (L[:, None] - 1) - tl.where(m_c < 0, m_c + C, m_c)
             ok = a == tl.where(e >= 0, e, -1)
         bad = tl.maximum(bad, tl.max((m & (ok == 0)).to(tl.int32), axis=1))
+    return bad
+
+
+def _check_rows(
+    a_ptr, b_ptr, index_ptr, rows_ptr, counts_ptr, bits_ptr, scratch_ptr, done_ptr,
+    R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words_per_slot, chunk,
+    OP: tl.constexpr, HAS_ROWS: tl.constexpr, ASSERT: tl.constexpr, MSG: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < R
+    r64 = r.to(tl.int64)
+    ra = r64  # the row of `a` this check row reads
+    if HAS_INDEX:
+        ra = tl.load(index_ptr + r, mask=rmask, other=0).to(tl.int64)
+    bad = _rows_bad(
+        a_ptr, b_ptr, ra, r64, rmask, C, sa_r, sa_c, sb_r, sb_c, lo, hi, tl.program_id(1) * chunk, chunk,
+        OP, BLOCK_R, BLOCK_C,
+    )  # fmt: skip
     if ASSERT:
         tl.device_assert(bad == 0, MSG)  # asserting needs no per-row dedupe, split or not
     elif SPLIT:
@@ -94,6 +106,34 @@ def _check_rows(
 _NO_SPECIALIZE = ["R", "lo", "hi", "slot"]
 _count_kernel = triton.jit(do_not_specialize=_NO_SPECIALIZE)(_check_rows)
 _assert_kernel = triton.jit(debug=True, do_not_specialize=_NO_SPECIALIZE)(_check_rows)
+
+
+@triton.jit
+def _check_rows_grouped(
+    desc_ptr, counts_ptr, bits_ptr, words_per_slot,
+    A_TY: tl.constexpr, B_TY: tl.constexpr, R_TY: tl.constexpr, OP: tl.constexpr, HAS_ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Counting mode over many checks of one kind: axis 1 picks a check's row of the table (`_FIELDS`
+    int64 each: its tensors' addresses, sizes, strides, bounds and slot), axis 0 its row blocks."""
+    d = desc_ptr + tl.program_id(1).to(tl.int64) * 12
+    R = tl.load(d + 3)
+    first = tl.program_id(0) * BLOCK_R
+    if first < R:  # checks with fewer rows than the grid's longest leave programs idle
+        a_ptr = tl.load(d).to(tl.pointer_type(A_TY))
+        b_ptr = tl.load(d + 1).to(tl.pointer_type(B_TY))
+        rows_ptr = tl.load(d + 2).to(tl.pointer_type(R_TY))
+        C = tl.load(d + 4)
+        r = first + tl.arange(0, BLOCK_R)
+        rmask = r < R
+        r64 = r.to(tl.int64)
+        chunk = tl.cdiv(C, BLOCK_C) * BLOCK_C
+        bad = _rows_bad(
+            a_ptr, b_ptr, r64, r64, rmask, C, tl.load(d + 5), tl.load(d + 6), tl.load(d + 7), tl.load(d + 8),
+            tl.load(d + 9), tl.load(d + 10), 0, chunk, OP, BLOCK_R, BLOCK_C,
+        )  # fmt: skip
+        slot = tl.load(d + 11)
+        _record(rows_ptr, counts_ptr, bits_ptr, r, rmask & (bad > 0), slot, words_per_slot, HAS_ROWS)
 
 
 def _pow2(n: int) -> int:
@@ -196,3 +236,72 @@ def launch(
     if a.is_cuda:  # Triton's interpreter (CPU tests) has no compiled kernel to keep
         _compiled[key] = launched
     return tensors
+
+
+# One row of the grouped kernel's table: a, b and rows addresses, R, C, a's and b's strides, lo, hi, slot.
+_FIELDS = 12
+_TL_TYPES = {
+    torch.bool: tl.uint8, torch.uint8: tl.uint8, torch.int8: tl.int8, torch.int16: tl.int16,
+    torch.int32: tl.int32, torch.int64: tl.int64, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+    torch.float32: tl.float32, torch.float64: tl.float64,
+}  # fmt: skip
+
+
+def groupable(pred: Predicate) -> bool:
+    """Whether `launch_grouped` takes this check: no index, integer bounds, a dtype it knows."""
+    bounds_ok = pred.op is not Op.IN_RANGE or not isinstance(pred.lo, float)
+    return pred.index is None and bounds_ok and pred.a.dtype in _TL_TYPES
+
+
+Pending = tuple[Predicate, "torch.Tensor | None", int]  # predicate, row ids, slot
+
+
+def launch_grouped(
+    checks: list[Pending],
+    *,
+    counts: torch.Tensor,
+    bits: torch.Tensor,
+    fork: Callable[[], torch.cuda.Stream] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Count `checks` (all `groupable`) with one kernel per kind (operation, dtypes, tile). Returns
+    (the tensors the kernels read, the host tables their uploads read): a forked caller holds the
+    first until it joins; a caller capturing a CUDA graph keeps the second alive as long as the graph,
+    whose replays upload them again."""
+    groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Predicate, int]]] = {}
+    for pred, rows, slot in checks:
+        a, b = pred.as_2d()
+        R, C = pred.num_rows, a.shape[1]
+        if R == 0 or C == 0 or (pred.op is Op.FINITE and not a.is_floating_point()):
+            continue
+        bb = a if b is None else b
+        block_r, block_c = plan(R, C, 0)[:2]
+        key = (int(pred.op), a.dtype, bb.dtype, None if rows is None else rows.dtype, block_r, block_c)
+        groups.setdefault(key, []).append((a, bb, rows, pred, slot))
+    used: list[torch.Tensor] = []
+    tables: list[torch.Tensor] = []
+    stream = fork() if fork is not None and groups else None
+    for (op, a_dtype, b_dtype, rows_dtype, block_r, block_c), members in groups.items():
+        table = torch.tensor(
+            [
+                [a.data_ptr(), bb.data_ptr(), 0 if rows is None else rows.data_ptr(), pred.num_rows,
+                 a.shape[1], a.stride(0), a.stride(1), bb.stride(0), bb.stride(1), int(pred.lo),
+                 int(pred.hi), slot]
+                for a, bb, rows, pred, slot in members
+            ],
+            dtype=torch.int64,
+        )  # fmt: skip
+        device = members[0][0].device
+        if device.type == "cuda":
+            table = table.pin_memory()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            desc = table.to(device, non_blocking=True)
+            grid = (max(-(-pred.num_rows // block_r) for _, _, _, pred, _ in members), len(members))
+            _check_rows_grouped[grid](
+                desc, counts, bits, bits.shape[1],
+                A_TY=_TL_TYPES[a_dtype], B_TY=_TL_TYPES[b_dtype], R_TY=_TL_TYPES[rows_dtype or torch.int32],
+                OP=op, HAS_ROWS=rows_dtype is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+                num_warps=8 if block_c >= 4096 else 4,
+            )  # fmt: skip
+        used += [desc, *(t for a, bb, rows, _, _ in members for t in (a, bb, rows) if t is not None)]
+        tables.append(table)
+    return used, tables
