@@ -141,19 +141,16 @@ class Checker:
             if not bool(pred.row_ok().all()):
                 raise InvariantViolation(strict_message(inv.name))
             return
-        if self._use_triton:
-            from invariants.kernels import check_rows
-
-            if not crash and batched.depth(self.device) and check_rows.groupable(pred):
-                self._deferred.checks.append((pred, rows, slot))
-                batched.note_pending(self.device, self)
-                return
         if self._on_cuda and self._use_triton and torch.cuda.current_device() != self.device.index:
             with torch.cuda.device(self.device):  # Triton launches on the thread's current device
                 return self.check(inv, pred, rows, crash=crash)
         if self._use_triton:
             from invariants.kernels import check_rows
 
+            if not crash and batched.depth(self.device) and check_rows.groupable(pred):
+                self._deferred.checks.append((pred, rows, slot))  # launched by flush()
+                batched.note_pending(self.device, self)
+                return
             side = self._side if self._side is not None and concurrent.depth(self.device) else None
             used = check_rows.launch(
                 pred, counts=self.counts, bits=self.bits, scratch=self.scratch, ticket=self.ticket,
