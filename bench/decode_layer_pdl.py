@@ -16,7 +16,8 @@ down GEMM. The stand-ins move the engine's bytes, not its math. Variants:
   `bench/gemm_decode.py`);
 - `triton_pdl`: every kernel launched with PDL, each releasing the next at its start;
 - `triton_pdl_prefetch`: and each GEMM prefetches its weight slice into L2 before its wait.
-Every variant's output is checked: PDL variants must equal their plain variant bit for bit.
+Each PDL variant's output is compared with its plain variant's (`equal_to_plain`: bit for bit, as
+waiting in-kernel before touching the step's data should give).
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
-import torch
 
 from shared.pb.pdserve.v1 import generation_pb2 as gen_pb
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
@@ -103,9 +103,22 @@ def _failure(e: grpc.RpcError) -> PrefillFailed:
     return PrefillFailed(f"{e.code().name}: {e.details()}")
 
 
+def _received(take: Callable[[], list[KVBatch]]) -> list[KVBatch]:
+    """The batches a received chunk completes; a bad chunk or a failed host allocation fails the call."""
+    try:
+        return take()
+    except ValueError as e:
+        raise PrefillFailed(f"bad KV chunk: {e}") from e
+    except RuntimeError as e:  # pinned memory exhausted, say
+        raise PrefillFailed(f"receiving the KV failed: {e}") from e
+
+
 class PrefillClient:
-    def __init__(self, target: str, timeout: float, layout: KVLayout, pool: Pool | None = None) -> None:
+    def __init__(
+        self, target: str, timeout: float, layout: KVLayout, pool: Pool | None = None, *, pin: bool = False
+    ) -> None:
         self.target = target
+        self.pin = pin  # inline: received KV in pinned memory (decode's cache is on a GPU)
         self.timeout = timeout
         self.layout = layout
         self.pool = pool  # set: the cuda_ipc or nixl backend (prefill writes into this pool)
@@ -134,13 +147,14 @@ class PrefillClient:
 
     async def prefill(
         self, rid: str, prompt: list[int], sampling: gen_pb.SamplingParams, history: bool,
-        client_remaining: float | None, deliver: Callable[[list[KVBatch | ValueError]], None],
+        client_remaining: float | None, deliver: Callable[[list[KVBatch]], None],
         metadata: Sequence[tuple[str, str]] = (), target: IpcTarget | NixlTarget | None = None,
     ) -> PrefillResult:  # fmt: skip
         """Run one prefill; `deliver` gets the KV in order, as batches joined from the chunks here (on the
-        event loop, so that decode's scheduler thread only copies them into the cache; pinned where CUDA
-        is), or, once, the ValueError of a bad chunk (that request fails; the rest of its KV is dropped).
-        `metadata` carries the traceparent.
+        event loop, so that decode's scheduler thread only copies them into the cache). A bad chunk, or
+        a stream that ends short of the prompt, raises PrefillFailed at once and cancels the call (the
+        caller aborts the request; what was delivered is released with it). `metadata` carries the
+        traceparent.
 
         With `target` (cuda_ipc, nixl) prefill writes into decode's pool instead and no chunk comes."""
         timeout = self.call_timeout(client_remaining)
@@ -155,8 +169,7 @@ class PrefillClient:
             req, timeout=timeout, wait_for_ready=True, metadata=tuple(metadata) or None
         )
         nbytes = first_ns = 0
-        kv = ChunkAssembler(self.layout, len(prompt), pin=torch.cuda.is_available())
-        failed = False
+        kv = ChunkAssembler(self.layout, len(prompt), window=history, pin=self.pin)
         try:
             async for msg in call:
                 if msg.HasField("chunk"):
@@ -164,20 +177,15 @@ class PrefillClient:
                     k, v = c.k, c.v
                     first_ns = first_ns or time.time_ns()
                     nbytes += len(k) + len(v)
-                    if failed:
-                        continue
-                    try:
-                        batches: list[KVBatch | ValueError] = [
-                            *kv.add(c.layer, c.window, c.token_start, c.token_count, k, v)
-                        ]
-                    except ValueError as exc:
-                        failed, batches = True, [exc]
+                    add = partial(kv.add, c.layer, c.window, c.token_start, c.token_count, k, v)
+                    batches = _received(add)
                     if batches:
                         deliver(batches)
                 elif msg.HasField("done"):
-                    rest: list[KVBatch | ValueError] = [*kv.finish()]
-                    if rest:
-                        deliver(rest)
+                    if target is None:  # inline: every layer arrived whole
+                        rest = _received(kv.finish)
+                        if rest:
+                            deliver(rest)
                     d = msg.done
                     now = time.time_ns()
                     if target is not None:  # the bytes went pool to pool: count what prefill wrote

@@ -103,9 +103,8 @@ class DecodeScheduler(Scheduler):
 
     # ---- any thread ----
 
-    def deliver(self, rid: str, chunks: list[KVBatch | Chunk | ValueError]) -> None:
-        """KV for a reserved request (dropped if it was aborted meanwhile): batches or chunks, in order; a
-        ValueError (a bad chunk, found where the stream is read) fails the request."""
+    def deliver(self, rid: str, chunks: list[KVBatch | Chunk]) -> None:
+        """KV for a reserved request (dropped if it was aborted meanwhile): batches or chunks, in order."""
         self._post(lambda: self._apply_chunks(rid, chunks))
 
     def prefilled(self, rid: str, first_token: int, history: bool, cuda_ipc_event: bytes = b"") -> None:
@@ -195,7 +194,7 @@ class DecodeScheduler(Scheduler):
         if req is not None:
             self._engine.release(req)  # the loop publishes the pool state after this
 
-    def _apply_chunks(self, rid: str, chunks: list[KVBatch | Chunk | ValueError]) -> None:
+    def _apply_chunks(self, rid: str, chunks: list[KVBatch | Chunk]) -> None:
         entry = self._reserved.get(rid)
         if entry is None:
             return  # aborted while the bytes were on their way
@@ -203,8 +202,6 @@ class DecodeScheduler(Scheduler):
         assert req is not None
         try:
             for chunk in chunks:
-                if isinstance(chunk, ValueError):
-                    raise chunk
                 if isinstance(chunk, KVBatch):
                     apply_batch(self._engine.cache, req.pages, req.slot, chunk)
                 else:

@@ -43,7 +43,8 @@ def build_serving(cfg: ServiceConfig) -> Serving:
             raise StartupError(f"--kv-transfer {cfg.kv_transfer}: {e}") from e
         pool = ipc.export if ipc is not None else nixl.export if nixl is not None else None
         handshake(cfg.prefill_target, layout, pool=pool)
-        prefill = PrefillClient(cfg.prefill_target, cfg.prefill_timeout, layout, pool)
+        pin = engine.cache.device.type == "cuda"  # inline batches upload to it without a host wait
+        prefill = PrefillClient(cfg.prefill_target, cfg.prefill_timeout, layout, pool, pin=pin)
     router = PrefillRouter(prefill, cfg.local_prefill_max_tokens, cfg.remote_prefill_max_queued_tokens)
     scheduler = DecodeScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue), ipc, nixl)
     scheduler.start()

@@ -159,8 +159,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     self._phases(rt, ev, len(prompt), backend)
                     start = time.time_ns()
                     if ev.staged is not None:  # inline: each chunk's bytes copied as it is reached
-                        for chunk in ev.staged.chunks(ev.max_chunk_bytes):
-                            yield chunk.response()
+                        fault = s.scheduler.faults
+                        for i, chunk in enumerate(ev.staged.chunks(ev.max_chunk_bytes)):
+                            yield (chunk if fault is None else fault.sent_chunk(prompt, i, chunk)).response()
                     # Recorded before the last message: once decode has it, it cancels the call, and
                     # this generator may not run past the yield.
                     end = time.time_ns()

@@ -1,5 +1,7 @@
-"""The `inline` backend: KV as raw bytes in the control-plane stream. CPU and anywhere; one copy out
-of the prefill cache (on its scheduler thread) and one into the decode cache (on decode's).
+"""The `inline` backend: KV as raw bytes in the control-plane stream. CPU and anywhere. Prefill copies
+a prompt's KV out of its cache once (on its scheduler thread); decode joins the chunks' bytes into
+host batches where it reads the stream (`ChunkAssembler`) and copies each batch into its cache on its
+scheduler thread (`apply_batch`).
 
 Full-attention layers ship the prompt's tokens [0, L) (gathered through the request's pages); sliding
 layers ship only the last min(L, W) positions of their ring, so window bytes do not grow with the
@@ -8,7 +10,7 @@ prompt. Both halves run on the thread that owns their engine: the caches are not
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -157,20 +159,29 @@ class KVBatch:
 class ChunkAssembler:
     """The receiving end of one request's stream, on the thread that reads it (never the cache's).
 
-    Checks every chunk against the layout and the prompt length, and copies its bytes into a host
-    buffer the size of what is left of that layer, so the thread owning the cache gets one `KVBatch`
-    per layer (a few index copies) instead of one per chunk. A bad chunk raises ValueError, and the
-    assembler stays unusable: the request fails, nothing of it is applied after the error.
+    Checks every chunk against the layout and the prompt, and copies its bytes into a host buffer, so
+    the thread owning the cache gets a few large `KVBatch`es per layer instead of one per chunk. Each
+    layer's chunks must run contiguously from its first position (0; a sliding layer's window start)
+    to the prompt's end, each layer once, as the sender sends them: a gap, an overlap, a repeat or a
+    layer left unfinished (`finish`) is an error. Batches close at `max_batch_bytes` of K, bounding
+    what one batch holds. A bad chunk raises ValueError, and the assembler stays unusable: the request
+    fails, nothing of it is applied after the error.
     """
 
-    def __init__(self, layout: KVLayout, num_tokens: int, *, pin: bool = False) -> None:
+    def __init__(
+        self, layout: KVLayout, num_tokens: int, *, window: bool, pin: bool = False,
+        max_batch_bytes: int = 16 << 20,
+    ) -> None:  # fmt: skip
         self.dtype = getattr(torch, layout.dtype)
         self.row_shape = (layout.num_kv_heads, layout.head_dim)
         self.row_bytes = layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
         self.sliding = tuple(t == SLIDING for t in layout.layer_types)
-        self.window = layout.sliding_window
         self.num_tokens = num_tokens
+        self.first_window = max(0, num_tokens - layout.sliding_window)
+        self.window = window  # the sliding layers' history is sent too
         self.pin = pin
+        self.batch_rows = max(1, max_batch_bytes // self.row_bytes)
+        self._next: dict[int, int] = {}  # layer -> the position its next chunk must start at
         self._open: tuple[int, bool, int, int, torch.Tensor, torch.Tensor] | None = None  # layer, window,
         # start, tokens so far, k and v buffers [capacity * row_bytes] uint8
         self._failed = False
@@ -179,33 +190,48 @@ class ChunkAssembler:
         self, layer: int, window: bool, token_start: int, token_count: int, k: bytes, v: bytes
     ) -> list[KVBatch]:
         """Take one chunk's fields; returns the batches it completes (usually none or one)."""
+        return self._guarded(lambda: self._add(layer, window, token_start, token_count, k, v))
+
+    def finish(self) -> list[KVBatch]:
+        """The stream has ended: the batch still open; ValueError if a layer is incomplete."""
+        return self._guarded(self._finish)
+
+    def _guarded(self, fn: Callable[[], list[KVBatch]]) -> list[KVBatch]:
         if self._failed:
             raise ValueError("an earlier chunk of this request was bad")
         try:
-            return self._add(layer, window, token_start, token_count, k, v)
+            return fn()
         except ValueError:
             self._failed = True
+            self._open = None
             raise
+
+    def _first(self, layer: int) -> int:
+        return self.first_window if self.sliding[layer] else 0
 
     def _add(self, layer: int, window: bool, start: int, n: int, k: bytes, v: bytes) -> list[KVBatch]:
         if layer >= len(self.sliding) or self.sliding[layer] != window:
             raise ValueError(f"chunk for layer {layer} (window={window}) does not fit this cache")
-        first = max(0, self.num_tokens - self.window) if window else 0
-        if n < 1 or start < first or start + n > self.num_tokens:
+        if window and not self.window:
+            raise ValueError(f"chunk of window history for layer {layer}, which this request did not ask for")
+        want = self._next.get(layer, self._first(layer))
+        if n < 1 or start != want or start + n > self.num_tokens:
             raise ValueError(
-                f"chunk tokens [{start}, {start + n}) outside the prompt's [{first}, {self.num_tokens})"
+                f"chunk tokens [{start}, {start + n}) of layer {layer}: expected the next from {want} "
+                f"on, within the prompt's {self.num_tokens} tokens (chunks of a layer run in order, once)"
             )
         if len(k) != n * self.row_bytes or len(v) != n * self.row_bytes:
             raise ValueError(
                 f"chunk of {n} tokens carries {len(k)} + {len(v)} bytes, not 2 x {n * self.row_bytes}"
             )
+        self._next[layer] = start + n
         out = []
         cur = self._open
-        if cur is not None and (cur[0], cur[1], cur[2] + cur[3]) != (layer, window, start):
-            out.append(self._close())  # not the continuation of the open batch
+        if cur is not None and (cur[0] != layer or cur[3] + n > cur[4].numel() // self.row_bytes):
+            out.append(self._close())  # another layer, or no room: the batch so far goes as it is
             cur = None
         if cur is None:
-            rows = self.num_tokens - start  # what is left of this layer: the batch closes with its last chunk
+            rows = max(n, min(self.num_tokens - start, self.batch_rows))
             kb, vb = (
                 torch.empty(rows * self.row_bytes, dtype=torch.uint8, pin_memory=self.pin) for _ in "kv"
             )
@@ -218,9 +244,16 @@ class ChunkAssembler:
             out.append(self._close())
         return out
 
-    def finish(self) -> list[KVBatch]:
-        """The batch still open, if any (the stream has ended)."""
-        return [self._close()] if self._open is not None and not self._failed else []
+    def _finish(self) -> list[KVBatch]:
+        layers = [i for i, sliding in enumerate(self.sliding) if self.window or not sliding]
+        short = [
+            i for i in layers if self._first(i) < self.num_tokens and self._next.get(i, -1) != self.num_tokens
+        ]
+        if short:
+            raise ValueError(
+                f"the stream ended with layers {short} short of the prompt's {self.num_tokens} tokens"
+            )
+        return [self._close()] if self._open is not None else []
 
     def _close(self) -> KVBatch:
         assert self._open is not None
@@ -262,18 +295,18 @@ def apply_batch(cache: KVCache, pages: list[int], slot: int, batch: KVBatch) -> 
     if batch.layer >= cache.model.num_layers or cache.is_sliding(batch.layer) != batch.window:
         raise ValueError(f"chunk for layer {batch.layer} (window={batch.window}) does not fit this cache")
     i, n, start, dev = cache.kind_index[batch.layer], batch.token_count, batch.token_start, cache.device
+    if batch.window and n > cache.window:
+        raise ValueError(f"window chunk of {n} tokens exceeds the window {cache.window}")
+    if not batch.window and start + n > len(pages) * cache.page_size:
+        raise ValueError(f"chunk tokens [{start}, {start + n}) exceed the pages")
     k, v = to_device(batch.k, dev), to_device(batch.v, dev)
     if batch.window:
-        if n > cache.window:
-            raise ValueError(f"window chunk of {n} tokens exceeds the window {cache.window}")
         pos = torch.arange(start, start + n)
         idx = to_device(pos % cache.window, dev)
         cache.k_ring_l[i][slot].index_copy_(0, idx, k)
         cache.v_ring_l[i][slot].index_copy_(0, idx, v)
         cache.ring_pos_l[i][slot].index_copy_(0, idx, to_device(pos.to(cache.ring_pos.dtype), dev))
         return
-    if start + n > len(pages) * cache.page_size:
-        raise ValueError(f"chunk tokens [{start}, {start + n}) exceed the pages")
     idx = to_device(_flat_index(pages, cache.page_size, start, n), dev)
     cache.k_pages_flat[i].index_copy_(0, idx, k)
     cache.v_pages_flat[i].index_copy_(0, idx, v)

@@ -112,7 +112,7 @@ def test_staging_and_applying_a_prompts_kv_on_cuda_never_waits_for_the_device():
             apply_chunk(decode.cache, d.pages, d.slot, chunk)
     from shared.transfer.inline import ChunkAssembler, apply_batch
 
-    kv = ChunkAssembler(KVLayout.of(decode.cache, "m"), n, pin=True)  # on decode's gRPC thread
+    kv = ChunkAssembler(KVLayout.of(decode.cache, "m"), n, window=True, pin=True)  # on decode's gRPC thread
     batches = [b for c in want for b in kv.add(c.layer, c.window, c.token_start, c.token_count, c.k, c.v)]
     with no_host_sync():  # the batched path: pinned batches, one index copy per layer
         begin_receive(decode.cache, d.slot)
@@ -120,9 +120,10 @@ def test_staging_and_applying_a_prompts_kv_on_cuda_never_waits_for_the_device():
             apply_batch(decode.cache, d.pages, d.slot, batch)
 
 
-def _receive_both_ways(n: int, window: bool):  # type: ignore[no-untyped-def]
+def _receive_both_ways(n: int, window: bool, max_batch_bytes: int = 16 << 20):  # type: ignore[no-untyped-def]
     """A prompt's chunks applied one by one into one decode cache and, joined by a ChunkAssembler into
-    per-layer batches, into another (same reservation): both caches, and the reservation."""
+    batches (one per layer unless `max_batch_bytes` cuts them), into another (same reservation): both
+    caches, and the reservation."""
     from shared.transfer.inline import ChunkAssembler, apply_batch
 
     prefill, per_chunk, batched = engines("SSFS")
@@ -135,21 +136,26 @@ def _receive_both_ways(n: int, window: bool):  # type: ignore[no-untyped-def]
     for chunk in chunks:
         apply_chunk(per_chunk.cache, a.pages, a.slot, chunk)
     begin_receive(batched.cache, b.slot)
-    kv = ChunkAssembler(KVLayout.of(batched.cache, "m"), n)
+    kv = ChunkAssembler(KVLayout.of(batched.cache, "m"), n, window=window, max_batch_bytes=max_batch_bytes)
     batches = [x for c in chunks for x in kv.add(c.layer, c.window, c.token_start, c.token_count, c.k, c.v)]
     batches += kv.finish()
     layers = len(batched.cache.full_layers) + (len(batched.cache.sliding_layers) if window else 0)
-    assert len(batches) == layers < len(chunks)  # one batch per layer
+    largest_chunk = max(len(c.k) for c in chunks)
+    assert all(x.k.numel() * x.k.element_size() <= max(max_batch_bytes, largest_chunk) for x in batches)
+    if n * len(chunks[0].k) // chunks[0].token_count > max_batch_bytes:
+        assert len(batches) > layers, "batches cut at the cap"
+    else:
+        assert len(batches) == layers <= len(chunks)  # one batch per layer
     for batch in batches:
         apply_batch(batched.cache, b.pages, b.slot, batch)
     prefill.release(p)
     return per_chunk, batched, a, b
 
 
-@pytest.mark.parametrize("window", [True, False])
+@pytest.mark.parametrize(("window", "cap"), [(True, 16 << 20), (False, 16 << 20), (True, 2000)])
 @pytest.mark.parametrize("n", [3, W, 3 * W + 5])
-def test_batched_receive_equals_applying_each_chunk(n, window):
-    per_chunk, batched, a, b = _receive_both_ways(n, window)
+def test_batched_receive_equals_applying_each_chunk(n, window, cap):
+    per_chunk, batched, a, b = _receive_both_ways(n, window, cap)
     for name in ("k_pages", "v_pages", "k_ring", "v_ring", "ring_pos"):
         assert torch.equal(getattr(per_chunk.cache, name), getattr(batched.cache, name)), name
     batched.admit_prefilled(b, 0, history=window)
@@ -163,7 +169,7 @@ def _chunk_fields(chunk):  # type: ignore[no-untyped-def]
     return chunk.layer, chunk.window, chunk.token_start, chunk.token_count, chunk.k, chunk.v
 
 
-def test_a_malformed_chunk_is_refused_where_it_is_read_and_ends_that_stream():
+def test_a_malformed_or_incomplete_stream_is_refused_where_it_is_read_and_ends_there():
     from shared.transfer.inline import ChunkAssembler
 
     prefill, decode, _ = engines("SSFS")
@@ -173,17 +179,35 @@ def test_a_malformed_chunk_is_refused_where_it_is_read_and_ends_that_stream():
     prefill.release(p)
     layout = KVLayout.of(decode.cache, "m")
     full = next(c for c in chunks if not c.window)
+    assert full.token_start == 0 and full.token_count < n, "a layer of several chunks"
+    second = next(c for c in chunks if c.layer == full.layer and c.token_start > 0)
+    window = next(c for c in chunks if c.window)
     wrong = {
-        "layer kind": (full.layer, True, *_chunk_fields(full)[2:]),
-        "no such layer": (99, False, *_chunk_fields(full)[2:]),
-        "past the prompt": (full.layer, False, n, *_chunk_fields(full)[3:]),
-        "bytes short": (*_chunk_fields(full)[:4], full.k[:-1], full.v),
-        "no tokens": (full.layer, False, 0, 0, b"", b""),
+        "layer kind": [(full.layer, True, *_chunk_fields(full)[2:])],
+        "no such layer": [(99, False, *_chunk_fields(full)[2:])],
+        "past the prompt": [(full.layer, False, n, *_chunk_fields(full)[3:])],
+        "bytes short": [(*_chunk_fields(full)[:4], full.k[:-1], full.v)],
+        "no tokens": [(full.layer, False, 0, 0, b"", b"")],
+        "a gap": [_chunk_fields(second)],
+        "a repeat": [_chunk_fields(full), _chunk_fields(full)],
+        "window history not asked for": [_chunk_fields(window)],
     }
-    for why, fields in wrong.items():
-        kv = ChunkAssembler(layout, n)
+    for why, sent in wrong.items():
+        kv = ChunkAssembler(layout, n, window=why != "window history not asked for")
         with pytest.raises(ValueError):
-            kv.add(*fields)
+            for fields in sent:
+                kv.add(*fields)
         with pytest.raises(ValueError, match="earlier chunk"):  # nothing of this request after it
             kv.add(*_chunk_fields(full))
-        assert kv.finish() == [], why
+        with pytest.raises(ValueError, match="earlier chunk"):
+            kv.finish()
+    kv = ChunkAssembler(layout, n, window=True)
+    for c in chunks[:-1]:  # the stream ends one chunk short
+        kv.add(*_chunk_fields(c))
+    with pytest.raises(ValueError, match=f"layers \\[{chunks[-1].layer}\\] short of the prompt's {n} tokens"):
+        kv.finish()
+    kv = ChunkAssembler(layout, n, window=False)
+    for c in chunks:
+        if not c.window:
+            kv.add(*_chunk_fields(c))
+    assert kv.finish() == [], "without window history the full layers are the whole stream"

@@ -41,8 +41,8 @@ def random_model(name: str, dtype: torch.dtype) -> Transformer:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_triton_forward_matches_torch(name: str, dtype: torch.dtype, gemm: str) -> None:
-    # skinny: the layers' GEMMs through skinny_gemm (SwiGLU in the down projection's prologue) where
-    # a layer has no bias; Llama's and Qwen2's biased projections stay on torch's GEMM.
+    # skinny: the layers' GEMMs through skinny_gemm where a layer has no bias; Llama's and Qwen2's
+    # biased projections stay on torch's GEMM.
     model = random_model(name, dtype)
     seqs = [list(range(3, 20)), [7, 1, 4], [9]]
     model.kernel_backend = "torch"

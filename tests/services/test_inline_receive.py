@@ -1,22 +1,29 @@
-"""Decode's receive path for inline KV, on a real DecodeScheduler and Engine: a bad chunk, refused where
-the stream is read, costs its own request only; the others sharing the scheduler run to the end."""
+"""Decode's receive path for inline KV. End to end with real processes: a bad chunk from the prefill
+service fails its own request at once (UNAVAILABLE, naming the chunk), both pools come back to idle and
+the next request succeeds. On a real DecodeScheduler: a request aborted with part of its KV applied
+releases its reservation once; the others sharing the scheduler run to the end."""
 
 from __future__ import annotations
 
 import queue
 
+import grpc
 import pytest
 
 from decode_service.scheduler import DecodeScheduler, Finished, RemoteOpts, Reserved, SchedulerConfig
+from prefill_service.servicer import SERVICE_NAME as PREFILL
+from shared.client import Client, GenerationError
 from shared.engine import Engine, EngineConfig
 from shared.kv.cache import KVConfig
 from shared.sampling import SamplingParams
 from shared.transfer.base import KVLayout
 from shared.transfer.inline import ChunkAssembler, extract_chunks
 from tests.engine.engine_testutil import random_tokens, tiny_config, tiny_model
+from tests.services.service_testutil import PrefillInfo, ServerProcess, random_spec, stop_all, wait_pool_idle
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
+MARKER = 5  # prompts starting with it get a short chunk from the faulty prefill service
 
 
 @pytest.fixture
@@ -46,31 +53,52 @@ def _finished(events: queue.Queue) -> Finished:
             return ev
 
 
-def test_a_bad_chunk_fails_its_request_only(sched):
+def test_a_request_aborted_half_received_frees_its_reservation_and_not_the_others(sched):
     prompt = random_tokens(20)
     first, chunks = _chunks(prompt)
     layout = KVLayout.of(sched._engine.cache, "m")
     streams = {}
-    for rid in ("good", "bad"):
+    for rid in ("good", "cut"):
         events: queue.Queue = queue.Queue()
         sched.submit(rid, prompt, GREEDY, events.put, RemoteOpts())
         assert isinstance(events.get(timeout=10), Reserved)
         streams[rid] = events
     for rid in streams:  # what decode's prefill client does with each stream
-        kv = ChunkAssembler(layout, len(prompt))
-        for i, c in enumerate(chunks):
-            k = c.k[:-2] if rid == "bad" and i == 3 else c.k
-            try:
-                batches = kv.add(c.layer, c.window, c.token_start, c.token_count, k, c.v)
-            except ValueError as exc:
-                sched.deliver(rid, [exc])
-                break
-            if batches:
-                sched.deliver(rid, batches)
-        sched.deliver(rid, kv.finish())
-        sched.prefilled(rid, first, history=True)
-    bad, good = _finished(streams["bad"]), _finished(streams["good"])
-    assert bad.reason == "abort" and bad.error is not None and "bad KV chunk" in bad.error
+        kv = ChunkAssembler(layout, len(prompt), window=True, max_batch_bytes=700)
+        sent = chunks if rid == "good" else chunks[: len(chunks) // 2]
+        for c in sent:
+            sched.deliver(rid, kv.add(c.layer, c.window, c.token_start, c.token_count, c.k, c.v))
+        if rid == "good":
+            sched.deliver(rid, kv.finish())
+            sched.prefilled(rid, first, history=True)
+        else:  # the stream failed: the servicer aborts the request
+            assert sched.abort(rid)
+    cut, good = _finished(streams["cut"]), _finished(streams["good"])
+    assert cut.reason == "abort"
     assert good.error is None and good.completion_tokens == GREEDY.max_tokens
     assert sched.wait_idle(10)
     assert sched.pool_state().pages_free == 64
+
+
+def test_a_bad_chunk_from_prefill_fails_its_request_at_once_and_both_pools_end_idle():
+    common = ("--page-size", "4", "--max-running", "4")
+    env = {"PDSERVE_TEST_FAULTS": f"short_kv_chunk:{MARKER}"}
+    prefill = ServerProcess(random_spec(), *common, module="prefill_service", service=PREFILL, env=env)
+    decode = ServerProcess(
+        random_spec(), *common, "--prefill-target", prefill.target, "--local-prefill-max-tokens", "0"
+    )
+    info = PrefillInfo(prefill.target)
+    try:
+        with Client(decode.target) as c:
+            with pytest.raises(GenerationError) as exc:
+                c.complete([MARKER, *range(10, 70)], max_tokens=4, temperature=0.0)
+            assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "bad KV chunk" in exc.value.details and "bytes" in exc.value.details, exc.value.details
+            wait_pool_idle(c)
+            wait_pool_idle(info)  # type: ignore[arg-type]
+            done = c.complete([6, *range(10, 70)], max_tokens=4, temperature=0.0, ignore_eos=True)
+            assert done.finish_reason == "length" and len(done.token_ids) == 4
+            wait_pool_idle(c)
+    finally:
+        info.close()
+        stop_all(decode, prefill)

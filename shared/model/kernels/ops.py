@@ -22,7 +22,9 @@ from shared.model.kernels import reference
 Tensor = torch.Tensor
 Backend = Literal["auto", "torch", "triton"]
 # The layers' GEMMs: torch's (cuBLAS on a GPU), or `skinny_gemm` for batches of at most 64 rows
-# ("skinny"), or at most 16 ("auto", the default: where the H200 measured it faster, docs/benchmarks.md).
+# ("skinny"), or at most 16 ("auto", the default: decode steps of 1 and 16 rows measured 1-4% faster
+# with it on the H200, from the gate/up and down projections; q/k/v and o alone are a little slower,
+# docs/benchmarks.md).
 Gemm = Literal["auto", "cublas", "skinny"]
 _SKINNY_ROWS = {"auto": 16, "skinny": 64, "cublas": 0}
 

@@ -92,9 +92,10 @@ _SMEM_BUDGET = 192 << 10
 
 
 def choose_config(m: int, n: int, k: int, *, itemsize: int = 2) -> GemmConfig:
-    """The sweep's best at a decode step's shapes (`bench/gemm_decode.py` on an H200, M = 64/16/1):
-    outputs too narrow for 32-column blocks to fill the SMs take 16-column blocks, or split K four
-    ways when K is deep (the down projection); wide outputs stream 128-deep K tiles. The K tile, then
+    """The sweep's best at a decode step's shapes (`bench/gemm_decode.py` on an H200, M = 64; the quick
+    sweep at 16 and 1 rows, 32-column blocks only, agreed but for o): outputs too narrow for 32-column
+    blocks to fill the SMs take 16-column blocks, or split K four ways when K is deep (the down
+    projection); wide outputs stream 128-deep K tiles. The K tile, then
     the pipeline, shrink until the stages' operand tiles fit in shared memory."""
     narrow = triton.cdiv(n, 32) < 96
     split = 4 if narrow and k >= 4096 else 1
