@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,8 +154,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 first = await events.get()
                 if isinstance(first, Reserved):
                     rt.queued(first.at_ns)
-                    reserved, first = first, None
-                    final = await self._remote_prefill(s, rid, prompt, request, context, rt, route, reserved)
+                    reserved = first
+                    call = self._remote_prefill(s, rid, prompt, request, context, rt, route, reserved)
+                    final, first = await _unless_finished(call, events, route)
             while not done:
                 batch = [first if first is not None else await events.get()]
                 first = None
@@ -262,3 +263,33 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         s = await self._ready(context)
         pool = s.scheduler.pool_state()
         return model_info(s.loaded, s.limits.max_context, s.page_size, s.kv_dtype, pool)
+
+
+async def _unless_finished(
+    prefill: Coroutine[Any, Any, Route], events: asyncio.Queue[Any], route: Route
+) -> tuple[Route, Any]:
+    """Run the remote prefill, unless the request ends first (an Abort by id, a drain): then cancel it,
+    so that the client hears at once and the Prefill call is cancelled (prefill stops computing it).
+    Returns where the prompt was prefilled and the event that came meanwhile (None if none did)."""
+    task = asyncio.ensure_future(prefill)
+    waiting = asyncio.ensure_future(events.get())
+    try:
+        await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        waiting.cancel()
+        raise
+    if task.done():
+        if not waiting.done():
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            return task.result(), None
+        return task.result(), waiting.result()
+    event = waiting.result()
+    if not isinstance(event, Finished):  # not an end: let the prefill finish, the event comes first
+        return await task, event
+    task.cancel()  # the request ended while its prompt was away: nothing of the call is needed
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return route, event
