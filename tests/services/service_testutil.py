@@ -4,6 +4,7 @@ or an in-process grpc.aio server on its own event loop thread. Both serve tiny r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,28 @@ def stop_all(*procs: ServerProcess) -> None:
             p.wait(30)
         finally:
             p.kill()
+
+
+@contextlib.contextmanager
+def remote_pair(
+    *common: str, prefill_env: dict[str, str] | None = None
+) -> Iterator[tuple[Client, PrefillInfo]]:
+    """A prefill and a decode process on the tiny random model, decode sending every prompt to
+    prefill; yields decode's Client and prefill's stub, and stops both after."""
+    from prefill_service.servicer import SERVICE_NAME as PREFILL
+
+    env = prefill_env
+    prefill = ServerProcess(random_spec(), *common, module="prefill_service", service=PREFILL, env=env)
+    decode = ServerProcess(
+        random_spec(), *common, "--prefill-target", prefill.target, "--local-prefill-max-tokens", "0"
+    )
+    info = PrefillInfo(prefill.target)
+    try:
+        with Client(decode.target) as client:
+            yield client, info
+    finally:
+        info.close()
+        stop_all(decode, prefill)
 
 
 def health_status(target: str, service: str) -> int:

@@ -11,15 +11,14 @@ import grpc
 import pytest
 
 from decode_service.scheduler import DecodeScheduler, Finished, RemoteOpts, Reserved, SchedulerConfig
-from prefill_service.servicer import SERVICE_NAME as PREFILL
-from shared.client import Client, GenerationError
+from shared.client import GenerationError
 from shared.engine import Engine, EngineConfig
 from shared.kv.cache import KVConfig
 from shared.sampling import SamplingParams
 from shared.transfer.base import KVLayout
 from shared.transfer.inline import ChunkAssembler, extract_chunks
 from tests.engine.engine_testutil import random_tokens, tiny_config, tiny_model
-from tests.services.service_testutil import PrefillInfo, ServerProcess, random_spec, stop_all, wait_pool_idle
+from tests.services.service_testutil import remote_pair, wait_pool_idle
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
@@ -81,24 +80,14 @@ def test_a_request_aborted_half_received_frees_its_reservation_and_not_the_other
 
 
 def test_a_bad_chunk_from_prefill_fails_its_request_at_once_and_both_pools_end_idle():
-    common = ("--page-size", "4", "--max-running", "4")
     env = {"PDSERVE_TEST_FAULTS": f"short_kv_chunk:{MARKER}"}
-    prefill = ServerProcess(random_spec(), *common, module="prefill_service", service=PREFILL, env=env)
-    decode = ServerProcess(
-        random_spec(), *common, "--prefill-target", prefill.target, "--local-prefill-max-tokens", "0"
-    )
-    info = PrefillInfo(prefill.target)
-    try:
-        with Client(decode.target) as c:
-            with pytest.raises(GenerationError) as exc:
-                c.complete([MARKER, *range(10, 70)], max_tokens=4, temperature=0.0)
-            assert exc.value.code == grpc.StatusCode.UNAVAILABLE
-            assert "bad KV chunk" in exc.value.details and "bytes" in exc.value.details, exc.value.details
-            wait_pool_idle(c)
-            wait_pool_idle(info)  # type: ignore[arg-type]
-            done = c.complete([6, *range(10, 70)], max_tokens=4, temperature=0.0, ignore_eos=True)
-            assert done.finish_reason == "length" and len(done.token_ids) == 4
-            wait_pool_idle(c)
-    finally:
-        info.close()
-        stop_all(decode, prefill)
+    with remote_pair("--page-size", "4", "--max-running", "4", prefill_env=env) as (c, info):
+        with pytest.raises(GenerationError) as exc:
+            c.complete([MARKER, *range(10, 70)], max_tokens=4, temperature=0.0)
+        assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "bad KV chunk" in exc.value.details and "bytes" in exc.value.details, exc.value.details
+        wait_pool_idle(c)
+        wait_pool_idle(info)  # type: ignore[arg-type]
+        done = c.complete([6, *range(10, 70)], max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert done.finish_reason == "length" and len(done.token_ids) == 4
+        wait_pool_idle(c)
