@@ -36,9 +36,8 @@ from shared.scheduler_base import (
     Tokens,
     _Entry,
 )
-from shared.transfer.base import Chunk
 from shared.transfer.cuda_ipc import IpcReceiver
-from shared.transfer.inline import KVBatch, apply_batch, apply_chunk, begin_receive
+from shared.transfer.inline import KVBatch, apply_batch, begin_receive
 from shared.transfer.nixl import NixlReceiver
 
 __all__ = [
@@ -103,9 +102,9 @@ class DecodeScheduler(Scheduler):
 
     # ---- any thread ----
 
-    def deliver(self, rid: str, chunks: list[KVBatch | Chunk]) -> None:
-        """KV for a reserved request (dropped if it was aborted meanwhile): batches or chunks, in order."""
-        self._post(lambda: self._apply_chunks(rid, chunks))
+    def deliver(self, rid: str, batches: list[KVBatch]) -> None:
+        """KV for a reserved request, in order (dropped if it was aborted meanwhile)."""
+        self._post(lambda: self._apply_batches(rid, batches))
 
     def prefilled(self, rid: str, first_token: int, history: bool, cuda_ipc_event: bytes = b"") -> None:
         """Every chunk has been delivered (or, cuda_ipc, the writes' event has come): admit the request."""
@@ -194,19 +193,16 @@ class DecodeScheduler(Scheduler):
         if req is not None:
             self._engine.release(req)  # the loop publishes the pool state after this
 
-    def _apply_chunks(self, rid: str, chunks: list[KVBatch | Chunk]) -> None:
+    def _apply_batches(self, rid: str, batches: list[KVBatch]) -> None:
         entry = self._reserved.get(rid)
         if entry is None:
             return  # aborted while the bytes were on their way
         req = entry.req
         assert req is not None
         try:
-            for chunk in chunks:
-                if isinstance(chunk, KVBatch):
-                    apply_batch(self._engine.cache, req.pages, req.slot, chunk)
-                else:
-                    apply_chunk(self._engine.cache, req.pages, req.slot, chunk)
-        except (ValueError, RuntimeError) as exc:  # a malformed chunk costs this request only
+            for batch in batches:
+                apply_batch(self._engine.cache, req.pages, req.slot, batch)
+        except (ValueError, RuntimeError) as exc:  # a malformed batch costs this request only
             self._drop_reserved(rid, f"bad KV chunk: {exc}")
 
     def _admit(self, rid: str, first_token: int, history: bool, cuda_ipc_event: bytes) -> None:

@@ -220,7 +220,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             try:
                 res = await client.prefill(
                     rid, prompt, request.sampling, s.window_history, context.time_remaining(),
-                    lambda chunks: s.scheduler.deliver(rid, chunks), metadata, target,
+                    lambda batches: s.scheduler.deliver(rid, batches), metadata, target,
                 )  # fmt: skip
             except PrefillRefused as e:
                 refused = str(e)
