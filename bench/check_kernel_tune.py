@@ -3,9 +3,11 @@
 Kernel time comes from a CUDA graph of 20 checks (host launch cost excluded: that is measured by
 `invariants_overhead.py --profile`). `--sweep` times every tile of the window check instead, on
 inputs read from HBM (a graph over 8 distinct copies, more than L2 holds) beside a read-only
-reduction (`amax`) of the same bytes: the floor a check kernel can reach.
+reduction (`amax`) of the same bytes: the floor a check kernel can reach. `--grouped` times
+`batched_checks`' one launch over 40 rings (`launch_grouped`, each tile) against the 40 one-check
+launches and against one `amax` over all their bytes.
 
-    python bench/check_kernel_tune.py [--sweep]
+    python bench/check_kernel_tune.py [--sweep] [--grouped]
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import triton
 
 from invariants import Checker, Invariant, Severity, predicates
 from invariants.kernels import check_rows
-from invariants.kernels.check_rows import plan
+from invariants.kernels.check_rows import grouped_plan, plan
 from invariants.predicates import window_expected
 
 INV = Invariant("bench.check_kernel", Severity.SOFTEN, "kernel timing")
@@ -81,11 +83,46 @@ def sweep_case(checker: Checker, batch: int, window: int, copies: int = 8) -> No
     )
 
 
+def grouped_case(checker: Checker, batch: int = 4096, window: int = 1024, layers: int = 40) -> None:
+    """One grouped launch over `layers` rings (each tile) vs one check per ring vs one read of them all."""
+    lens = torch.randint(window, 4 * window, (batch,), device="cuda")
+    whole = window_expected(lens, window).int().expand(layers, -1, -1).contiguous()
+    preds = [predicates.window_positions(r, lens) for r in whole.unbind(0)]
+    ids = torch.arange(batch, device="cuda", dtype=torch.int32)
+    pending = [(p, ids, checker.slot(INV)) for p in preds]
+    nbytes = whole.numel() * 4
+    keep: list[torch.Tensor] = []  # the host tables a captured upload reads
+
+    def grouped() -> None:
+        keep.extend(check_rows.launch_grouped(pending, counts=checker.counts, bits=checker.bits)[1])
+
+    def one_by_one() -> None:
+        for p in preds:
+            checker.check(INV, p, ids, crash=False)
+
+    def report(name: str, ms: float) -> None:
+        rate = nbytes / ms / 1e6
+        print(f"grouped {layers}x{batch}x{window} {name:>22s} {1e3 * ms:8.1f} us {rate:6.0f} GB/s")
+
+    report("amax of all bytes", _graph_ms(lambda: torch.amax(whole), 1))
+    report("one launch per check", _graph_ms(one_by_one, 1))
+    for br, bc, warps in _tiles(window):
+        check_rows.grouped_plan = lambda *_, t=(br, bc, warps): t
+        report(f"grouped {br},{bc},{warps}", _graph_ms(grouped, 1))
+    check_rows.grouped_plan = grouped_plan
+    report(f"grouped default {grouped_plan(batch, window)}", _graph_ms(grouped, 1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time every tile of the window check from HBM")
+    parser.add_argument("--grouped", action="store_true", help="time the grouped launch of batched_checks")
     args = parser.parse_args()
     checker = Checker("cuda")
+    if args.grouped:
+        grouped_case(checker)
+        assert not checker.drain(), "every timed input holds"
+        return
     if args.sweep:
         for batch, window in ((4096, 1024), (512, 4096)):
             sweep_case(checker, batch, window)

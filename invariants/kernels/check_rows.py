@@ -110,29 +110,32 @@ _assert_kernel = triton.jit(debug=True, do_not_specialize=_NO_SPECIALIZE)(_check
 
 @triton.jit
 def _check_rows_grouped(
-    desc_ptr, counts_ptr, bits_ptr, words_per_slot,
+    desc_ptr, counts_ptr, bits_ptr, words_per_slot, C, sa_r, sa_c, sb_r, sb_c,
     A_TY: tl.constexpr, B_TY: tl.constexpr, R_TY: tl.constexpr, OP: tl.constexpr, HAS_ROWS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """Counting mode over many checks of one kind: axis 1 picks a check's row of the table (`_FIELDS`
-    int64 each: its tensors' addresses, sizes, strides, bounds and slot), axis 0 its row blocks."""
-    d = desc_ptr + tl.program_id(1).to(tl.int64) * 12
+    int64 each: its tensors' addresses, rows, bounds and slot), axis 0 its row blocks. The checks of
+    one launch share their width and strides, passed as arguments: Triton specializes on them (and
+    ALIGNED vouches for the addresses), so the loads vectorize as in the one-check kernel."""
+    d = desc_ptr + tl.program_id(1).to(tl.int64) * 7
     R = tl.load(d + 3)
     first = tl.program_id(0) * BLOCK_R
     if first < R:  # checks with fewer rows than the grid's longest leave programs idle
         a_ptr = tl.load(d).to(tl.pointer_type(A_TY))
         b_ptr = tl.load(d + 1).to(tl.pointer_type(B_TY))
+        if ALIGNED:
+            a_ptr = tl.multiple_of(a_ptr, 16)
+            b_ptr = tl.multiple_of(b_ptr, 16)
         rows_ptr = tl.load(d + 2).to(tl.pointer_type(R_TY))
-        C = tl.load(d + 4)
         r = first + tl.arange(0, BLOCK_R)
         rmask = r < R
         r64 = r.to(tl.int64)
-        chunk = tl.cdiv(C, BLOCK_C) * BLOCK_C
         bad = _rows_bad(
-            a_ptr, b_ptr, r64, r64, rmask, C, tl.load(d + 5), tl.load(d + 6), tl.load(d + 7), tl.load(d + 8),
-            tl.load(d + 9), tl.load(d + 10), 0, chunk, OP, BLOCK_R, BLOCK_C,
+            a_ptr, b_ptr, r64, r64, rmask, C, sa_r, sa_c, sb_r, sb_c, tl.load(d + 4), tl.load(d + 5),
+            0, tl.cdiv(C, BLOCK_C) * BLOCK_C, OP, BLOCK_R, BLOCK_C,
         )  # fmt: skip
-        slot = tl.load(d + 11)
+        slot = tl.load(d + 6)
         _record(rows_ptr, counts_ptr, bits_ptr, r, rmask & (bad > 0), slot, words_per_slot, HAS_ROWS)
 
 
@@ -158,6 +161,12 @@ def plan(rows: int, cols: int, scratch_rows: int) -> tuple[int, int, int, int, i
     chunk = ((col_blocks + splits - 1) // splits) * block_c
     splits = (cols + chunk - 1) // chunk
     return block_r, block_c, 8 if block_c >= 4096 else 4, splits, chunk
+
+
+def grouped_plan(rows: int, cols: int) -> tuple[int, int, int]:
+    """(block_r, block_c, num_warps) of a grouped launch: the one-check tile (no column splits: the
+    group's checks already give the grid its programs)."""
+    return plan(rows, cols, 0)[:3]
 
 
 # Compiled kernels by everything Triton specializes on, so that a repeat launch skips Triton's
@@ -238,8 +247,8 @@ def launch(
     return tensors
 
 
-# One row of the grouped kernel's table: a, b and rows addresses, R, C, a's and b's strides, lo, hi, slot.
-_FIELDS = 12
+# One row of the grouped kernel's table: a, b and rows addresses, rows, lo, hi, slot.
+_FIELDS = 7
 _TL_TYPES = {
     torch.bool: tl.uint8, torch.uint8: tl.uint8, torch.int8: tl.int8, torch.int16: tl.int16,
     torch.int32: tl.int32, torch.int64: tl.int64, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
@@ -274,18 +283,20 @@ def launch_grouped(
         if R == 0 or C == 0 or (pred.op is Op.FINITE and not a.is_floating_point()):
             continue
         bb = a if b is None else b
-        block_r, block_c = plan(R, C, 0)[:2]
-        key = (int(pred.op), a.dtype, bb.dtype, None if rows is None else rows.dtype, block_r, block_c)
+        aligned = all(t.data_ptr() % 16 == 0 for t in (a, bb))
+        rows_dtype = None if rows is None else rows.dtype
+        strides = (a.stride(0), a.stride(1), bb.stride(0), bb.stride(1))
+        key = (int(pred.op), a.dtype, bb.dtype, rows_dtype, C, *strides, aligned)
         groups.setdefault(key, []).append((a, bb, rows, pred, slot))
     used: list[torch.Tensor] = []
     tables: list[torch.Tensor] = []
     stream = fork() if fork is not None and groups else None
-    for (op, a_dtype, b_dtype, rows_dtype, block_r, block_c), members in groups.items():
+    for key, members in groups.items():
+        op, a_dtype, b_dtype, rows_dtype, C, sa_r, sa_c, sb_r, sb_c, aligned = key
         table = torch.tensor(
             [
                 [a.data_ptr(), bb.data_ptr(), 0 if rows is None else rows.data_ptr(), pred.num_rows,
-                 a.shape[1], a.stride(0), a.stride(1), bb.stride(0), bb.stride(1), int(pred.lo),
-                 int(pred.hi), slot]
+                 int(pred.lo), int(pred.hi), slot]
                 for a, bb, rows, pred, slot in members
             ],
             dtype=torch.int64,
@@ -293,14 +304,15 @@ def launch_grouped(
         device = members[0][0].device
         if device.type == "cuda":
             table = table.pin_memory()
+        block_r, block_c, warps = grouped_plan(max(pred.num_rows for _, _, _, pred, _ in members), C)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             desc = table.to(device, non_blocking=True)
             grid = (max(-(-pred.num_rows // block_r) for _, _, _, pred, _ in members), len(members))
             _check_rows_grouped[grid](
-                desc, counts, bits, bits.shape[1],
+                desc, counts, bits, bits.shape[1], C, sa_r, sa_c, sb_r, sb_c,
                 A_TY=_TL_TYPES[a_dtype], B_TY=_TL_TYPES[b_dtype], R_TY=_TL_TYPES[rows_dtype or torch.int32],
-                OP=op, HAS_ROWS=rows_dtype is not None, BLOCK_R=block_r, BLOCK_C=block_c,
-                num_warps=8 if block_c >= 4096 else 4,
+                OP=op, HAS_ROWS=rows_dtype is not None, ALIGNED=aligned, BLOCK_R=block_r, BLOCK_C=block_c,
+                num_warps=warps,
             )  # fmt: skip
         used += [desc, *(t for a, bb, rows, _, _ in members for t in (a, bb, rows) if t is not None)]
         tables.append(table)
