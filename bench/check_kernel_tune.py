@@ -102,13 +102,14 @@ def grouped_case(checker: Checker, batch: int = 4096, window: int = 1024, layers
 
     def report(name: str, ms: float) -> None:
         rate = nbytes / ms / 1e6
-        print(f"grouped {layers}x{batch}x{window} {name:>22s} {1e3 * ms:8.1f} us {rate:6.0f} GB/s")
+        print(f"grouped {layers}x{batch}x{window} {name:>34s} {1e3 * ms:8.1f} us {rate:6.0f} GB/s")
 
     report("amax of all bytes", _graph_ms(lambda: torch.amax(whole), 1))
     report("one launch per check", _graph_ms(one_by_one, 1))
     for br, bc, warps in _tiles(window):
-        check_rows.grouped_plan = lambda *_, t=(br, bc, warps): t
-        report(f"grouped {br},{bc},{warps}", _graph_ms(grouped, 1))
+        for evict in ("", "evict_first") if warps == 4 else ("",):
+            check_rows.grouped_plan = lambda *_, t=(br, bc, warps, evict): t
+            report(f"grouped {br},{bc},{warps}{',' * bool(evict)}{evict}", _graph_ms(grouped, 1))
     check_rows.grouped_plan = grouped_plan
     report(f"grouped default {grouped_plan(batch, window)}", _graph_ms(grouped, 1))
 

@@ -36,9 +36,10 @@ def _record(rows_ptr, counts_ptr, bits_ptr, r, rbad, slot, words_per_slot, HAS_R
 @triton.jit
 def _rows_bad(
     a_ptr, b_ptr, ra, r64, rmask, C, sa_r, sa_c, sb_r, sb_c, lo, hi, c_start, chunk,
-    OP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    OP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EVICT: tl.constexpr = "",
 ):  # fmt: skip
-    """1 for each row of the block with a failing element among columns [c_start, c_start + chunk)."""
+    """1 for each row of the block with a failing element among columns [c_start, c_start + chunk).
+    EVICT: the checked tensors' eviction policy ("evict_first": the step's own data keeps L2)."""
     bad = tl.zeros([BLOCK_R], dtype=tl.int32)
     if OP == 5:
         L = tl.load(b_ptr + r64 * sb_r, mask=rmask, other=0).to(tl.int32)
@@ -47,9 +48,11 @@ def _rows_bad(
     for c0 in range(c_start, c_start + chunk, BLOCK_C):
         c = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
         m = rmask[:, None] & (c < C)[None, :]
-        a = tl.load(a_ptr + ra[:, None] * sa_r + c[None, :] * sa_c, mask=m, other=0)
+        a = tl.load(a_ptr + ra[:, None] * sa_r + c[None, :] * sa_c, mask=m, other=0, eviction_policy=EVICT)
         if OP == 0:
-            b = tl.load(b_ptr + r64[:, None] * sb_r + c[None, :] * sb_c, mask=m, other=0)
+            b = tl.load(
+                b_ptr + r64[:, None] * sb_r + c[None, :] * sb_c, mask=m, other=0, eviction_policy=EVICT
+            )
             ok = a == b
         elif OP == 1:
             ok = (a >= lo) & (a < hi)
@@ -112,7 +115,7 @@ _assert_kernel = triton.jit(debug=True, do_not_specialize=_NO_SPECIALIZE)(_check
 def _check_rows_grouped(
     desc_ptr, counts_ptr, bits_ptr, words_per_slot, C, sa_r, sa_c, sb_r, sb_c,
     A_TY: tl.constexpr, B_TY: tl.constexpr, R_TY: tl.constexpr, OP: tl.constexpr, HAS_ROWS: tl.constexpr,
-    ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     """Counting mode over many checks of one kind: axis 1 picks a check's row of the table (`_FIELDS`
     int64 each: its tensors' addresses, rows, bounds and slot), axis 0 its row blocks. The checks of
@@ -133,7 +136,7 @@ def _check_rows_grouped(
         r64 = r.to(tl.int64)
         bad = _rows_bad(
             a_ptr, b_ptr, r64, r64, rmask, C, sa_r, sa_c, sb_r, sb_c, tl.load(d + 4), tl.load(d + 5),
-            0, tl.cdiv(C, BLOCK_C) * BLOCK_C, OP, BLOCK_R, BLOCK_C,
+            0, tl.cdiv(C, BLOCK_C) * BLOCK_C, OP, BLOCK_R, BLOCK_C, EVICT,
         )  # fmt: skip
         slot = tl.load(d + 6)
         _record(rows_ptr, counts_ptr, bits_ptr, r, rmask & (bad > 0), slot, words_per_slot, HAS_ROWS)
@@ -163,10 +166,10 @@ def plan(rows: int, cols: int, scratch_rows: int) -> tuple[int, int, int, int, i
     return block_r, block_c, 8 if block_c >= 4096 else 4, splits, chunk
 
 
-def grouped_plan(rows: int, cols: int) -> tuple[int, int, int]:
-    """(block_r, block_c, num_warps) of a grouped launch: the one-check tile (no column splits: the
-    group's checks already give the grid its programs)."""
-    return plan(rows, cols, 0)[:3]
+def grouped_plan(rows: int, cols: int) -> tuple[int, int, int, str]:
+    """(block_r, block_c, num_warps, eviction policy) of a grouped launch: the one-check tile (no
+    column splits: the group's checks already give the grid its programs)."""
+    return (*plan(rows, cols, 0)[:3], "")
 
 
 # Compiled kernels by everything Triton specializes on, so that a repeat launch skips Triton's
@@ -304,7 +307,7 @@ def launch_grouped(
         device = members[0][0].device
         if device.type == "cuda":
             table = table.pin_memory()
-        block_r, block_c, warps = grouped_plan(max(pred.num_rows for _, _, _, pred, _ in members), C)
+        block_r, block_c, warps, evict = grouped_plan(max(pred.num_rows for _, _, _, pred, _ in members), C)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             desc = table.to(device, non_blocking=True)
             grid = (max(-(-pred.num_rows // block_r) for _, _, _, pred, _ in members), len(members))
@@ -312,7 +315,7 @@ def launch_grouped(
                 desc, counts, bits, bits.shape[1], C, sa_r, sa_c, sb_r, sb_c,
                 A_TY=_TL_TYPES[a_dtype], B_TY=_TL_TYPES[b_dtype], R_TY=_TL_TYPES[rows_dtype or torch.int32],
                 OP=op, HAS_ROWS=rows_dtype is not None, ALIGNED=aligned, BLOCK_R=block_r, BLOCK_C=block_c,
-                num_warps=warps,
+                EVICT=evict, num_warps=warps,
             )  # fmt: skip
         used += [desc, *(t for a, bb, rows, _, _ in members for t in (a, bb, rows) if t is not None)]
         tables.append(table)
