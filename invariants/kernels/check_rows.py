@@ -36,7 +36,7 @@ def _record(rows_ptr, counts_ptr, bits_ptr, r, rbad, slot, words_per_slot, HAS_R
 @triton.jit
 def _rows_bad(
     a_ptr, b_ptr, ra, r64, rmask, C, sa_r, sa_c, sb_r, sb_c, lo, hi, c_start, chunk,
-    OP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EVICT: tl.constexpr = "",
+    OP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     """1 for each row of the block with a failing element among columns [c_start, c_start + chunk).
     EVICT: the checked tensors' eviction policy ("evict_first": the step's own data keeps L2)."""
@@ -77,6 +77,7 @@ def _check_rows(
     R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words_per_slot, chunk,
     OP: tl.constexpr, HAS_ROWS: tl.constexpr, ASSERT: tl.constexpr, MSG: tl.constexpr,
     SPLIT: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    EVICT: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < R
@@ -86,7 +87,7 @@ def _check_rows(
         ra = tl.load(index_ptr + r, mask=rmask, other=0).to(tl.int64)
     bad = _rows_bad(
         a_ptr, b_ptr, ra, r64, rmask, C, sa_r, sa_c, sb_r, sb_c, lo, hi, tl.program_id(1) * chunk, chunk,
-        OP, BLOCK_R, BLOCK_C,
+        OP, BLOCK_R, BLOCK_C, EVICT,
     )  # fmt: skip
     if ASSERT:
         tl.device_assert(bad == 0, MSG)  # asserting needs no per-row dedupe, split or not
@@ -221,7 +222,7 @@ def launch(
     split = splits > 1
     has_index = pred.index is not None
     consts = (int(pred.op), rows is not None, assert_message is not None, msg, split, has_index)
-    consts += (block_r, block_c)
+    consts += (block_r, block_c, "")  # no eviction hint
     grid = ((R + block_r - 1) // block_r, splits, 1)
     key = (
         kernel is _assert_kernel, a.device.index, a.dtype, bb.dtype, rr.dtype, ii.dtype,
@@ -243,7 +244,7 @@ def launch(
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():  # Triton's choice
         launched = kernel[grid](
             *args, OP=consts[0], HAS_ROWS=consts[1], ASSERT=consts[2], MSG=msg, SPLIT=split,
-            HAS_INDEX=has_index, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+            HAS_INDEX=has_index, BLOCK_R=block_r, BLOCK_C=block_c, EVICT="", num_warps=warps,
         )  # fmt: skip
     if a.is_cuda:  # Triton's interpreter (CPU tests) has no compiled kernel to keep
         _compiled[key] = launched
