@@ -170,7 +170,20 @@ def run_loop(step: Callable[[], object], after: Callable[[], object], steps: int
     return 1e3 * total / steps, 1e3 * enqueue / steps
 
 
-def measure(s: Setup, name: str, graph: bool, steps: int, repeats: int) -> dict[str, object] | None:
+@dataclass
+class Prepared:
+    """One variant ready to time: its step (a graph's replay, or the eager step), its after-wait work,
+    its level, its syncs per step."""
+
+    name: str
+    graph: bool
+    step: Callable[[], object]
+    after: Callable[[], object]
+    level: str
+    syncs: int
+
+
+def prepare(s: Setup, name: str, graph: bool) -> Prepared | None:
     fn, level = VARIANTS[name]
     checker = invariants.checker("cuda")
     if name == "naive" and graph:
@@ -192,13 +205,29 @@ def measure(s: Setup, name: str, graph: bool, steps: int, repeats: int) -> dict[
                 step()
             step = g.replay
             syncs = 0 if name != "deferred" else 1
-        times = [run_loop(step, after, steps) for _ in range(repeats)]
         checker.drain()
-    ms = statistics.median(t[0] for t in times)
-    spread = max(t[0] for t in times) - min(t[0] for t in times)
-    enq = statistics.median(t[1] for t in times)
-    return {"variant": name, "graph": graph, "batch": s.batch, "step_ms": ms, "spread_ms": spread,
-            "enqueue_ms": enq, "syncs_per_step": syncs}  # fmt: skip
+    return Prepared(name, graph, step, after, level or "off", syncs)
+
+
+def measure_round_robin(todo: list[Prepared], steps: int, repeats: int) -> list[dict[str, object]]:
+    """Time every variant `repeats` times, in turns (none, a, b, none, a, b, ...), so that drift of the
+    shared GPU's clocks and neighbours hits every variant alike; report medians."""
+    times: dict[str, list[tuple[float, float]]] = {p.name: [] for p in todo}
+    checker = invariants.checker("cuda")
+    for _ in range(repeats):
+        for p in todo:
+            with invariants.levels(p.level):
+                times[p.name].append(run_loop(p.step, p.after, steps))
+                checker.drain()
+    rows = []
+    for p in todo:
+        ts = times[p.name]
+        rows.append({
+            "variant": p.name, "graph": p.graph, "step_ms": statistics.median(t[0] for t in ts),
+            "spread_ms": max(t[0] for t in ts) - min(t[0] for t in ts),
+            "enqueue_ms": statistics.median(t[1] for t in ts), "syncs_per_step": p.syncs,
+        })  # fmt: skip
+    return rows
 
 
 def profile_enqueue(calls: int = 2000) -> None:
@@ -253,19 +282,16 @@ def main() -> None:
         batch, attention = SCENARIOS[scenario]
         s = make_setup(batch, args.hidden, attention)
         for graph in (False, True):
+            todo = [p for p in (prepare(s, name, graph) for name in variants) if p is not None]
             base = None
-            # Interleave variants in one run so that drift hits all of them alike.
-            for name in variants:
-                r = measure(s, name, graph, args.steps, args.repeats)
-                if r is None:
-                    continue
+            for r in measure_round_robin(todo, args.steps, args.repeats):
                 base = base or r["step_ms"]
                 r["vs_none"] = r["step_ms"] / base
-                r["scenario"] = scenario
+                r["scenario"], r["batch"] = scenario, s.batch
                 rows.append(r)
                 mode = "graph" if graph else "eager"
                 print(
-                    f"{scenario:10s} {mode} {name:18s} step {r['step_ms']:8.3f} ms "
+                    f"{scenario:10s} {mode} {r['variant']:18s} step {r['step_ms']:8.3f} ms "
                     f"(±{r['spread_ms']:.3f})  enqueue {r['enqueue_ms']:8.3f} ms  "
                     f"syncs/step {r['syncs_per_step']:4d}  x{r['vs_none']:.4f}",
                     flush=True,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import textwrap
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -59,6 +58,7 @@ def step(x, pos, lens, slots):
 def side_stream_held(checker: invariants.Checker) -> Iterator[None]:
     """The checker's side stream spins (its checks wait) until the with-block is done."""
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    checker.side_stream.wait_stream(torch.cuda.current_stream())  # the spin reads the zeroed flag
     with torch.cuda.stream(checker.side_stream):
         spin.hold(flag)
     try:
@@ -90,28 +90,31 @@ def test_checks_inside_the_block_count_eagerly_and_change_nothing_else():
 
 
 def test_a_check_runs_beside_the_block_and_the_block_end_waits_for_it():
-    slots, lens, pos = swa_case()
-    pos[0] = -1
+    # A slow check (a 1 GiB ring: hundreds of microseconds) and a tiny kernel after it: forked, the
+    # tiny kernel ends long before the check does; joined, the work after the block starts after it.
+    lens = torch.randint(1 << 16, 1 << 18, (4096,), device="cuda")
+    pos = window_expected(lens, 1 << 16).to(torch.int32)
+    pos[7, 3] = -1
+    slots = torch.arange(4096, device="cuda")
     checker = invariants.checker("cuda")
-    warm_up_spin()
-    inside, after = torch.cuda.Event(), torch.cuda.Event()
+    start, check_done, inside, after = (torch.cuda.Event(enable_timing=True) for _ in range(4))
     with levels("warn"):
         expect(SWA_HISTORY_PRESENT, predicates.window_positions(pos, lens), rows=slots)  # compile
         checker.drain()
-        with side_stream_held(checker):
-            with concurrent_checks():
-                expect(SWA_HISTORY_PRESENT, predicates.window_positions(pos, lens), rows=slots)
-                torch.ones(1024, device="cuda").mul_(2)
-                inside.record()
-            after.record()
-            deadline = time.monotonic() + 10
-            while not inside.query():  # the work after the check does not wait for it
-                assert time.monotonic() < deadline, "the check ran in series with the block"
-                time.sleep(0.001)
-            time.sleep(0.05)
-            assert not after.query(), "the block's end did not wait for its check"
+        torch.cuda.synchronize()
+        start.record()
+        with concurrent_checks():
+            expect(SWA_HISTORY_PRESENT, predicates.window_positions(pos, lens), rows=slots)
+            check_done.record(checker.side_stream)
+            torch.ones(1024, device="cuda").mul_(2)
+            inside.record()
+        after.record()
+        torch.cuda.synchronize()
         [v] = checker.drain()
-    assert (v.new_hits, v.rows) == (1, (5,))
+    assert (v.new_hits, v.rows) == (1, (7,))
+    check_ms, inside_ms = start.elapsed_time(check_done), start.elapsed_time(inside)
+    assert inside_ms < 0.8 * check_ms, f"the next kernel waited for the check ({inside_ms} vs {check_ms} ms)"
+    assert start.elapsed_time(after) >= check_ms, "the block's end did not wait for its check"
 
 
 def test_a_checks_temporaries_live_until_the_join():
