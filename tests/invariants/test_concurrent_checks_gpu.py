@@ -132,7 +132,7 @@ def test_a_check_runs_beside_the_block_and_the_block_end_waits_for_it(tmp_path):
     with levels("warn"):
         expect(SWA_HISTORY_PRESENT, predicates.window_positions(pos, lens), rows=slots)  # compile
         torch.tanh(x).exp()
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)  # the graph (not only its instance) stays to dump
         graph.enable_debug_mode()
         with torch.cuda.graph(graph):
             with concurrent_checks():
