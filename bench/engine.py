@@ -5,6 +5,7 @@
     python bench/engine.py --batches 64 --no-hf
     python bench/engine.py --batches 64 --no-hf --prefill-prompt 0 --kernels torch   # unfused, to compare
     python bench/engine.py --batches 64,16,1 --no-hf --gemm cublas,skinny   # the layers' GEMMs, A/B
+    python bench/engine.py --batches 64,1 --no-hf --rope-in-attention on,off  # decode's RoPE, A/B
 
 Model: hidden 2048, 28 layers, 16/8 heads x 128, intermediate 6144, 3 of 4 layers sliding (W=1024),
 vocab 128256, random bf16 weights (~1.9B parameters). The roofline of a decode step is the bytes it
@@ -81,10 +82,13 @@ def decode_roofline_bytes(model, batch: int, ctx: int) -> int:
     return weights + kv
 
 
-def bench_engine(model, cfg, batch: int, prompt_len: int, steps: int, bandwidth: float) -> dict[str, float]:
+def bench_engine(
+    model, cfg, batch: int, prompt_len: int, steps: int, bandwidth: float, rope_in_attention: bool = True
+) -> dict[str, float]:
     pages = batch * ((prompt_len + steps + 16) // 16 + 1) + 16
     kv = KVConfig(page_size=16, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda")
-    engine = Engine(model, kv, EngineConfig(max_batch_tokens=8192, max_running=batch))
+    engine_cfg = EngineConfig(max_batch_tokens=8192, max_running=batch, rope_in_attention=rope_in_attention)
+    engine = Engine(model, kv, engine_cfg)
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
     sp = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
@@ -215,7 +219,15 @@ def main() -> None:
         default="auto",
         help="GEMMs at <= 64 rows: auto (skinny to 16 rows), cublas, skinny, or a list",
     )
+    ap.add_argument(
+        "--rope-in-attention",
+        default="on",
+        help="decode's RoPE + K/V store inside the attention kernels (on) or in a kernel of its own (off)",
+    )
     args = ap.parse_args()
+    ropes = args.rope_in_attention.split(",")
+    if not set(ropes) <= {"on", "off"}:
+        ap.error(f"--rope-in-attention: on and/or off, got {args.rope_in_attention!r}")
     gemms = args.gemm.split(",")
     if not set(gemms) <= {"auto", "cublas", "skinny"}:
         ap.error(f"--gemm: auto, cublas and/or skinny, got {args.gemm!r}")
@@ -225,11 +237,12 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters()) / 1e9
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B; kernels {args.kernels}")
     rows = []
-    for gemm in gemms:  # side by side in one run: a GEMM's ratio is only meaningful within one
+    for gemm, rope in ((g, r) for g in gemms for r in ropes):  # side by side: ratios hold within one run
         model.gemm_backend = gemm
         for batch in (int(b) for b in args.batches.split(",")):
-            row = {"gemm": gemm, **bench_engine(model, cfg, batch, args.prompt, args.steps, bandwidth)}
-            if hf is not None and gemm == gemms[0]:
+            measured = bench_engine(model, cfg, batch, args.prompt, args.steps, bandwidth, rope == "on")
+            row = {"gemm": gemm, "rope_in_attention": rope, **measured}
+            if hf is not None and (gemm, rope) == (gemms[0], ropes[0]):
                 row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
             rows.append(row)
             print(

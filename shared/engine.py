@@ -54,6 +54,8 @@ class EngineConfig:
     mixed: bool = False
     # Decode batch sizes captured as CUDA graphs on a CUDA device; () = eager only.
     cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+    # Decode steps apply RoPE and store the K/V inside the attention kernels (one kernel a layer fewer).
+    rope_in_attention: bool = True
 
 
 @dataclass
@@ -78,7 +80,7 @@ class Engine(KVOwnership):
         self.cfg = cfg or EngineConfig()
         self.model_cfg = model.cfg
         self.cache = KVCache(model.cfg, kv)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, rope_in_attention=self.cfg.rope_in_attention)
         self.checker = invariants.checker(self.cache.device)
         max_pages = self.cache.pages_needed(self.max_context())
         self.page_table = PageTable(kv.max_requests + 1, max_pages)  # + the scratch slot's empty row

@@ -18,11 +18,13 @@ import torch
 
 from invariants import Invariant, Severity, concurrent_checks, expect, predicates
 from shared.attention import AttentionOps, ops_for
+from shared.attention.fused_rope import RopeInKernel
 from shared.batch import ChunkItem, ForwardBatch, Mode
 from shared.cuda_graph import DecodeGraphs
 from shared.kv.cache import KVCache
 from shared.kv.window import window_buffer
 from shared.model.kernels import KVStore
+from shared.model.layers import RopeArgs
 from shared.model.transformer import Transformer
 from shared.sampling import SamplingBatch, sample
 
@@ -59,45 +61,71 @@ def expected_positions(batch: ForwardBatch) -> torch.Tensor:
 class BatchAttention:
     """The model's AttentionFn for one ForwardBatch: stores K/V and attends, layer by layer.
 
-    Where it may, it hands the K/V store to the model's RoPE kernel (`store_target`): a full layer's
-    rows always (its attention reads them from the pages), a sliding layer's only when every sequence
-    has one query (decode): the token's ring index then holds position L - W, which that query does
-    not see, so overwriting it before attention changes nothing. A longer chunk still stores after
-    attention: its later tokens would overwrite history its earlier queries read.
+    In a decode step (one token per sequence) the attention kernels take q and k before RoPE and do
+    RoPE and the K/V store themselves (`takes_rope`; shared/attention/fused_rope.py): no RoPE kernel.
+    Otherwise, where it may, it hands the K/V store to the model's RoPE kernel (`store_target`): a full
+    layer's rows always (its attention reads them from the pages). A sliding layer's store waits for
+    attention in a chunk longer than one token: its later tokens would overwrite history its earlier
+    queries read. (A decode token's ring index holds position L - W, which its query does not see, so
+    storing it first changes nothing.)
     """
 
-    def __init__(self, cache: KVCache, batch: ForwardBatch, ops: AttentionOps, scale: float) -> None:
+    def __init__(
+        self, cache: KVCache, batch: ForwardBatch, ops: AttentionOps, scale: float, rope_inside: bool = True
+    ) -> None:
         self.cache, self.batch, self.ops, self.scale = cache, batch, ops, scale
+        # One token per sequence (a decode step): attention applies RoPE and stores the K/V itself.
+        self._rope_inside = rope_inside and batch.max_q == 1 and batch.mode is not Mode.REPLAY
         self._stored: set[int] = set()  # layers whose K/V the RoPE kernel stores
         self._rest_cu: torch.Tensor | None = None  # a mixed step's cu_q past its decode rows
 
+    def takes_rope(self, layer: int) -> bool:
+        return self._rope_inside
+
     def store_target(self, layer: int) -> KVStore | None:
+        target = self._target(layer)
+        if target is not None:
+            self._stored.add(layer)
+        return target
+
+    def _target(self, layer: int) -> KVStore | None:
+        """Where a layer's K/V go when RoPE stores them (a chunk longer than one token on a sliding
+        layer: none, it is stored after attention)."""
         c, b, i = self.cache, self.batch, self.cache.kind_index[layer]
         if not c.is_sliding(layer):
             if b.mode is Mode.REPLAY:  # replay reads the pages the prompt already filled
                 return None
-            target = KVStore(c.k_pages_flat[i], c.v_pages_flat[i], b.full_store)
-        elif b.max_q == 1:
-            target = KVStore(c.k_ring_flat[i], c.v_ring_flat[i], b.ring_store)
-        else:
-            return None
-        self._stored.add(layer)
-        return target
+            return KVStore(c.k_pages_flat[i], c.v_pages_flat[i], b.full_store)
+        if b.max_q == 1:
+            return KVStore(c.k_ring_flat[i], c.v_ring_flat[i], b.ring_store)
+        return None
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None
+    ) -> torch.Tensor:
         c, b, i = self.cache, self.batch, self.cache.kind_index[layer]
-        stored = layer in self._stored
+        inside = None
+        if rope is not None:  # takes_rope: RoPE, the K/V store and attention in one call
+            target = self._target(layer)
+            assert target is not None, "takes_rope holds for decode batches only"
+            inside = RopeInKernel(
+                rope.positions, rope.cos_sin, target.k_dst, target.v_dst, target.index,
+                rope.q_weight, rope.k_weight, rope.eps,
+            )  # fmt: skip
+        stored = layer in self._stored or inside is not None
         if not c.is_sliding(layer):
             if b.mode is not Mode.REPLAY and not stored:  # replay reads the pages the prompt already filled
                 self.ops.store_kv(k, v, c.k_pages_flat[i], c.v_pages_flat[i], b.full_store)
             kp, vp = c.k_pages_l[i], c.v_pages_l[i]
+            chunk = {} if inside is None else {"k_new": k, "v_new": v, "rope": inside}
             return self._by_part(lambda r, t, cu, max_q: self.ops.paged_attention(
                 q[t], kp, vp, b.block_table[r], cu, b.q_start[r], max_q=max_q, scale=self.scale, window=None,
+                **chunk,
             ))  # fmt: skip
         k_ring, v_ring = window_buffer(c, layer, b.slots, b.ring_context)
         out = self._by_part(lambda r, t, cu, max_q: self.ops.ring_attention(
             q[t], k[t], v[t], k_ring, v_ring, b.slots[r], cu, b.ring_context[r],
-            max_q=max_q, scale=self.scale, window=c.window,
+            max_q=max_q, scale=self.scale, window=c.window, rope=inside,
         ))  # fmt: skip
         # Only after attention: the chunk's tokens overwrite history its earlier queries still read.
         # Their positions are stored by `store_ring_positions`, after the history checks.
@@ -138,8 +166,12 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, cache: KVCache, ops: AttentionOps | None = None) -> None:
+    def __init__(
+        self, model: Transformer, cache: KVCache, ops: AttentionOps | None = None, *,
+        rope_in_attention: bool = True,
+    ) -> None:  # fmt: skip
         self.model = model
+        self.rope_in_attention = rope_in_attention  # decode steps: RoPE + K/V store inside attention
         self.cache = cache
         self.ops = ops or ops_for(cache.device)
         self.scale = 1.0 / math.sqrt(model.cfg.head_dim)
@@ -160,7 +192,7 @@ class ModelRunner:
         # width (a new compile, mid-traffic, for each new kind of width); a flat view has one.
         table = batch.block_table
         expect(PAGE_IDS_IN_RANGE, lambda: predicates.in_range(table.reshape(-1), 0, self.num_pages))
-        attn = BatchAttention(self.cache, batch, self.ops, self.scale)
+        attn = BatchAttention(self.cache, batch, self.ops, self.scale, self.rope_in_attention)
         # Every check in the block reads what the block never writes after it: the batch's inputs,
         # and each sliding layer's `ring_pos`, whose only write in the step follows the block.
         with concurrent_checks(self.cache.device):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from shared.attention.fused_rope import rotated_rows
+
 
 @triton.jit
 def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexpr):
@@ -41,10 +43,13 @@ def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexp
 @triton.jit
 def query_rows(
     q_ptr, cu_q_ptr, q_start_ptr, b, kvh, q_off, stride_qt, stride_qh,
+    pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
-    """Load one tile of (query, head) rows; returns the tile and each row's token, head, offset, validity."""
+    """Load one tile of (query, head) rows; returns the tile and each row's token, head, offset, validity.
+
+    With ROPE the rows arrive before RoPE and are normed (NORM) and rotated here (`fused_rope.py`)."""
     tok0 = tl.load(cu_q_ptr + b)
     qlen = tl.load(cu_q_ptr + b + 1) - tok0
     start = tl.load(q_start_ptr + b)
@@ -54,8 +59,13 @@ def query_rows(
     row_ok = (g < GROUP) & (qi < qlen)
     tok = (tok0 + qi).to(tl.int64)
     head = kvh * GROUP + g
-    d = tl.arange(0, BLOCK_D)
-    mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
-    rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
-    q = tl.load(rows + d[None, :], mask=mask, other=0.0)
+    rows = q_ptr + tok * stride_qt + head * stride_qh
+    if ROPE:
+        q = rotated_rows(
+            rows, row_ok, tok, pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps, BLOCK_D, HEAD_DIM, NORM
+        )  # fmt: skip
+    else:
+        d = tl.arange(0, BLOCK_D)
+        mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+        q = tl.load(rows[:, None] + d[None, :], mask=mask, other=0.0)
     return q, tok, head, qi, row_ok, tok0, qlen, start

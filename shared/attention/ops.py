@@ -1,8 +1,9 @@
 """The attention seam of the engine: one abstract interface, a torch and a Triton implementation.
 
 The model's attention layers call `store_kv` then `paged_attention` for full-attention layers, and
-`ring_attention` then `store_kv` for sliding layers; in a decode step (one query per sequence) the
-model's RoPE kernel stores the K/V instead (shared/runner.py `BatchAttention.store_target`). Both
+`ring_attention` then `store_kv` for sliding layers. In a decode step (one query per sequence) the
+attention call takes q and k before RoPE with `rope=` (`fused_rope.RopeInKernel`): it applies RoPE and
+stores the K/V itself, which the Triton kernels do inside attention (shared/runner.py `BatchAttention`). Both
 implementations share every argument check and contract, and take only host-side sizes as Python
 ints, so neither ever syncs.
 """
@@ -15,6 +16,7 @@ from typing import Literal
 import torch
 
 from shared.attention import reference
+from shared.attention.fused_rope import RopeInKernel, check_rope_in_kernel
 
 Tensor = torch.Tensor
 
@@ -35,16 +37,26 @@ class AttentionOps(ABC):
     def paged_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
         cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
+        k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+        rope: RopeInKernel | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Causal (optionally windowed) attention over a paged cache that already holds the chunk."""
+        """Causal (optionally windowed) attention over a paged cache that already holds the chunk.
+
+        With `rope` (decode-shaped calls: max_q == 1) the cache does not hold the chunk yet: q and
+        k_new arrive before RoPE; RoPE is applied and the rotated k_new and v_new are stored where
+        `rope` says (the pages, viewed flat) before they are attended to."""
 
     @abstractmethod
     def ring_attention(
         self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor,
         v_ring: torch.Tensor, slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int,
-        scale: float, window: int,
+        scale: float, window: int, rope: RopeInKernel | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Sliding-window attention over a ring of the history before the chunk plus the chunk itself."""
+        """Sliding-window attention over a ring of the history before the chunk plus the chunk itself.
+
+        With `rope` (decode-shaped calls) q and k_new arrive before RoPE; RoPE is applied and the
+        rotated k_new and v_new are stored into the ring where `rope` says (a decode token's ring
+        entry holds a position its query no longer sees, so storing it first changes nothing)."""
 
 
 class TorchOps(AttentionOps):
@@ -57,8 +69,13 @@ class TorchOps(AttentionOps):
 
     def paged_attention(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_q: Tensor, q_start: Tensor,
-        *, max_q: int, scale: float, window: int | None,
+        *, max_q: int, scale: float, window: int | None, k_new: Tensor | None = None,
+        v_new: Tensor | None = None, rope: RopeInKernel | None = None,
     ) -> Tensor:  # fmt: skip
+        if rope is not None:
+            if k_new is None or v_new is None:
+                raise ValueError("paged_attention: RoPE inside attention needs the chunk's k_new and v_new")
+            q, _, _ = _rope_and_store("paged_attention", rope, q, k_new, v_new, max_q)
         return reference.paged_attention(
             q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window
         )
@@ -66,10 +83,27 @@ class TorchOps(AttentionOps):
     def ring_attention(
         self, q: Tensor, k_new: Tensor, v_new: Tensor, k_ring: Tensor, v_ring: Tensor, slots: Tensor,
         cu_q: Tensor, q_start: Tensor, *, max_q: int, scale: float, window: int,
+        rope: RopeInKernel | None = None,
     ) -> Tensor:  # fmt: skip
+        if rope is not None:
+            q, k_new, v_new = _rope_and_store("ring_attention", rope, q, k_new, v_new, max_q)
         return reference.ring_attention(
             q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window
         )
+
+
+def _rope_and_store(
+    op: str, rope: RopeInKernel, q: Tensor, k_new: Tensor, v_new: Tensor, max_q: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """What the Triton kernels do inside attention, in torch: RoPE (and the q/k norm), then the store."""
+    from shared.model.kernels import reference as model_reference
+
+    check_rope_in_kernel(op, rope, q, k_new, v_new, max_q)
+    q, k_new = model_reference.rope(
+        q, k_new, rope.positions, rope.cos_sin, rope.q_weight, rope.k_weight, rope.eps
+    )
+    reference.store_kv(k_new, v_new, rope.k_dst, rope.v_dst, rope.store_index)
+    return q, k_new, v_new
 
 
 class TritonOps(AttentionOps):
@@ -91,19 +125,23 @@ class TritonOps(AttentionOps):
 
     def paged_attention(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_q: Tensor, q_start: Tensor,
-        *, max_q: int, scale: float, window: int | None,
+        *, max_q: int, scale: float, window: int | None, k_new: Tensor | None = None,
+        v_new: Tensor | None = None, rope: RopeInKernel | None = None,
     ) -> Tensor:  # fmt: skip
         return self._paged(
-            q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window
-        )
+            q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window,
+            k_new=k_new, v_new=v_new, rope=rope,
+        )  # fmt: skip
 
     def ring_attention(
         self, q: Tensor, k_new: Tensor, v_new: Tensor, k_ring: Tensor, v_ring: Tensor, slots: Tensor,
         cu_q: Tensor, q_start: Tensor, *, max_q: int, scale: float, window: int,
+        rope: RopeInKernel | None = None,
     ) -> Tensor:  # fmt: skip
         return self._ring(
-            q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window
-        )
+            q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window,
+            rope=rope,
+        )  # fmt: skip
 
 
 Backend = Literal["auto", "torch", "triton"]

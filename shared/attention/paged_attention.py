@@ -20,6 +20,7 @@ from shared.attention._checks import check_last_dim_contiguous, check_paged
 from shared.attention._launch import LOG2E, Tiles, check_triton_device, choose_splits, f32_dot, resolve_tiles
 from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
+from shared.attention.fused_rope import RopeInKernel, check_rope_in_kernel, kernel_args, rope_chunk_keys
 
 
 # num_tokens and the block table's width change every step, num_splits every batch shape: specializing
@@ -34,18 +35,22 @@ def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, q_start_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
+    kn_ptr, vn_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
+    stride_vdh, num_positions, eps,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_off = qb * BLOCK_Q
-    q, tok, head, qi, row_ok, _tok0, qlen, start = query_rows(
+    q, tok, head, qi, row_ok, tok0, qlen, start = query_rows(
         q_ptr, cu_q_ptr, q_start_ptr, b, kvh, q_off, stride_qt, stride_qh,
-        GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM,
+        pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps,
+        GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM,
     )  # fmt: skip
     qpos = start + qi
     # Keys this tile can see: [lo, hi). A tile past the chunk's end (max_q covers the longest chunk)
@@ -55,6 +60,8 @@ def _paged_attention_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(start + q_off - window + 1, 0)
     hi = tl.where(q_off < qlen, hi, lo)
+    if ROPE:  # the chunk's own keys are not in the pages yet: they come from k_new, below
+        hi = tl.maximum(tl.minimum(hi, start), lo)
     k_lo, k_hi = split_range(lo, hi, split, num_splits, BLOCK_N)
 
     d = tl.arange(0, BLOCK_D)
@@ -78,6 +85,22 @@ def _paged_attention_kernel(
             visible = visible & (n[None, :] > qpos[:, None] - window)
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
 
+    if ROPE:  # the chunk's keys (a decode's one), rotated and stored into the pages by the last split
+        j_hi = tl.where((q_off < qlen) & (split == num_splits - 1), qlen, 0)
+        for j0 in range(0, j_hi, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            j_ok = j < j_hi
+            k, v = rope_chunk_keys(
+                kn_ptr, vn_ptr, (tok0 + j).to(tl.int64), j_ok, kvh, stride_knt, stride_knh, stride_vnt,
+                stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
+                stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, HEAD_DIM, NORM,
+            )  # fmt: skip
+            n = start + j
+            visible = j_ok[None, :] & (n[None, :] <= qpos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (n[None, :] > qpos[:, None] - window)
+            acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
+
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
         stride_ot, stride_oh, num_splits, BLOCK_D, HEAD_DIM,
@@ -87,9 +110,14 @@ def _paged_attention_kernel(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
-    num_splits: int | None = None, tiles: Tiles | None = None,
+    num_splits: int | None = None, tiles: Tiles | None = None, k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None, rope: RopeInKernel | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.paged_attention` (same arguments, same contracts).
+
+    With `rope` (decode-shaped calls), the pages do not hold the chunk yet: q and k_new [T, Hkv, D]
+    arrive before RoPE, and the kernel rotates them, stores the rotated k and v_new where `rope` says
+    (the pages, viewed flat) and attends to them (`fused_rope.py`), instead of a RoPE kernel before it.
 
     `num_splits` forces the split-K factor (any positive int; None picks one from host sizes). `tiles`
     forces block_n, num_warps and num_stages (`_launch.resolve_tiles` checks it; None is `choose_tiles`):
@@ -101,6 +129,13 @@ def paged_attention(
     if block_table.stride(1) != 1:
         raise ValueError(f"{op}: block_table rows must be contiguous, got strides {block_table.stride()}")
     check_triton_device(op, q.device)
+    if rope is not None:
+        if k_new is None or v_new is None:
+            raise ValueError(f"{op}: RoPE inside attention needs the chunk's k_new and v_new")
+        check_rope_in_kernel(op, rope, q, k_new, v_new, max_q)
+        check_last_dim_contiguous(op, k_new=k_new, v_new=v_new)
+    kn = k_new if rope is not None and k_new is not None else k_cache[0]  # unread without rope
+    vn = v_new if rope is not None and v_new is not None else v_cache[0]
     page_size = k_cache.shape[1]
     tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q)
     span = block_table.shape[1] * page_size  # the most keys one program can read
@@ -115,9 +150,10 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads, float(scale) * LOG2E,
         window if window is not None else 0, num_splits,
+        kn, vn, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), *kernel_args(rope, q, kn),
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim, PAGE_SIZE=page_size,
-        HAS_WINDOW=window is not None, F32_DOT=f32_dot(q.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        HAS_WINDOW=window is not None, F32_DOT=f32_dot(q.dtype), ROPE=rope is not None,
+        NORM=rope is not None and rope.norm, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

@@ -21,6 +21,7 @@ from shared.attention._checks import check_last_dim_contiguous, check_ring
 from shared.attention._launch import LOG2E, Tiles, check_triton_device, choose_splits, f32_dot, resolve_tiles
 from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
+from shared.attention.fused_rope import RopeInKernel, check_rope_in_kernel, kernel_args, rope_chunk_keys
 
 
 # num_tokens changes every step and num_splits every batch shape: specializing on either (== 1, % 16)
@@ -36,8 +37,11 @@ def _ring_attention_kernel(
     part_lse_ptr, stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_krs, stride_kri, stride_krh, stride_vrs, stride_vri, stride_vrh,
     stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
+    pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
+    stride_vdh, num_positions, eps,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
+    ROPE: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -46,7 +50,8 @@ def _ring_attention_kernel(
     q_off = qb * BLOCK_Q
     q, tok, head, qi, row_ok, tok0, qlen, start = query_rows(
         q_ptr, cu_q_ptr, q_start_ptr, b, kvh, q_off, stride_qt, stride_qh,
-        GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM,
+        pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps,
+        GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM,
     )  # fmt: skip
     qpos = start + qi
     live = q_off < qlen  # a tile past the chunk's end reads nothing and stores nothing
@@ -84,11 +89,18 @@ def _ring_attention_kernel(
         j = j0 + tl.arange(0, BLOCK_N)
         j_ok = j < j_hi
         jt = (tok0 + j).to(tl.int64)
-        kv_mask = j_ok[:, None] & d_ok
-        k_row = jt * stride_knt + kvh * stride_knh
-        k = tl.load(kn_ptr + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v_row = jt * stride_vnt + kvh * stride_vnh
-        v = tl.load(vn_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if ROPE:  # rotated and stored here (one program reads a decode's key: the last split)
+            k, v = rope_chunk_keys(
+                kn_ptr, vn_ptr, jt, j_ok, kvh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
+                stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, HEAD_DIM, NORM,
+            )  # fmt: skip
+        else:
+            kv_mask = j_ok[:, None] & d_ok
+            k_row = jt * stride_knt + kvh * stride_knh
+            k = tl.load(kn_ptr + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v_row = jt * stride_vnt + kvh * stride_vnh
+            v = tl.load(vn_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         rel = j[None, :] - qi[:, None]
         visible = j_ok[None, :] & (rel <= 0) & (rel > -window)
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
@@ -102,9 +114,12 @@ def _ring_attention_kernel(
 def ring_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
     slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int,
-    num_splits: int | None = None, tiles: Tiles | None = None,
+    num_splits: int | None = None, tiles: Tiles | None = None, rope: RopeInKernel | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.ring_attention` (same arguments, same contracts).
+
+    With `rope` (decode-shaped calls), q, k_new arrive before RoPE: the kernel rotates them and stores
+    the rotated k and v_new where `rope` says (`fused_rope.py`), instead of a RoPE kernel before it.
 
     `num_splits` forces the split-K factor over the ring (any positive int; None picks one from host
     sizes: more than one only for decode-shaped calls on CUDA). `tiles` forces block_n, num_warps and
@@ -114,6 +129,8 @@ def ring_attention(
     vl = check_ring(op, q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q, scale, window)
     check_last_dim_contiguous(op, q=q, k_new=k_new, v_new=v_new, k_ring=k_ring, v_ring=v_ring)
     check_triton_device(op, q.device)
+    if rope is not None:
+        check_rope_in_kernel(op, rope, q, k_new, v_new, max_q)
     tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q)
     # The ring's W entries are what gets split (the chunk's keys all go to the last split).
     num_splits = choose_splits(op, q.device, num_splits, tiles, max_q, vl.batch * vl.num_kv_heads, window)
@@ -124,9 +141,10 @@ def ring_attention(
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_ring.stride(0), k_ring.stride(1), k_ring.stride(2), v_ring.stride(0), v_ring.stride(1),
         v_ring.stride(2), out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads,
-        float(scale) * LOG2E, window, num_splits,
+        float(scale) * LOG2E, window, num_splits, *kernel_args(rope, q, k_new),
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim,
-        F32_DOT=f32_dot(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        F32_DOT=f32_dot(q.dtype), ROPE=rope is not None, NORM=rope is not None and rope.norm,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

@@ -8,6 +8,7 @@ is a `ModelKernels` the caller passes (fused Triton on CUDA), torch's reference 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -52,6 +53,18 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(is_medium, smoothed, scaled)
 
 
+@dataclass(frozen=True)
+class RopeArgs:
+    """What `Rotary` would do to q and k, for an attention that applies RoPE itself
+    (`AttentionFn.takes_rope`): positions [T], the cos/sin table, Qwen3's per-head norm weights."""
+
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 0.0
+
+
 class Rotary(nn.Module):
     """cos/sin tables for every position up to max_position_embeddings, gathered by position.
 
@@ -76,6 +89,12 @@ class Rotary(nn.Module):
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         """Recompute the table (after a model was materialized from the meta device)."""
         self.cos_sin = self._table(device)
+
+    def args(self, positions: torch.Tensor, qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> RopeArgs:
+        """RoPE of `positions` (and the q/k norm) for an attention that applies it itself."""
+        if qk_norm is None:
+            return RopeArgs(positions, self.cos_sin)
+        return RopeArgs(positions, self.cos_sin, qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
 
     def forward(
         self,

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.model.config import ModelConfig
+from shared.model.layers import RopeArgs
 from shared.model.transformer import Transformer
 
 
@@ -40,7 +41,14 @@ class DenseAttention:
     def store_target(self, layer: int) -> None:
         return None  # no cache: k and v are used as they come
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def takes_rope(self, layer: int) -> bool:
+        return False  # the model's RoPE kernel rotates q and k first
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None
+    ) -> torch.Tensor:
+        if rope is not None:
+            raise ValueError("DenseAttention takes q and k after RoPE")
         mask = self.sliding_mask if self.cfg.is_sliding(layer) else self.full_mask
         group = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(group, dim=1)

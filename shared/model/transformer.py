@@ -20,18 +20,25 @@ from torch import nn
 
 from shared.model.config import ModelConfig
 from shared.model.kernels import Backend, Gemm, KVStore, ModelKernels, kernels_for
-from shared.model.layers import RMSNorm, Rotary, SwiGLU
+from shared.model.layers import RMSNorm, RopeArgs, Rotary, SwiGLU
 
 
 class AttentionFn(Protocol):
     """Attention of one layer over the flattened batch.
 
-    q: [T, Hq, D], k and v: [T, Hkv, D], RoPE (and Qwen3's q/k norm) already applied. Returns [T, Hq, D].
-    Scores are scaled by 1/sqrt(D). Which keys each query sees (causality, sequence boundaries, the
-    sliding window of `layer`) is the function's business.
+    q: [T, Hq, D], k and v: [T, Hkv, D], RoPE (and Qwen3's q/k norm) already applied, unless `rope` is
+    given (see `takes_rope`). Returns [T, Hq, D]. Scores are scaled by 1/sqrt(D). Which keys each query
+    sees (causality, sequence boundaries, the sliding window of `layer`) is the function's business.
     """
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None
+    ) -> torch.Tensor: ...
+
+    def takes_rope(self, layer: int) -> bool:
+        """Whether the layer's q and k go in before RoPE, with `rope=`: the function applies RoPE and
+        stores the K/V itself (inside its attention kernels: no RoPE kernel). Called once per layer."""
+        ...
 
     def store_target(self, layer: int) -> KVStore | None:
         """Where the layer's K/V may be stored by the RoPE kernel, or None (the function stores them).
@@ -66,8 +73,11 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
-        q, k = rotary(positions, q, k, kernels, qk_norm, store=attn.store_target(self.layer), v=v)
-        out = attn(self.layer, q, k, v)
+        if attn.takes_rope(self.layer):
+            out = attn(self.layer, q, k, v, rope=rotary.args(positions, qk_norm))
+        else:
+            q, k = rotary(positions, q, k, kernels, qk_norm, store=attn.store_target(self.layer), v=v)
+            out = attn(self.layer, q, k, v)
         return kernels.linear(out.reshape(t, self.q_size), self.o_proj)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,17 +20,26 @@ from tests.engine.test_engine_parity import Seq
 pytestmark = pytest.mark.gpu
 
 
-def cuda_runner(layout: str = "SSFS"):
-    cfg = tiny_config(layout)
+def cuda_runner(layout: str = "SSFS", *, qk_norm: bool = False, rope_in_attention: bool = True):
+    cfg = dataclasses.replace(tiny_config(layout), qk_norm=qk_norm)
     cpu_model = tiny_model(cfg)
     model = tiny_model(cfg).cuda()
     cache = KVCache(cfg, KVConfig(page_size=16, num_pages=64, max_requests=8, device="cuda"))
-    return cpu_model, cache, ModelRunner(model, cache)
+    return cpu_model, cache, ModelRunner(model, cache, rope_in_attention=rope_in_attention)
 
 
-@pytest.mark.parametrize(("layout", "gemm"), [("SSFS", "cublas"), ("FSFS", "cublas"), ("SSFS", "skinny")])
-def test_triton_path_matches_the_reference_teacher_forced(layout, gemm):
-    cpu_model, cache, runner = cuda_runner(layout)
+@pytest.mark.parametrize(
+    ("layout", "gemm", "qk_norm", "rope_in_attention"),
+    [
+        ("SSFS", "cublas", False, True),
+        ("FSFS", "cublas", False, True),
+        ("SSFS", "skinny", False, True),
+        ("SSFS", "cublas", True, True),  # Qwen3's per-head norm, inside attention too
+        ("SSFS", "cublas", False, False),  # decode's RoPE in its own kernel
+    ],
+)
+def test_triton_path_matches_the_reference_teacher_forced(layout, gemm, qk_norm, rope_in_attention):
+    cpu_model, cache, runner = cuda_runner(layout, qk_norm=qk_norm, rope_in_attention=rope_in_attention)
     runner.model.gemm_backend = gemm
     lengths = [W - 1, 3 * W + 2, 1, 40]
     seqs = [Seq(cache, i, random_tokens(n + 5, seed=20 + i)) for i, n in enumerate(lengths)]

@@ -147,11 +147,15 @@ def test_the_triton_kernels_through_the_runner_match_too():
         torch.testing.assert_close(row, want[s.done - 1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rope_in_attention", [True, False])
 @pytest.mark.parametrize("variant", ["llama", "qwen3-qk-norm", "one-kv-head"])
-def test_decode_with_rope_storing_kv_in_one_kernel_matches_the_reference_past_the_window(variant):
-    # Triton model kernels too: a decode step's RoPE kernel writes each layer's K/V into the pages and
-    # rings (`BatchAttention.store_target`), a sliding layer's before its attention, where the token's
-    # ring index still holds position L - W. Decoding on for two windows wraps every ring twice.
+def test_decode_with_rope_storing_kv_in_one_kernel_matches_the_reference_past_the_window(
+    variant, rope_in_attention
+):
+    # Triton kernels: a decode step's attention applies RoPE (and the q/k norm) and writes each layer's
+    # K/V into the pages and rings itself (`BatchAttention.takes_rope`), or (False) the RoPE kernel
+    # does (`store_target`), a sliding layer's before its attention, where the token's ring index
+    # still holds position L - W. Decoding on for two windows wraps every ring twice.
     import dataclasses
 
     from shared.attention import ops_for
@@ -164,7 +168,9 @@ def test_decode_with_rope_storing_kv_in_one_kernel_matches_the_reference_past_th
     model = tiny_model(cfg)
     model.kernel_backend = "triton"
     cache = KVCache(cfg, KVConfig(page_size=PAGE, num_pages=32, max_requests=2))
-    runner = ModelRunner(model, cache, ops_for(cache.device, backend="triton"))
+    runner = ModelRunner(
+        model, cache, ops_for(cache.device, backend="triton"), rope_in_attention=rope_in_attention
+    )
     seqs = [Seq(cache, 0, random_tokens(3 * W + 1, seed=6)), Seq(cache, 1, random_tokens(3 * W + 1, seed=7))]
     wants = [reference(model, s.tokens) for s in seqs]
     run(runner, [seqs[0].chunk(W - 1), seqs[1].chunk(2)], Mode.EXTEND)

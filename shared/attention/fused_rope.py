@@ -1,0 +1,148 @@
+"""RoPE (and Qwen3's per-head q/k norm) applied by a decode attention kernel, with the K/V store.
+
+In a decode step a layer's RoPE kernel does little work for one graph node of its own: rotate one
+token's heads and write its K/V into the cache. The attention kernels can do that work themselves:
+each program already loads its query rows, and the program that reads the chunk's key (the last
+split of a (sequence, kv head)) rotates it, stores it and its v, and attends to it from registers.
+One node fewer per layer. Numbers match the RoPE kernel (`shared/model/kernels/rope.py`): the same
+roundings, in the same order, so the rotated values are bit-identical to it.
+
+Decode-shaped calls only (every chunk one token, `max_q == 1`): a longer chunk's keys would be read by
+several query tiles, and each would store them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from shared.attention._checks import check_dims, check_dtype, check_same_device, check_store, fail
+from shared.model.kernels._round import round_to
+
+
+@dataclass(frozen=True)
+class RopeInKernel:
+    """What RoPE would do to q and k, and where the rotated k and v go.
+
+    positions [T] int (a token's position; negative ones wrap, as in the RoPE kernel), cos_sin [P, D]
+    float (cos half | sin half), optional per-head norm weights [D] with eps, and the store: k_dst /
+    v_dst [S, Hkv, D] (a cache viewed flat) at store_index [T] int64 (negative: not stored).
+    """
+
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    k_dst: torch.Tensor
+    v_dst: torch.Tensor
+    store_index: torch.Tensor
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 0.0
+
+    @property
+    def norm(self) -> bool:
+        return self.q_weight is not None
+
+
+def check_rope_in_kernel(
+    op: str, rope: RopeInKernel, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, max_q: int
+) -> None:
+    if max_q != 1:
+        fail(op, f"RoPE inside attention takes decode-shaped calls only (max_q == 1), got max_q={max_q}")
+    tokens, d = q.shape[0], q.shape[2]
+    check_dims(op, "rope.positions", rope.positions, 1, "[T]")
+    check_dtype(op, "rope.positions", rope.positions, (torch.int64, torch.int32))
+    if rope.positions.shape[0] != tokens:
+        fail(op, f"rope.positions has {rope.positions.shape[0]} entries, expected T = {tokens}")
+    check_dims(op, "rope.cos_sin", rope.cos_sin, 2, "[P, D]")
+    if rope.cos_sin.shape[1] != d or rope.cos_sin.stride(1) != 1 or rope.cos_sin.shape[0] < 1:
+        shape = tuple(rope.cos_sin.shape)
+        fail(op, f"rope.cos_sin must be [P >= 1, D = {d}], last dim contiguous, got {shape}")
+    if d % 2:
+        fail(op, f"RoPE needs an even head dim, got {d}")
+    if (rope.q_weight is None) != (rope.k_weight is None):
+        fail(op, "pass both rope.q_weight and rope.k_weight (per-head norm) or neither")
+    for name, w in (("rope.q_weight", rope.q_weight), ("rope.k_weight", rope.k_weight)):
+        if w is not None and (w.shape != (d,) or w.stride(0) != 1):
+            fail(op, f"{name} must be a contiguous [{d}] tensor, got {tuple(w.shape)}")
+    check_store(op, k_new, v_new, rope.k_dst, rope.v_dst, rope.store_index)
+    for name, t in (("rope.k_dst", rope.k_dst), ("rope.v_dst", rope.v_dst)):
+        if t.stride(-1) != 1:
+            fail(op, f"{name} must have a contiguous last dim")
+    weights = {"q_weight": rope.q_weight, "k_weight": rope.k_weight} if rope.norm else {}
+    check_same_device(op, q=q, positions=rope.positions, cos_sin=rope.cos_sin, **weights)
+
+
+def kernel_args(rope: RopeInKernel | None, q: torch.Tensor, k_new: torch.Tensor) -> tuple:
+    """The kernels' RoPE arguments, in order (stand-ins, never read, without `rope`)."""
+    if rope is None:
+        return (q, q, q, q, q, k_new, k_new, 0, 0, 0, 0, 0, 1, 0.0)
+    qw = rope.q_weight if rope.q_weight is not None else q
+    kw = rope.k_weight if rope.k_weight is not None else q
+    kd, vd = rope.k_dst, rope.v_dst
+    return (
+        rope.positions, rope.cos_sin, qw, kw, rope.store_index, kd, vd, rope.cos_sin.stride(0),
+        kd.stride(0), kd.stride(1), vd.stride(0), vd.stride(1), rope.cos_sin.shape[0], float(rope.eps),
+    )  # fmt: skip
+
+
+@triton.jit
+def rotated_rows(
+    base, row_ok, tok, pos_ptr, cs_ptr, stride_cs, num_positions, w_ptr, eps,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
+    """Rows `base[r] + d` ([R] pointers to heads), normed (NORM, weights `w_ptr`) and rotated to
+    positions[tok[r]]: [R, BLOCK_D] in base's dtype, as the RoPE kernel rounds (columns >= HEAD_DIM 0)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype = base.dtype.element_ty
+    d = tl.arange(0, BLOCK_D)
+    lower = d < HALF
+    partner = tl.where(lower, d + HALF, d - HALF)  # the other half's column of a rotation pair
+    col_ok = d < HEAD_DIM
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(base[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(w_ptr + d, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        x = round_to(round_to(x * rstd, dtype) * w, dtype)
+        xp = round_to(round_to(xp * rstd, dtype) * wp, dtype)
+    # As the RoPE kernel: negative positions wrap (graph padding rows carry -1), the rest is clamped.
+    pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int64)
+    pos = tl.where(pos < 0, pos + num_positions, pos)
+    pos = tl.minimum(tl.maximum(pos, 0), num_positions - 1)
+    j = tl.where(lower, d, d - HALF)
+    cs_row = cs_ptr + pos[:, None] * stride_cs
+    c = round_to(tl.load(cs_row + j[None, :], mask=mask, other=0.0).to(tl.float32), dtype)
+    s = round_to(tl.load(cs_row + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32), dtype)
+    # first half: x1*c - x2*s; second half: x2*c + x1*s (negating a rounded product is exact)
+    xs = round_to(xp * s, dtype)
+    o = round_to(round_to(x * c, dtype) + tl.where(lower[None, :], -xs, xs), dtype)
+    return o.to(dtype)
+
+
+@triton.jit
+def rope_chunk_keys(
+    kn_ptr, vn_ptr, jt, j_ok, kvh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
+    stride_kds, stride_kdh, stride_vds, stride_vdh,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
+    """The chunk's keys `jt` ([N] token ids, valid where j_ok) of kv head `kvh`: k rotated, v as is;
+    both stored at idx[jt] of the flat caches (negative index: not stored). Returns (k, v) [N, BLOCK_D]."""
+    d = tl.arange(0, BLOCK_D)
+    mask = j_ok[:, None] & (d < HEAD_DIM)[None, :]
+    k = rotated_rows(
+        kn_ptr + jt * stride_knt + kvh * stride_knh, j_ok, jt, pos_ptr, cs_ptr, stride_cs, num_positions,
+        kw_ptr, eps, BLOCK_D, HEAD_DIM, NORM,
+    )  # fmt: skip
+    v = tl.load(vn_ptr + (jt * stride_vnt + kvh * stride_vnh)[:, None] + d[None, :], mask=mask, other=0.0)
+    dst = tl.load(idx_ptr + jt, mask=j_ok, other=-1).to(tl.int64)
+    keep = mask & (dst >= 0)[:, None]
+    row = tl.maximum(dst, 0)
+    tl.store(kd_ptr + (row * stride_kds + kvh * stride_kdh)[:, None] + d[None, :], k, mask=keep)
+    tl.store(vd_ptr + (row * stride_vds + kvh * stride_vdh)[:, None] + d[None, :], v, mask=keep)
+    return k, v
