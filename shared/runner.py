@@ -61,17 +61,18 @@ def expected_positions(batch: ForwardBatch) -> torch.Tensor:
 class BatchAttention:
     """The model's AttentionFn for one ForwardBatch: stores K/V and attends, layer by layer.
 
-    In a decode step (one token per sequence) the attention kernels take q and k before RoPE and do
-    RoPE and the K/V store themselves (`takes_rope`; shared/attention/fused_rope.py): no RoPE kernel.
-    Otherwise, where it may, it hands the K/V store to the model's RoPE kernel (`store_target`): a full
-    layer's rows always (its attention reads them from the pages). A sliding layer's store waits for
-    attention in a chunk longer than one token: its later tokens would overwrite history its earlier
-    queries read. (A decode token's ring index holds position L - W, which its query does not see, so
-    storing it first changes nothing.)
+    With `rope_inside`, in a decode step (one token per sequence) the attention kernels take q and k
+    before RoPE and do RoPE and the K/V store themselves (`takes_rope`; shared/attention/fused_rope.py):
+    no RoPE kernel (off by default: measured slower on the H200). Otherwise, where it may, it hands
+    the K/V store to the model's RoPE kernel (`store_target`): a full layer's rows always (its
+    attention reads them from the pages). A sliding layer's store waits for attention in a chunk longer
+    than one token: its later tokens would overwrite history its earlier queries read. (A decode
+    token's ring index holds position L - W, which its query does not see, so storing it first
+    changes nothing.)
     """
 
     def __init__(
-        self, cache: KVCache, batch: ForwardBatch, ops: AttentionOps, scale: float, rope_inside: bool = True
+        self, cache: KVCache, batch: ForwardBatch, ops: AttentionOps, scale: float, rope_inside: bool = False
     ) -> None:
         self.cache, self.batch, self.ops, self.scale = cache, batch, ops, scale
         # One token per sequence (a decode step): attention applies RoPE and stores the K/V itself.
@@ -168,7 +169,7 @@ class ForwardOutput:
 class ModelRunner:
     def __init__(
         self, model: Transformer, cache: KVCache, ops: AttentionOps | None = None, *,
-        rope_in_attention: bool = True,
+        rope_in_attention: bool = False,
     ) -> None:  # fmt: skip
         self.model = model
         self.rope_in_attention = rope_in_attention  # decode steps: RoPE + K/V store inside attention

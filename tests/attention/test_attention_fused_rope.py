@@ -79,7 +79,9 @@ def test_ring_rotates_stores_and_attends_like_rope_first(backend, dtype, norm, n
     )
     got = call(b.q, b.k_new, b.v_new, k_ring2, v_ring2, b.slots, b.cu_q, b.q_start, max_q=1, scale=b.scale,
                window=W, rope=rope, **split)  # fmt: skip
-    exact = not norm  # the norm's float32 sum may land one ulp apart; the rotation itself may not
+    # The rotation matches exactly where each product is rounded to the dtype (bf16; fp32 on CPU); a
+    # GPU may fuse fp32 products and sums, and the norm's float32 sum may land one ulp apart.
+    exact = not norm and (dtype == torch.bfloat16 or DEVICE == "cpu")
     assert_same(got, want, exact)
     assert_same(k_ring2, k_ring, exact)
     assert torch.equal(v_ring2.nan_to_num(7.0), v_ring.nan_to_num(7.0))
@@ -115,7 +117,7 @@ def test_paged_rotates_stores_and_attends_like_rope_first(backend, dtype, norm, 
     # The chunk's key joins the online softmax in a block of its own here (not in its page's block):
     # the same result up to the order of the float sums.
     assert_same(got, want, exact=False)
-    assert_same(k2, k_cache, exact=not norm)
+    assert_same(k2, k_cache, exact=not norm and (dtype == torch.bfloat16 or DEVICE == "cpu"))
     assert torch.equal(v2.nan_to_num(7.0), v_cache.nan_to_num(7.0))
 
 
