@@ -10,20 +10,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from shared.attention.fused_rope import rotated_rows
+from shared.attention.fused_rope import rotated_halves
 
 
 @triton.jit
-def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexpr):
+def attend_block(
+    acc, m_i, l_i, q, q2, k, k2, v, visible, qk_scale, F32_DOT: tl.constexpr, HALVES: tl.constexpr
+):
     """Fold one key block into the running (acc [M, D], max m_i [M], sum l_i [M]); k, v are [N, D].
+
+    HALVES: q, k are the first halves of the heads' columns and q2, k2 the second ([., D/2] each, as
+    RoPE inside attention produces them), and the scores sum the two halves' products.
 
     F32_DOT computes both products in exact fp32: for fp32 inputs (tf32 would lose the tight
     agreement fp32 callers expect), and for bf16 under the interpreter, whose bf16 tl.dot is wrong.
     """
-    if F32_DOT:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
+    s = _dot_t(q, k, F32_DOT)
+    if HALVES:
+        s += _dot_t(q2, k2, F32_DOT)
     s = tl.where(visible, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead avoids -inf - -inf.
@@ -41,15 +45,27 @@ def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexp
 
 
 @triton.jit
+def _dot_t(q, k, F32_DOT: tl.constexpr):
+    """q @ k^T, [M, N] in fp32."""
+    if F32_DOT:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s
+
+
+@triton.jit
 def query_rows(
     q_ptr, cu_q_ptr, q_start_ptr, b, kvh, q_off, stride_qt, stride_qh,
     pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
-    """Load one tile of (query, head) rows; returns the tile and each row's token, head, offset, validity.
+    """Load one tile of (query, head) rows; returns the tile (twice), and each row's token, head,
+    offset, validity.
 
-    With ROPE the rows arrive before RoPE and are normed (NORM) and rotated here (`fused_rope.py`)."""
+    With ROPE the rows arrive before RoPE and are normed (NORM) and rotated here (`fused_rope.py`),
+    and the tile comes as its two column halves (q, q2), for `attend_block(HALVES=True)`."""
     tok0 = tl.load(cu_q_ptr + b)
     qlen = tl.load(cu_q_ptr + b + 1) - tok0
     start = tl.load(q_start_ptr + b)
@@ -61,11 +77,13 @@ def query_rows(
     head = kvh * GROUP + g
     rows = q_ptr + tok * stride_qt + head * stride_qh
     if ROPE:
-        q = rotated_rows(
-            rows, row_ok, tok, pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps, BLOCK_D, HEAD_DIM, NORM
+        q, q2 = rotated_halves(
+            rows, row_ok, tok, pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps, BLOCK_HALF, HEAD_DIM,
+            NORM,
         )  # fmt: skip
     else:
         d = tl.arange(0, BLOCK_D)
         mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
         q = tl.load(rows[:, None] + d[None, :], mask=mask, other=0.0)
-    return q, tok, head, qi, row_ok, tok0, qlen, start
+        q2 = q
+    return q, q2, tok, head, qi, row_ok, tok0, qlen, start

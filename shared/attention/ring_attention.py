@@ -21,7 +21,14 @@ from shared.attention._checks import check_last_dim_contiguous, check_ring
 from shared.attention._launch import LOG2E, Tiles, check_triton_device, choose_splits, f32_dot, resolve_tiles
 from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
-from shared.attention.fused_rope import RopeInKernel, check_rope_in_kernel, kernel_args, rope_chunk_keys
+from shared.attention.fused_rope import (
+    RopeInKernel,
+    block_half,
+    check_rope_in_kernel,
+    kernel_args,
+    key_halves,
+    rope_chunk_keys,
+)
 
 
 # num_tokens changes every step and num_splits every batch shape: specializing on either (== 1, % 16)
@@ -40,7 +47,8 @@ def _ring_attention_kernel(
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
     stride_vdh, num_positions, eps,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+    F32_DOT: tl.constexpr,
     ROPE: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0) // num_splits
@@ -48,10 +56,10 @@ def _ring_attention_kernel(
     b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_off = qb * BLOCK_Q
-    q, tok, head, qi, row_ok, tok0, qlen, start = query_rows(
+    q, q2, tok, head, qi, row_ok, tok0, qlen, start = query_rows(
         q_ptr, cu_q_ptr, q_start_ptr, b, kvh, q_off, stride_qt, stride_qh,
         pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps,
-        GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM,
+        GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM, BLOCK_HALF, ROPE, NORM,
     )  # fmt: skip
     qpos = start + qi
     live = q_off < qlen  # a tile past the chunk's end reads nothing and stores nothing
@@ -76,10 +84,14 @@ def _ring_attention_kernel(
         # (L0-1-i) mod W with a non-negative dividend (C's % truncates toward zero).
         pos = start - 1 - ((start - 1 - i + window) % window)
         kv_mask = i_ok[:, None] & d_ok
-        k = tl.load(kr_base + i[:, None] * stride_kri + d[None, :], mask=kv_mask, other=0.0)
+        if ROPE:  # halves, to meet the rotated query's halves
+            k, k2 = key_halves(kr_base + i * stride_kri, i_ok, BLOCK_HALF, HEAD_DIM)
+        else:
+            k = tl.load(kr_base + i[:, None] * stride_kri + d[None, :], mask=kv_mask, other=0.0)
+            k2 = k
         v = tl.load(vr_base + i[:, None] * stride_vri + d[None, :], mask=kv_mask, other=0.0)
         visible = i_ok[None, :] & (pos[None, :] > qpos[:, None] - window)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q2, k, k2, v, visible, qk_scale, F32_DOT, ROPE)
 
     # Pass 2, the chunk: key offsets j with qi - W < j <= qi for some row of the tile. Only the last
     # split reads them (a decode's one key, or a short chunk: not worth a split of their own).
@@ -90,20 +102,21 @@ def _ring_attention_kernel(
         j_ok = j < j_hi
         jt = (tok0 + j).to(tl.int64)
         if ROPE:  # rotated and stored here (one program reads a decode's key: the last split)
-            k, v = rope_chunk_keys(
+            k, k2, v = rope_chunk_keys(
                 kn_ptr, vn_ptr, jt, j_ok, kvh, stride_knt, stride_knh, stride_vnt, stride_vnh,
                 pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
-                stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, HEAD_DIM, NORM,
+                stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, BLOCK_HALF, HEAD_DIM, NORM,
             )  # fmt: skip
         else:
             kv_mask = j_ok[:, None] & d_ok
             k_row = jt * stride_knt + kvh * stride_knh
             k = tl.load(kn_ptr + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            k2 = k
             v_row = jt * stride_vnt + kvh * stride_vnh
             v = tl.load(vn_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         rel = j[None, :] - qi[:, None]
         visible = j_ok[None, :] & (rel <= 0) & (rel > -window)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q2, k, k2, v, visible, qk_scale, F32_DOT, ROPE)
 
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
@@ -143,7 +156,8 @@ def ring_attention(
         v_ring.stride(2), out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads,
         float(scale) * LOG2E, window, num_splits, *kernel_args(rope, q, k_new),
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim,
+        BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BLOCK_HALF=block_half(vl.head_dim),
+        HEAD_DIM=vl.head_dim,
         F32_DOT=f32_dot(q.dtype), ROPE=rope is not None, NORM=rope is not None and rope.norm,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
