@@ -97,21 +97,22 @@ def _paged_attention_kernel(
             visible = visible & (n[None, :] > qpos[:, None] - window)
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q2, k, k2, v, visible, qk_scale, F32_DOT, ROPE)
 
-    if ROPE:  # the chunk's keys (a decode's one), rotated and stored into the pages by the last split
-        j_hi = tl.where((q_off < qlen) & (split == num_splits - 1), qlen, 0)
-        for j0 in range(0, j_hi, BLOCK_N):
-            j = j0 + tl.arange(0, BLOCK_N)
-            j_ok = j < j_hi
-            k, k2, v = rope_chunk_keys(
-                kn_ptr, vn_ptr, (tok0 + j).to(tl.int64), j_ok, kvh, stride_knt, stride_knh, stride_vnt,
-                stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
-                stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, BLOCK_HALF, HEAD_DIM, NORM,
-            )  # fmt: skip
-            n = start + j
-            visible = j_ok[None, :] & (n[None, :] <= qpos[:, None])
-            if HAS_WINDOW:
-                visible = visible & (n[None, :] > qpos[:, None] - window)
-            acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q2, k, k2, v, visible, qk_scale, F32_DOT, ROPE)
+    if ROPE:
+        # The chunk's key (a decode's one: max_q == 1), rotated and stored into the pages by the last
+        # split: one block, no loop (a loop's loads would be software-pipelined, buffering a whole key
+        # block of cos/sin in shared memory).
+        j = tl.arange(0, 16)  # tl.dot's smallest tile: the rotation's registers scale with it
+        j_ok = j < tl.where((q_off < qlen) & (split == num_splits - 1), qlen, 0)
+        k, k2, v = rope_chunk_keys(
+            kn_ptr, vn_ptr, (tok0 + j).to(tl.int64), j_ok, kvh, stride_knt, stride_knh, stride_vnt,
+            stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
+            stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, BLOCK_HALF, HEAD_DIM, NORM,
+        )  # fmt: skip
+        n = start + j
+        visible = j_ok[None, :] & (n[None, :] <= qpos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > qpos[:, None] - window)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q2, k, k2, v, visible, qk_scale, F32_DOT, ROPE)
 
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,

@@ -97,26 +97,32 @@ def _ring_attention_kernel(
     # split reads them (a decode's one key, or a short chunk: not worth a split of their own).
     j_lo = tl.maximum(q_off - window + 1, 0)
     j_hi = tl.where(live & (split == num_splits - 1), tl.minimum(q_off + BLOCK_Q, qlen), j_lo)
-    for j0 in range(j_lo, j_hi, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
+    if ROPE:
+        # A decode's one key (max_q == 1), rotated and stored here: one block, no loop (a loop's loads
+        # would be software-pipelined, buffering a whole key block of cos/sin in shared memory).
+        j = j_lo + tl.arange(0, 16)  # tl.dot's smallest tile: the rotation's registers scale with it
         j_ok = j < j_hi
-        jt = (tok0 + j).to(tl.int64)
-        if ROPE:  # rotated and stored here (one program reads a decode's key: the last split)
-            k, k2, v = rope_chunk_keys(
-                kn_ptr, vn_ptr, jt, j_ok, kvh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
-                stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, BLOCK_HALF, HEAD_DIM, NORM,
-            )  # fmt: skip
-        else:
-            kv_mask = j_ok[:, None] & d_ok
-            k_row = jt * stride_knt + kvh * stride_knh
-            k = tl.load(kn_ptr + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            k2 = k
-            v_row = jt * stride_vnt + kvh * stride_vnh
-            v = tl.load(vn_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, k2, v = rope_chunk_keys(
+            kn_ptr, vn_ptr, (tok0 + j).to(tl.int64), j_ok, kvh, stride_knt, stride_knh, stride_vnt,
+            stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
+            stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, BLOCK_HALF, HEAD_DIM, NORM,
+        )  # fmt: skip
         rel = j[None, :] - qi[:, None]
         visible = j_ok[None, :] & (rel <= 0) & (rel > -window)
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q2, k, k2, v, visible, qk_scale, F32_DOT, ROPE)
+    else:
+        for j0 in range(j_lo, j_hi, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            j_ok = j < j_hi
+            jt = (tok0 + j).to(tl.int64)
+            kv_mask = j_ok[:, None] & d_ok
+            k_row = jt * stride_knt + kvh * stride_knh
+            k = tl.load(kn_ptr + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v_row = jt * stride_vnt + kvh * stride_vnh
+            v = tl.load(vn_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            rel = j[None, :] - qi[:, None]
+            visible = j_ok[None, :] & (rel <= 0) & (rel > -window)
+            acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q2, k, k, v, visible, qk_scale, F32_DOT, ROPE)
 
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
