@@ -55,8 +55,8 @@ class EngineConfig:
     # Decode batch sizes captured as CUDA graphs on a CUDA device; () = eager only.
     cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
     # Decode steps apply RoPE and store the K/V inside the attention kernels (one kernel a layer fewer).
-    # Off: on the H200 the kernels' extra registers and shared memory cost more than the kernel saved
-    # (docs/benchmarks.md, "RoPE inside decode attention").
+    # Off until it measures faster: its first version's extra registers and shared memory cost more
+    # on the H200 than the kernel it saves (docs/benchmarks.md, "RoPE inside decode attention").
     rope_in_attention: bool = False
 
 

@@ -63,11 +63,11 @@ class BatchAttention:
 
     With `rope_inside`, in a decode step (one token per sequence) the attention kernels take q and k
     before RoPE and do RoPE and the K/V store themselves (`takes_rope`; shared/attention/fused_rope.py):
-    no RoPE kernel (off by default: measured slower on the H200). Otherwise, where it may, it hands
-    the K/V store to the model's RoPE kernel (`store_target`): a full layer's rows always (its
-    attention reads them from the pages). A sliding layer's store waits for attention in a chunk longer
-    than one token: its later tokens would overwrite history its earlier queries read. (A decode
-    token's ring index holds position L - W, which its query does not see, so storing it first
+    no RoPE kernel (off by default until it measures faster: docs/benchmarks.md). Otherwise, where it
+    may, it hands the K/V store to the model's RoPE kernel (`store_target`): a full layer's rows always
+    (its attention reads them from the pages). A sliding layer's store waits for attention in a chunk
+    longer than one token: its later tokens would overwrite history its earlier queries read. (A
+    decode token's ring index holds position L - W, which its query does not see, so storing it first
     changes nothing.)
     """
 
