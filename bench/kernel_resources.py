@@ -1,0 +1,74 @@
+"""Registers, spills and shared memory of the decode attention kernels, compiled for an H200 (sm_90)
+on a machine without a GPU: a check before spending device time on a kernel variant.
+
+Each kernel is compiled by `triton.compile` for `GPUTarget("cuda", 90, 32)` at the engine's decode
+shape (GQA 2, head dim 128, 32-key tiles, 4 warps, 3 stages, bf16), with RoPE inside attention off
+and on; `cuobjdump` (shipped with Triton) reads the cubin's resource use. The local Triton may not be
+the device's: compare variants within one run, not against the device's numbers
+(`CompiledKernel.n_regs` / `.metadata.shared` there).
+
+    python bench/kernel_resources.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from shared.attention.paged_attention import _paged_attention_kernel
+from shared.attention.ring_attention import _ring_attention_kernel
+
+POINTERS = {
+    "pos_ptr": "*i64", "cs_ptr": "*fp32", "idx_ptr": "*i64", "slots_ptr": "*i32", "cu_q_ptr": "*i32",
+    "q_start_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "bt_ptr": "*i32",
+}  # fmt: skip
+DECODE = {"GROUP": 2, "GROUP_P2": 2, "BLOCK_Q": 1, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_D": 128,
+          "BLOCK_HALF": 64, "HEAD_DIM": 128, "F32_DOT": False}  # fmt: skip
+
+
+def signature(fn, consts: dict) -> dict[str, str]:
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = POINTERS.get(name, "*bf16")
+        else:
+            sig[name] = "fp32" if name in ("qk_scale", "eps") else "i32"
+    return sig
+
+
+def resources(fn, consts: dict) -> str:
+    src = ASTSource(fn=fn, signature=signature(fn, consts), constexprs=consts)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run(
+            [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+    used = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    regs, stack = used.groups() if used else ("?", "?")
+    return f"registers {regs:>4}  stack {stack:>4} B  shared {kernel.metadata.shared:>6} B"
+
+
+def main() -> None:
+    print(f"Triton {triton.__version__}, sm_90, decode tiles {DECODE}")
+    for name, fn, extra in (
+        ("ring", _ring_attention_kernel, {}),
+        ("paged", _paged_attention_kernel, {"PAGE_SIZE": 16, "HAS_WINDOW": False}),
+    ):
+        for rope, norm in ((False, False), (True, False), (True, True)):
+            label = "plain" if not rope else "RoPE inside" + (" + q/k norm" if norm else "")
+            print(f"{name:6s} {label:24s} {resources(fn, {**DECODE, **extra, 'ROPE': rope, 'NORM': norm})}")
+
+
+if __name__ == "__main__":
+    main()
