@@ -12,6 +12,7 @@ the device's: compare variants within one run, not against the device's numbers
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -60,6 +61,10 @@ def resources(fn, consts: dict) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("TRITON_INTERPRET=1 makes the kernels Python: unset it to compile them")
     print(f"Triton {triton.__version__}, sm_90, decode tiles {DECODE}")
     for name, fn, extra in (
         ("ring", _ring_attention_kernel, {}),

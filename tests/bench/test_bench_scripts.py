@@ -1,6 +1,7 @@
 """The benchmarks under bench/ stay runnable: device time is scarce, and a script that fails to start
 on the GPU machine wastes it. Every script parses `--help` without CUDA; the ones that also run on CPU
-(the serving bench's two modes with a tiny model, the engine's host-side bench) run end to end."""
+(the serving bench's two modes with a tiny model, the engine's host-side bench, the kernels' sm_90
+resource check) run end to end."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ TINY = {"layers": "SF", "window": 16, "vocab": 256, "hidden": 64, "heads": 4, "k
         "intermediate": 128, "max_context": 512}  # fmt: skip
 
 
-def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, timeout: float, compiled: bool = False) -> subprocess.CompletedProcess[str]:
+    """`compiled`: without TRITON_INTERPRET (the suite sets it), so that Triton compiles the kernels."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if compiled:
+        env.pop("TRITON_INTERPRET", None)
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -30,6 +34,15 @@ def test_every_bench_script_starts(script: str) -> None:
     out = _run(f"bench/{script}", "--help", timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage:" in out.stdout
+
+
+def test_the_decode_attention_kernels_compile_for_the_h200_without_one() -> None:
+    # Compiling for sm_90 here catches what the interpreter lets through (it runs Python, not the
+    # compiler's front end) before a GPU run does.
+    out = _run("bench/kernel_resources.py", timeout=600, compiled=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if "registers" in line]
+    assert len(rows) == 6 and all("shared" in row for row in rows), out.stdout
 
 
 def test_the_serving_bench_compares_colocated_and_disaggregated_on_cpu(tmp_path: Path) -> None:
