@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from shared.attention._checks import check_dims, check_dtype, check_same_device, check_store, fail
+from shared.attention._launch import next_pow2
 from shared.model.kernels._round import round_to
 
 
@@ -48,8 +49,16 @@ class RopeInKernel:
 
 
 def check_rope_in_kernel(
-    op: str, rope: RopeInKernel, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, max_q: int
-) -> None:
+    op: str,
+    rope: RopeInKernel,
+    q: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    max_q: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every argument check of RoPE inside attention; returns the chunk's (k_new, v_new)."""
+    if k_new is None or v_new is None:
+        fail(op, "RoPE inside attention needs the chunk's k_new and v_new")
     if max_q != 1:
         fail(op, f"RoPE inside attention takes decode-shaped calls only (max_q == 1), got max_q={max_q}")
     tokens, d = q.shape[0], q.shape[2]
@@ -74,6 +83,7 @@ def check_rope_in_kernel(
             fail(op, f"{name} must have a contiguous last dim")
     weights = {"q_weight": rope.q_weight, "k_weight": rope.k_weight} if rope.norm else {}
     check_same_device(op, q=q, positions=rope.positions, cos_sin=rope.cos_sin, **weights)
+    return k_new, v_new
 
 
 def kernel_args(rope: RopeInKernel | None, q: torch.Tensor, k_new: torch.Tensor) -> tuple:
@@ -91,7 +101,7 @@ def kernel_args(rope: RopeInKernel | None, q: torch.Tensor, k_new: torch.Tensor)
 
 def block_half(head_dim: int) -> int:
     """The column tile of one half of a head: a power of two, at least tl.dot's 16."""
-    return max(16, 1 << max(0, (head_dim // 2 - 1).bit_length()))
+    return max(16, next_pow2(head_dim // 2))
 
 
 @triton.jit

@@ -73,8 +73,6 @@ class TorchOps(AttentionOps):
         v_new: Tensor | None = None, rope: RopeInKernel | None = None,
     ) -> Tensor:  # fmt: skip
         if rope is not None:
-            if k_new is None or v_new is None:
-                raise ValueError("paged_attention: RoPE inside attention needs the chunk's k_new and v_new")
             q, _, _ = _rope_and_store("paged_attention", rope, q, k_new, v_new, max_q)
         return reference.paged_attention(
             q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window
@@ -93,12 +91,12 @@ class TorchOps(AttentionOps):
 
 
 def _rope_and_store(
-    op: str, rope: RopeInKernel, q: Tensor, k_new: Tensor, v_new: Tensor, max_q: int
+    op: str, rope: RopeInKernel, q: Tensor, k_new: Tensor | None, v_new: Tensor | None, max_q: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """What the Triton kernels do inside attention, in torch: RoPE (and the q/k norm), then the store."""
     from shared.model.kernels import reference as model_reference
 
-    check_rope_in_kernel(op, rope, q, k_new, v_new, max_q)
+    k_new, v_new = check_rope_in_kernel(op, rope, q, k_new, v_new, max_q)
     q, k_new = model_reference.rope(
         q, k_new, rope.positions, rope.cos_sin, rope.q_weight, rope.k_weight, rope.eps
     )

@@ -142,13 +142,10 @@ def paged_attention(
     if block_table.stride(1) != 1:
         raise ValueError(f"{op}: block_table rows must be contiguous, got strides {block_table.stride()}")
     check_triton_device(op, q.device)
+    kn, vn = k_cache[0], v_cache[0]  # unread without rope
     if rope is not None:
-        if k_new is None or v_new is None:
-            raise ValueError(f"{op}: RoPE inside attention needs the chunk's k_new and v_new")
-        check_rope_in_kernel(op, rope, q, k_new, v_new, max_q)
-        check_last_dim_contiguous(op, k_new=k_new, v_new=v_new)
-    kn = k_new if rope is not None and k_new is not None else k_cache[0]  # unread without rope
-    vn = v_new if rope is not None and v_new is not None else v_cache[0]
+        kn, vn = check_rope_in_kernel(op, rope, q, k_new, v_new, max_q)
+        check_last_dim_contiguous(op, k_new=kn, v_new=vn)
     page_size = k_cache.shape[1]
     tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q)
     span = block_table.shape[1] * page_size  # the most keys one program can read
