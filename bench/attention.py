@@ -14,6 +14,7 @@ bytes timed the same way in the same run.
     PYTHONPATH=. python bench/attention.py     # on a CUDA machine; a table to stdout
     PYTHONPATH=. python bench/attention.py --engine-only  # just the engine decode shape (~1 min)
     PYTHONPATH=. python bench/attention.py --json out.json  # the same rows as JSON
+    PYTHONPATH=. python bench/attention.py --rope  # engine shape: RoPE kernel + attention vs RoPE inside
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from shared.attention import TorchOps, TritonOps
 from shared.attention._launch import Tiles, choose_tiles, sm_count, split_count
-from shared.attention.paged_attention import paged_attention
-from shared.attention.ring_attention import ring_attention
+from shared.attention.fused_rope import RopeInKernel
+from shared.attention.paged_attention import _paged_attention_kernel, paged_attention
+from shared.attention.ring_attention import _ring_attention_kernel, ring_attention
+from shared.model.kernels.ops import KVStore
+from shared.model.kernels.rope import rope as rope_kernel
 
 HQ, HKV, D, PAGE = 16, 8, 128, 16
 
@@ -171,13 +175,86 @@ def run(with_torch: bool) -> list[dict]:
     return rows
 
 
+def _resources(kernel: object, fn: Callable[[], object], known: dict, key: tuple) -> str:
+    """Registers, spills and shared memory of what `fn` compiles of `kernel` (or compiled before, as
+    `key`): the compiled kernel's metadata, as bench/kernel_resources.py reads it."""
+    cache = kernel.device_caches[torch.cuda.current_device()][0]  # type: ignore[attr-defined]
+    before = set(cache)
+    fn()
+    new = [cache[k] for k in cache if k not in before]
+    if new:
+        k = new[-1]
+        known[key] = f"regs={k.n_regs} spills={k.n_spills} shared={k.metadata.shared}"
+    return known.get(key, "?")
+
+
+def engine_decode_rope() -> list[dict]:
+    """The engine's decode attention with RoPE applied by its own kernel (which also stores K/V) and
+    then the plain attention, against the attention kernel doing both (`fused_rope.py`): one CUDA
+    graph each, same inputs; with the compiled kernels' registers and shared memory."""
+    dtype, scale, batch, ctx, window = torch.bfloat16, D**-0.5, ENGINE_BATCH, ENGINE_CTX, ENGINE_WINDOW
+    l0, n = [ctx - 1] * batch, [1] * batch
+    positions = torch.tensor(l0, dtype=torch.int64, device="cuda")
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda").float() / D)
+    angles = torch.arange(8192, device="cuda").float()[:, None] * inv[None, :]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    ring = _ring_inputs(l0, n, window, dtype)
+    paged = _paged_inputs(l0, n, dtype)
+    paged["k_new"] = torch.randn_like(ring["k_new"])
+    paged["v_new"] = torch.randn_like(ring["v_new"])
+    rows, known = [], {}
+    kernels = {"ring": _ring_attention_kernel, "paged": _paged_attention_kernel}
+    for op, args in (("ring", ring), ("paged", paged)):
+        if op == "ring":
+            k_dst, v_dst = args["k_ring"].view(-1, HKV, D), args["v_ring"].view(-1, HKV, D)
+            index = torch.arange(batch, device="cuda") * window + (ctx - 1) % window
+            attend = ring_attention
+            kw = {"max_q": 1, "scale": scale, "window": window}
+        else:
+            k_dst, v_dst = args["k_cache"].view(-1, HKV, D), args["v_cache"].view(-1, HKV, D)
+            page = args["block_table"][:, (ctx - 1) // PAGE].long()
+            index = page * PAGE + (ctx - 1) % PAGE
+            attend = paged_attention
+            kw = {"max_q": 1, "scale": scale, "window": None}
+        for norm in (False, True):
+            w = [torch.rand(D, device="cuda", dtype=dtype) + 0.5 for _ in "qk"]
+            weights = tuple(w) if norm else (None, None)
+            plain = {k: v for k, v in args.items() if op == "ring" or k not in ("k_new", "v_new")}
+
+            def separate(a=args, p=plain, ws=weights, at=attend, k=kw, kd=k_dst, vd=v_dst, ix=index):
+                q, kr = rope_kernel(
+                    a["q"], a["k_new"], positions, cos_sin, *ws, 1e-6, store=KVStore(kd, vd, ix), v=a["v_new"]
+                )
+                extra = {"k_new": kr} if "k_new" in p else {}
+                return at(**{**p, "q": q, **extra}, **k)
+
+            fused_rope_args = RopeInKernel(positions, cos_sin, k_dst, v_dst, index, *weights, 1e-6)
+
+            def inside(a=args, at=attend, k=kw, r=fused_rope_args):
+                return at(**a, **k, rope=r)
+
+            label = f"B={batch} ctx={ctx}" + (" q/k norm" if norm else "")
+            variants = {"RoPE kernel + attention": separate, "RoPE inside attention": inside}
+            for i, (variant, fn) in enumerate(variants.items()):
+                res = _resources(kernels[op], fn, known, (op, i, i and norm))
+                ms = do_bench_cudagraph(fn, rep=200, return_mode="median")
+                rows.append({"op": f"{op} decode", "case": label, "variant": variant,
+                             "graph_us": round(ms * 1e3, 1), "attention": res})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
     parser.add_argument("--engine-only", action="store_true", help="only the engine's decode shape")
     parser.add_argument("--splits", default="2,4,8", help="split-K factors to force at the engine shape")
+    parser.add_argument("--rope", action="store_true", help="only RoPE inside attention vs a RoPE kernel")
     opts = parser.parse_args()
+    if opts.rope:
+        for r in engine_decode_rope():
+            print("  ".join(f"{k}={v}" for k, v in r.items()))
+        return
     rows = engine_decode([int(x) for x in opts.splits.split(",") if x])
     if not opts.engine_only:
         rows += run(with_torch=not opts.no_torch)

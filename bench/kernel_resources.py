@@ -30,7 +30,7 @@ POINTERS = {
     "q_start_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "bt_ptr": "*i32",
 }  # fmt: skip
 DECODE = {"GROUP": 2, "GROUP_P2": 2, "BLOCK_Q": 1, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_D": 128,
-          "BLOCK_HALF": 64, "HEAD_DIM": 128, "F32_DOT": False}  # fmt: skip
+          "HEAD_DIM": 128, "F32_DOT": False}  # fmt: skip
 
 
 def signature(fn, consts: dict) -> dict[str, str]:
@@ -72,7 +72,8 @@ def main() -> None:
     ):
         for rope, norm in ((False, False), (True, False), (True, True)):
             label = "plain" if not rope else "RoPE inside" + (" + q/k norm" if norm else "")
-            print(f"{name:6s} {label:24s} {resources(fn, {**DECODE, **extra, 'ROPE': rope, 'NORM': norm})}")
+            consts = {**DECODE, **extra, "ROPE": rope, "NORM": norm}
+            print(f"{name:6s} {label:24s} {resources(fn, consts)}")
 
 
 if __name__ == "__main__":

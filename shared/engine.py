@@ -54,10 +54,10 @@ class EngineConfig:
     mixed: bool = False
     # Decode batch sizes captured as CUDA graphs on a CUDA device; () = eager only.
     cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
-    # Decode steps apply RoPE and store the K/V inside the attention kernels (one kernel a layer fewer).
-    # Off until it measures faster: its first version's extra registers and shared memory cost more
-    # on the H200 than the kernel it saves (docs/benchmarks.md, "RoPE inside decode attention").
-    rope_in_attention: bool = False
+    # Decode steps apply RoPE and store the K/V inside the attention kernels: one kernel a layer fewer,
+    # -1.2% a step at batch 64 and -2.6% at batch 1 on the H200 (docs/benchmarks.md, "RoPE inside
+    # decode attention"). On a CPU the torch ops do RoPE, the store and attention in turn: the same.
+    rope_in_attention: bool = True
 
 
 @dataclass

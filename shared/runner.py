@@ -63,7 +63,7 @@ class BatchAttention:
 
     With `rope_inside`, in a decode step (one token per sequence) the attention kernels take q and k
     before RoPE and do RoPE and the K/V store themselves (`takes_rope`; shared/attention/fused_rope.py):
-    no RoPE kernel (off by default until it measures faster: docs/benchmarks.md). Otherwise, where it
+    no RoPE kernel (`EngineConfig.rope_in_attention`, on by default). Otherwise, where it
     may, it hands the K/V store to the model's RoPE kernel (`store_target`): a full layer's rows always
     (its attention reads them from the pages). A sliding layer's store waits for attention in a chunk
     longer than one token: its later tokens would overwrite history its earlier queries read. (A
@@ -169,7 +169,7 @@ class ForwardOutput:
 class ModelRunner:
     def __init__(
         self, model: Transformer, cache: KVCache, ops: AttentionOps | None = None, *,
-        rope_in_attention: bool = False,
+        rope_in_attention: bool = True,
     ) -> None:  # fmt: skip
         self.model = model
         self.rope_in_attention = rope_in_attention  # decode steps: RoPE + K/V store inside attention

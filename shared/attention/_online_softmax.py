@@ -10,24 +10,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from shared.attention.fused_rope import rotated_halves
+from shared.attention.fused_rope import rotated_rows
 
 
 @triton.jit
-def attend_block(
-    acc, m_i, l_i, q, q2, k, k2, v, visible, qk_scale, F32_DOT: tl.constexpr, HALVES: tl.constexpr
-):
+def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexpr):
     """Fold one key block into the running (acc [M, D], max m_i [M], sum l_i [M]); k, v are [N, D].
-
-    HALVES: q, k are the first halves of the heads' columns and q2, k2 the second ([., D/2] each, as
-    RoPE inside attention produces them), and the scores sum the two halves' products.
 
     F32_DOT computes both products in exact fp32: for fp32 inputs (tf32 would lose the tight
     agreement fp32 callers expect), and for bf16 under the interpreter, whose bf16 tl.dot is wrong.
     """
     s = _dot_t(q, k, F32_DOT)
-    if HALVES:
-        s += _dot_t(q2, k2, F32_DOT)
     s = tl.where(visible, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead avoids -inf - -inf.
@@ -56,34 +49,46 @@ def _dot_t(q, k, F32_DOT: tl.constexpr):
 
 @triton.jit
 def query_rows(
-    q_ptr, cu_q_ptr, q_start_ptr, b, kvh, q_off, stride_qt, stride_qh,
+    q_ptr, cu_q_ptr, q_start_ptr, out_ptr, b, kvh, q_off, stride_qt, stride_qh, stride_ot, stride_oh,
     pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps,
-    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
-    """Load one tile of (query, head) rows; returns the tile (twice), and each row's token, head,
-    offset, validity.
+    """Load one tile of (query, head) rows; returns the tile and each row's token, head, offset,
+    validity.
 
-    With ROPE the rows arrive before RoPE and are normed (NORM) and rotated here (`fused_rope.py`),
-    and the tile comes as its two column halves (q, q2), for `attend_block(HALVES=True)`."""
+    With ROPE the rows arrive before RoPE: the BLOCK_Q x GROUP_P2 rows that can hold data (BLOCK_M
+    pads them to tl.dot's 16) are normed (NORM) and rotated as a tile of their own into the output
+    rows this program owns (its result overwrites them), then loaded from there (`fused_rope.py`).
+    """
     tok0 = tl.load(cu_q_ptr + b)
     qlen = tl.load(cu_q_ptr + b + 1) - tok0
     start = tl.load(q_start_ptr + b)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = (d < HEAD_DIM)[None, :]
+    if ROPE:
+        rr = tl.arange(0, BLOCK_Q * GROUP_P2)
+        qi_r = q_off + rr // GROUP_P2
+        g_r = rr % GROUP_P2
+        ok_r = (g_r < GROUP) & (qi_r < qlen)
+        tok_r = (tok0 + qi_r).to(tl.int64)
+        head_r = kvh * GROUP + g_r
+        rotated = rotated_rows(
+            q_ptr + tok_r * stride_qt + head_r * stride_qh, ok_r, tok_r, pos_ptr, cs_ptr, stride_cs,
+            num_positions, qw_ptr, eps, BLOCK_D, HEAD_DIM, NORM,
+        )  # fmt: skip
+        dst = out_ptr + (tok_r * stride_ot + head_r * stride_oh)[:, None] + d[None, :]
+        tl.store(dst, rotated, mask=ok_r[:, None] & d_ok)
+        tl.debug_barrier()  # every thread's rows are stored before any thread loads the tile
     r = tl.arange(0, BLOCK_M)
     qi = q_off + r // GROUP_P2  # query offset inside the chunk
     g = r % GROUP_P2
     row_ok = (g < GROUP) & (qi < qlen)
     tok = (tok0 + qi).to(tl.int64)
     head = kvh * GROUP + g
-    rows = q_ptr + tok * stride_qt + head * stride_qh
     if ROPE:
-        q, q2 = rotated_halves(
-            rows, row_ok, tok, pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps, BLOCK_HALF, HEAD_DIM,
-            NORM,
-        )  # fmt: skip
+        rows = out_ptr + tok * stride_ot + head * stride_oh
     else:
-        d = tl.arange(0, BLOCK_D)
-        mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
-        q = tl.load(rows[:, None] + d[None, :], mask=mask, other=0.0)
-        q2 = q
-    return q, q2, tok, head, qi, row_ok, tok0, qlen, start
+        rows = q_ptr + tok * stride_qt + head * stride_qh
+    q = tl.load(rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok, other=0.0)
+    return q, tok, head, qi, row_ok, tok0, qlen, start

@@ -5,8 +5,15 @@ token's heads and write its K/V into the cache. The attention kernels can do tha
 each program already loads its query rows, and the program that reads the chunk's key (the last
 split of a (sequence, kv head)) rotates it, stores it and its v, and attends to it from registers.
 One node fewer per layer. The rotated values match the RoPE kernel (`shared/model/kernels/rope.py`):
-the same roundings in the same order. Queries and keys are handled as their two column halves (a
-rotation pairs column j with j + D/2), and scores sum the halves' products (`attend_block(HALVES)`).
+the same roundings in the same order.
+
+The attention loop stays the plain kernel's. Only the rows that hold data are rotated, as a small tile
+of their own (a decode tile of 16 rows holds 2 query rows and 1 key): rotating the padded tile took
+145-168 registers a program against 92-128, and an SM held 3 programs instead of 4, so the 512
+programs of a batch-64 step no longer fit one wave (H200: paged 64 us against 46). The rotated query
+rows go to the program's own output rows, the rotated key to its cache row, and after a barrier the
+kernel loads both back as the plain kernel loads its tiles. Each column's rotation partner is loaded
+from memory a second time, in the tile's own layout (`rotated_rows`).
 
 Decode-shaped calls only (every chunk one token, `max_q == 1`): a longer chunk's keys would be read by
 several query tiles, and each would store them.
@@ -21,7 +28,6 @@ import triton
 import triton.language as tl
 
 from shared.attention._checks import check_dims, check_dtype, check_same_device, check_store, fail
-from shared.attention._launch import next_pow2
 from shared.model.kernels._round import round_to
 
 
@@ -99,87 +105,71 @@ def kernel_args(rope: RopeInKernel | None, q: torch.Tensor, k_new: torch.Tensor)
     )  # fmt: skip
 
 
-def block_half(head_dim: int) -> int:
-    """The column tile of one half of a head: a power of two, at least tl.dot's 16."""
-    return max(16, next_pow2(head_dim // 2))
-
-
 @triton.jit
-def rotated_halves(
+def rotated_rows(
     base, row_ok, tok, pos_ptr, cs_ptr, stride_cs, num_positions, w_ptr, eps,
-    BLOCK_HALF: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     """Rows `base[r] + d` ([R] pointers to heads), normed (NORM, weights `w_ptr`) and rotated to
-    positions[tok[r]], as two [R, BLOCK_HALF] halves in base's dtype (columns >= HEAD_DIM / 2 are 0).
+    positions[tok[r]], as one [R, BLOCK_D] tile in base's dtype (columns >= HEAD_DIM are 0).
 
-    Halves, not one [R, D] tile: a rotation pairs column j with j + D/2, and gathering a column's
-    partner within one tile goes through shared memory (measured: twice the kernel's shared memory,
-    half the programs an SM holds). Each step is the RoPE kernel's `_rotate_heads`, rounding included.
+    A rotation pairs column d with d +- D/2. The partner columns are loaded from memory a second
+    time (the first load left the rows in L1), in the tile's own layout: gathering them within the
+    tile goes through shared memory, and splitting heads into halves changes the attention loop's
+    dot products (both measured slower, docs/benchmarks.md). Each step is the RoPE kernel's
+    `_rotate_heads`, rounding included.
     """
     HALF: tl.constexpr = HEAD_DIM // 2
     dtype = base.dtype.element_ty
-    j = tl.arange(0, BLOCK_HALF)
-    j_ok = j < HALF
-    mask = row_ok[:, None] & j_ok[None, :]
-    x1 = tl.load(base[:, None] + j[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base[:, None] + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    first = d < HALF
+    partner = tl.where(first, d + HALF, d - HALF)
+    mask = row_ok[:, None] & d_ok[None, :]
+    x = tl.load(base[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     if NORM:
-        rstd = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
-        rstd = rstd[:, None]
-        w1 = tl.load(w_ptr + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-        x1 = round_to(round_to(x1 * rstd, dtype) * w1, dtype)
-        x2 = round_to(round_to(x2 * rstd, dtype) * w2, dtype)
+        sq = x * x  # the RoPE kernel sums each half, then adds the two
+        lo = tl.sum(tl.where(first[None, :], sq, 0.0), axis=1)
+        hi = tl.sum(tl.where(first[None, :], 0.0, sq), axis=1)
+        rstd = tl.math.rsqrt((lo + hi) / (2 * HALF) + eps)[:, None]
+        w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        x = round_to(round_to(x * rstd, dtype) * w, dtype)
+        xp = round_to(round_to(xp * rstd, dtype) * wp, dtype)
     # As the RoPE kernel: negative positions wrap (graph padding rows carry -1), the rest is clamped.
     pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int64)
     pos = tl.where(pos < 0, pos + num_positions, pos)
     pos = tl.minimum(tl.maximum(pos, 0), num_positions - 1)
     cs_row = cs_ptr + pos[:, None] * stride_cs
-    c = round_to(tl.load(cs_row + j[None, :], mask=mask, other=0.0).to(tl.float32), dtype)
-    s = round_to(tl.load(cs_row + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32), dtype)
-    o1 = round_to(round_to(x1 * c, dtype) - round_to(x2 * s, dtype), dtype)
-    o2 = round_to(round_to(x2 * c, dtype) + round_to(x1 * s, dtype), dtype)
-    return o1.to(dtype), o2.to(dtype)
+    j = tl.where(first, d, partner)[None, :]  # d mod D/2: cos_sin holds one half of each
+    c = round_to(tl.load(cs_row + j, mask=mask, other=0.0).to(tl.float32), dtype)
+    s = round_to(tl.load(cs_row + HALF + j, mask=mask, other=0.0).to(tl.float32), dtype)
+    xc = round_to(x * c, dtype)
+    ps = round_to(xp * s, dtype)
+    # first half: x1 c - x2 s; second half: x2 c + x1 s
+    return round_to(tl.where(first[None, :], xc - ps, xc + ps), dtype).to(dtype)
 
 
 @triton.jit
-def key_halves(rows, ok, BLOCK_HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Keys at `rows[n] + d` ([N] pointers) as two [N, BLOCK_HALF] halves (to meet halved queries)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    j = tl.arange(0, BLOCK_HALF)
-    mask = ok[:, None] & (j < HALF)[None, :]
-    k1 = tl.load(rows[:, None] + j[None, :], mask=mask, other=0.0)
-    k2 = tl.load(rows[:, None] + HALF + j[None, :], mask=mask, other=0.0)
-    return k1, k2
-
-
-@triton.jit
-def rope_chunk_keys(
+def store_chunk_keys(
     kn_ptr, vn_ptr, jt, j_ok, kvh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
     stride_kds, stride_kdh, stride_vds, stride_vdh,
-    BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
-    """The chunk's keys `jt` ([N] token ids, valid where j_ok) of kv head `kvh`: k rotated (two
-    halves), v as is; both stored at idx[jt] of the flat caches (negative index: not stored).
-    Returns (k1, k2, v)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    k1, k2 = rotated_halves(
+    """Store the chunk's keys `jt` ([N] token ids, valid where j_ok) of kv head `kvh` at idx[jt] of
+    the flat caches, k rotated and v as is (a negative index: not stored). The caller reads them back
+    from there after a barrier (its plain key loads)."""
+    k = rotated_rows(
         kn_ptr + jt * stride_knt + kvh * stride_knh, j_ok, jt, pos_ptr, cs_ptr, stride_cs, num_positions,
-        kw_ptr, eps, BLOCK_HALF, HEAD_DIM, NORM,
+        kw_ptr, eps, BLOCK_D, HEAD_DIM, NORM,
     )  # fmt: skip
     d = tl.arange(0, BLOCK_D)
     mask = j_ok[:, None] & (d < HEAD_DIM)[None, :]
     v = tl.load(vn_ptr + (jt * stride_vnt + kvh * stride_vnh)[:, None] + d[None, :], mask=mask, other=0.0)
     dst = tl.load(idx_ptr + jt, mask=j_ok, other=-1).to(tl.int64)
-    keep = j_ok & (dst >= 0)
+    keep = mask & (dst >= 0)[:, None]
     row = tl.maximum(dst, 0)
-    j = tl.arange(0, BLOCK_HALF)
-    half_keep = keep[:, None] & (j < HALF)[None, :]
-    k_dst = kd_ptr + (row * stride_kds + kvh * stride_kdh)[:, None] + j[None, :]
-    tl.store(k_dst, k1, mask=half_keep)
-    tl.store(k_dst + HALF, k2, mask=half_keep)
-    tl.store(
-        vd_ptr + (row * stride_vds + kvh * stride_vdh)[:, None] + d[None, :], v, mask=keep[:, None] & mask
-    )
-    return k1, k2, v
+    tl.store(kd_ptr + (row * stride_kds + kvh * stride_kdh)[:, None] + d[None, :], k, mask=keep)
+    tl.store(vd_ptr + (row * stride_vds + kvh * stride_vdh)[:, None] + d[None, :], v, mask=keep)

@@ -22,11 +22,9 @@ from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
 from shared.attention.fused_rope import (
     RopeInKernel,
-    block_half,
     check_rope_in_kernel,
     kernel_args,
-    key_halves,
-    rope_chunk_keys,
+    store_chunk_keys,
 )
 
 
@@ -46,7 +44,7 @@ def _paged_attention_kernel(
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
     stride_vdh, num_positions, eps,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
@@ -55,10 +53,10 @@ def _paged_attention_kernel(
     b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_off = qb * BLOCK_Q
-    q, q2, tok, head, qi, row_ok, tok0, qlen, start = query_rows(
-        q_ptr, cu_q_ptr, q_start_ptr, b, kvh, q_off, stride_qt, stride_qh,
+    q, tok, head, qi, row_ok, tok0, qlen, start = query_rows(
+        q_ptr, cu_q_ptr, q_start_ptr, out_ptr, b, kvh, q_off, stride_qt, stride_qh, stride_ot, stride_oh,
         pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps,
-        GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM, BLOCK_HALF, ROPE, NORM,
+        GROUP, GROUP_P2, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM,
     )  # fmt: skip
     qpos = start + qi
     # Keys this tile can see: [lo, hi). A tile past the chunk's end (max_q covers the longest chunk)
@@ -68,8 +66,17 @@ def _paged_attention_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(start + q_off - window + 1, 0)
     hi = tl.where(q_off < qlen, hi, lo)
-    if ROPE:  # the chunk's own keys are not in the pages yet: they come from k_new, below
-        hi = tl.maximum(tl.minimum(hi, start), lo)
+    if ROPE:
+        # The chunk's key (a decode's one: max_q == 1) is not in the pages yet: the last split, whose
+        # keys end with it, rotates and stores it there first, then reads it as any other key.
+        jr = tl.arange(0, 2)
+        jr_ok = jr < tl.where((q_off < qlen) & (split == num_splits - 1), qlen, 0)
+        store_chunk_keys(
+            kn_ptr, vn_ptr, (tok0 + jr).to(tl.int64), jr_ok, kvh, stride_knt, stride_knh, stride_vnt,
+            stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
+            stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, HEAD_DIM, NORM,
+        )  # fmt: skip
+        tl.debug_barrier()  # stored by every thread before any thread loads it
     k_lo, k_hi = split_range(lo, hi, split, num_splits, BLOCK_N)
 
     d = tl.arange(0, BLOCK_D)
@@ -85,34 +92,13 @@ def _paged_attention_kernel(
         slot = n % PAGE_SIZE
         kv_mask = n_ok[:, None] & d_ok
         k_row = page * stride_kp + slot * stride_ks + kvh * stride_kh
-        if ROPE:  # halves, to meet the rotated query's halves
-            k, k2 = key_halves(k_ptr + k_row, n_ok, BLOCK_HALF, HEAD_DIM)
-        else:
-            k = tl.load(k_ptr + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            k2 = k
+        k = tl.load(k_ptr + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v_row = page * stride_vp + slot * stride_vs + kvh * stride_vh
         v = tl.load(v_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         visible = n_ok[None, :] & (n[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             visible = visible & (n[None, :] > qpos[:, None] - window)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q2, k, k2, v, visible, qk_scale, F32_DOT, ROPE)
-
-    if ROPE:
-        # The chunk's key (a decode's one: max_q == 1), rotated and stored into the pages by the last
-        # split: one block, no loop (a loop's loads would be software-pipelined, buffering a whole key
-        # block of cos/sin in shared memory).
-        j = tl.arange(0, 16)  # tl.dot's smallest tile: the rotation's registers scale with it
-        j_ok = j < tl.where((q_off < qlen) & (split == num_splits - 1), qlen, 0)
-        k, k2, v = rope_chunk_keys(
-            kn_ptr, vn_ptr, (tok0 + j).to(tl.int64), j_ok, kvh, stride_knt, stride_knh, stride_vnt,
-            stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
-            stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, BLOCK_HALF, HEAD_DIM, NORM,
-        )  # fmt: skip
-        n = start + j
-        visible = j_ok[None, :] & (n[None, :] <= qpos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (n[None, :] > qpos[:, None] - window)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q2, k, k2, v, visible, qk_scale, F32_DOT, ROPE)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
 
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
@@ -162,8 +148,7 @@ def paged_attention(
         window if window is not None else 0, num_splits,
         kn, vn, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), *kernel_args(rope, q, kn),
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BLOCK_HALF=block_half(vl.head_dim),
-        HEAD_DIM=vl.head_dim, PAGE_SIZE=page_size,
+        BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim, PAGE_SIZE=page_size,
         HAS_WINDOW=window is not None, F32_DOT=f32_dot(q.dtype), ROPE=rope is not None,
         NORM=rope is not None and rope.norm, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip

@@ -23,11 +23,9 @@ from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
 from shared.attention.fused_rope import (
     RopeInKernel,
-    block_half,
     check_rope_in_kernel,
     kernel_args,
-    key_halves,
-    rope_chunk_keys,
+    store_chunk_keys,
 )
 
 
@@ -47,7 +45,7 @@ def _ring_attention_kernel(
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
     stride_vdh, num_positions, eps,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     F32_DOT: tl.constexpr,
     ROPE: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
@@ -56,10 +54,10 @@ def _ring_attention_kernel(
     b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_off = qb * BLOCK_Q
-    q, q2, tok, head, qi, row_ok, tok0, qlen, start = query_rows(
-        q_ptr, cu_q_ptr, q_start_ptr, b, kvh, q_off, stride_qt, stride_qh,
+    q, tok, head, qi, row_ok, tok0, qlen, start = query_rows(
+        q_ptr, cu_q_ptr, q_start_ptr, out_ptr, b, kvh, q_off, stride_qt, stride_qh, stride_ot, stride_oh,
         pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps,
-        GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM, BLOCK_HALF, ROPE, NORM,
+        GROUP, GROUP_P2, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM,
     )  # fmt: skip
     qpos = start + qi
     live = q_off < qlen  # a tile past the chunk's end reads nothing and stores nothing
@@ -84,45 +82,41 @@ def _ring_attention_kernel(
         # (L0-1-i) mod W with a non-negative dividend (C's % truncates toward zero).
         pos = start - 1 - ((start - 1 - i + window) % window)
         kv_mask = i_ok[:, None] & d_ok
-        if ROPE:  # halves, to meet the rotated query's halves
-            k, k2 = key_halves(kr_base + i * stride_kri, i_ok, BLOCK_HALF, HEAD_DIM)
-        else:
-            k = tl.load(kr_base + i[:, None] * stride_kri + d[None, :], mask=kv_mask, other=0.0)
-            k2 = k
+        k = tl.load(kr_base + i[:, None] * stride_kri + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(vr_base + i[:, None] * stride_vri + d[None, :], mask=kv_mask, other=0.0)
         visible = i_ok[None, :] & (pos[None, :] > qpos[:, None] - window)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q2, k, k2, v, visible, qk_scale, F32_DOT, ROPE)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
 
     # Pass 2, the chunk: key offsets j with qi - W < j <= qi for some row of the tile. Only the last
     # split reads them (a decode's one key, or a short chunk: not worth a split of their own).
     j_lo = tl.maximum(q_off - window + 1, 0)
     j_hi = tl.where(live & (split == num_splits - 1), tl.minimum(q_off + BLOCK_Q, qlen), j_lo)
     if ROPE:
-        # A decode's one key (max_q == 1), rotated and stored here: one block, no loop (a loop's loads
-        # would be software-pipelined, buffering a whole key block of cos/sin in shared memory).
-        j = j_lo + tl.arange(0, 16)  # tl.dot's smallest tile: the rotation's registers scale with it
-        j_ok = j < j_hi
-        k, k2, v = rope_chunk_keys(
-            kn_ptr, vn_ptr, (tok0 + j).to(tl.int64), j_ok, kvh, stride_knt, stride_knh, stride_vnt,
+        # A decode's one key (max_q == 1): rotated and stored into its ring row, then loaded from there.
+        jr = j_lo + tl.arange(0, 2)
+        store_chunk_keys(
+            kn_ptr, vn_ptr, (tok0 + jr).to(tl.int64), jr < j_hi, kvh, stride_knt, stride_knh, stride_vnt,
             stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
-            stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, BLOCK_HALF, HEAD_DIM, NORM,
+            stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, HEAD_DIM, NORM,
         )  # fmt: skip
+        tl.debug_barrier()  # stored by every thread before any thread loads it
+    for j0 in range(j_lo, j_hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        j_ok = j < j_hi
+        jt = (tok0 + j).to(tl.int64)
+        if ROPE:  # as stored above; a key with a negative store index (a padding row's) is not attended
+            dst = tl.load(idx_ptr + jt, mask=j_ok, other=-1).to(tl.int64)
+            j_ok = j_ok & (dst >= 0)
+            k_ptrs = kd_ptr + (tl.maximum(dst, 0) * stride_kds + kvh * stride_kdh)[:, None] + d[None, :]
+        else:
+            k_ptrs = kn_ptr + (jt * stride_knt + kvh * stride_knh)[:, None] + d[None, :]
+        kv_mask = j_ok[:, None] & d_ok
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v_row = jt * stride_vnt + kvh * stride_vnh
+        v = tl.load(vn_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         rel = j[None, :] - qi[:, None]
         visible = j_ok[None, :] & (rel <= 0) & (rel > -window)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q2, k, k2, v, visible, qk_scale, F32_DOT, ROPE)
-    else:
-        for j0 in range(j_lo, j_hi, BLOCK_N):
-            j = j0 + tl.arange(0, BLOCK_N)
-            j_ok = j < j_hi
-            jt = (tok0 + j).to(tl.int64)
-            kv_mask = j_ok[:, None] & d_ok
-            k_row = jt * stride_knt + kvh * stride_knh
-            k = tl.load(kn_ptr + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v_row = jt * stride_vnt + kvh * stride_vnh
-            v = tl.load(vn_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            rel = j[None, :] - qi[:, None]
-            visible = j_ok[None, :] & (rel <= 0) & (rel > -window)
-            acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q2, k, k, v, visible, qk_scale, F32_DOT, ROPE)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
 
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
@@ -162,8 +156,7 @@ def ring_attention(
         v_ring.stride(2), out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads,
         float(scale) * LOG2E, window, num_splits, *kernel_args(rope, q, k_new),
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BLOCK_HALF=block_half(vl.head_dim),
-        HEAD_DIM=vl.head_dim,
+        BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim,
         F32_DOT=f32_dot(q.dtype), ROPE=rope is not None, NORM=rope is not None and rope.norm,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip

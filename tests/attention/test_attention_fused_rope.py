@@ -80,8 +80,8 @@ def test_ring_rotates_stores_and_attends_like_rope_first(backend, dtype, norm, n
     )
     got = call(b.q, b.k_new, b.v_new, k_ring2, v_ring2, b.slots, b.cu_q, b.q_start, max_q=1, scale=b.scale,
                window=W, rope=rope, **split)  # fmt: skip
-    # Scores come as the sum of the two column halves' products: the same up to float sum order. The
-    # rotated keys are exact where each product is rounded to the dtype (bf16; fp32 on CPU: a GPU may
+    # The chunk's key joins the online softmax in a 16-key block, not the plain kernel's key block: the
+    # same up to float sum order. The rotated keys are exact where each product is rounded to the dtype (bf16; fp32 on CPU: a GPU may
     # fuse fp32 products and sums), the norm's float32 sum aside.
     assert_same(got, want, exact=False)
     assert_same(k_ring2, k_ring, exact=not norm and (dtype == torch.bfloat16 or DEVICE == "cpu"))
@@ -115,8 +115,8 @@ def test_paged_rotates_stores_and_attends_like_rope_first(backend, dtype, norm, 
     rope = RopeInKernel(positions, cos_sin, k2.view(-1, 2, D), v2.view(-1, 2, D), dst, *weights, 1e-6)
     got = call(b.q, k2, v2, b.block_table, b.cu_q, b.q_start, max_q=1, scale=b.scale, window=None,
                k_new=b.k_new, v_new=b.v_new, rope=rope, **split)  # fmt: skip
-    # The chunk's key joins the online softmax in a block of its own here (not in its page's block),
-    # and scores sum two halves' products: the same result up to the order of the float sums.
+    # The chunk's key joins the online softmax in a block of its own here (not in its page's block):
+    # the same result up to the order of the float sums.
     assert_same(got, want, exact=False)
     assert_same(k2, k_cache, exact=not norm and (dtype == torch.bfloat16 or DEVICE == "cpu"))
     assert torch.equal(v2.nan_to_num(7.0), v_cache.nan_to_num(7.0))
