@@ -83,7 +83,7 @@ def decode_roofline_bytes(model, batch: int, ctx: int) -> int:
 
 
 def bench_engine(
-    model, cfg, batch: int, prompt_len: int, steps: int, bandwidth: float, rope_in_attention: bool = False
+    model, cfg, batch: int, prompt_len: int, steps: int, bandwidth: float, rope_in_attention: bool = True
 ) -> dict[str, float]:
     pages = batch * ((prompt_len + steps + 16) // 16 + 1) + 16
     kv = KVConfig(page_size=16, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda")
@@ -221,7 +221,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--rope-in-attention",
-        default="off",
+        default="on",
         help="decode's RoPE + K/V store inside the attention kernels (on) or in a kernel of its own (off)",
     )
     args = ap.parse_args()

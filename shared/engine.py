@@ -178,7 +178,8 @@ class Engine(KVOwnership):
         every request in flight waits on it (on an H200, the serving trace's first pass spent 5.7 s
         of 8.6 in three such steps; `bench/engine_trace.py`). Throwaway greedy requests: each
         query-tile length alone, all of them together, and a prompt that arrives while another
-        decodes (a mixed step, if `cfg.mixed`). Everything they held is freed after.
+        decodes (a mixed step, if `cfg.mixed`); and one seeded sampled request, for the sampler's
+        kernels. Everything they held is freed after.
         CUDA only (nothing compiles on a CPU) unless `force`. Returns the seconds it took.
         """
         if self.cache.device.type != "cuda" and not force:
@@ -192,6 +193,9 @@ class Engine(KVOwnership):
         for n in lengths:
             self.generate([[0] * n], params)
         self.generate([[0] * n for n in lengths[: self.cfg.max_running]], params)
+        # A sampled row: the sampler's argmax over float32 scores is a kernel variant of its own on CUDA
+        # (greedy rows take it over the model's dtype). Seeded: the engine's generator is not drawn from.
+        self.generate([[0] * lengths[0]], dataclasses.replace(params, temperature=1.0, seed=0))
         longer = dataclasses.replace(params, max_tokens=8)
         fits = [n for n in lengths if n + longer.max_tokens <= self.max_context()]
         if fits:

@@ -24,6 +24,7 @@ from shared.cuda_graph import DecodeGraphs
 from shared.kv.cache import KVCache
 from shared.kv.window import window_buffer
 from shared.model.kernels import KVStore
+from shared.model.kernels.argmax import argmax_rows
 from shared.model.layers import RopeArgs
 from shared.model.transformer import Transformer
 from shared.sampling import SamplingBatch, sample
@@ -236,7 +237,7 @@ class ModelRunner:
         if batch.num_real < batch.num_seqs:  # rows padding a CUDA graph
             logits = logits[: batch.num_real]
         if sampling is None:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)  # split over the vocabulary on CUDA; torch.argmax on CPU
         else:
             tokens = sample(logits, sampling, batch.sample_positions[: batch.num_real])
         ready, host = None, tokens

@@ -20,6 +20,8 @@ is one: the invariants library guards finiteness upstream, and the fast path lau
 Cost on one H200, B=256, V=151936 (mean of 20 calls): all greedy 0.06 ms; temperature only 0.8 ms;
 min-p 1.2 ms; all seeded 3.3 ms (the int64 hash); top-k/top-p 5.2 ms (the [B, V] sort, as vLLM's torch
 path); a batch with everything 8.1 ms. Fusing the hash and the filters into Triton kernels is the next step.
+On CUDA every argmax here is `argmax_rows` (shared/model/kernels/argmax.py: the same indices, the
+vocabulary split over the SMs); on CPU it is torch.argmax.
 """
 
 from __future__ import annotations
@@ -191,6 +193,17 @@ def _keep_sorted(xs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return keep
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)`: on CUDA the vocabulary-split kernel (same indices; torch's reduction leaves
+    most SMs idle at decode batch sizes), on CPU torch's own. Imported on first use: the model's kernel
+    package is heavy, and clients import this module for `SamplingParams`."""
+    if not x.is_cuda:
+        return x.argmax(dim=-1)
+    from shared.model.kernels.argmax import argmax_rows
+
+    return argmax_rows(x)
+
+
 def sample(
     logits: torch.Tensor,
     batch: SamplingBatch,
@@ -215,7 +228,7 @@ def sample(
             f"logits on {logits.device}, positions on {positions.device}, batch on {batch.device}"
         )
     if batch.size == 0 or batch.all_greedy:
-        return logits.argmax(dim=-1)
+        return _argmax(logits)
 
     x = logits.float() / batch.temperature[:, None]
     big = torch.finfo(torch.float32).max
@@ -233,13 +246,13 @@ def sample(
         # Stable, so tied logits keep vocab order: a row's draw does not depend on the sort's tie-breaking.
         xs, order = x.sort(dim=-1, descending=True, stable=True)
         scores = (xs + g.gather(1, order)).masked_fill_(~_keep_sorted(xs, batch), -math.inf)
-        tokens = order.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
+        tokens = order.gather(1, _argmax(scores)[:, None]).squeeze(1)
     else:
         scores = x + g
         if batch.use_min_p:
             rel = x - x.amax(dim=-1, keepdim=True)
             scores.masked_fill_(rel < batch.log_min_p[:, None], -math.inf)
-        tokens = scores.argmax(dim=-1)
+        tokens = _argmax(scores)
     if batch.any_greedy:
-        tokens = torch.where(batch.greedy, logits.argmax(dim=-1), tokens)
+        tokens = torch.where(batch.greedy, _argmax(logits), tokens)
     return tokens

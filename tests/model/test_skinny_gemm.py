@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from shared.model.kernels import skinny_gemm as sg
+from shared.model.kernels._tickets import _sets as ticket_sets
 from shared.model.kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,7 +33,7 @@ def test_matches_torch_split_or_not(m: int, n: int, k: int, split_k: int) -> Non
     got = skinny_gemm(x, w, GemmConfig(block_n=16, block_k=32, split_k=split_k, num_warps=2, num_stages=2))
     torch.testing.assert_close(got, want(x, w), rtol=2e-2, atol=2e-2)
     blocks = -(-n // 16)
-    assert all(int(t[:blocks].abs().sum()) == 0 for t in sg._tickets.values()), (
+    assert all(int(t[:blocks].abs().sum()) == 0 for t in ticket_sets.values()), (
         "tickets reset for the next launch"
     )
 

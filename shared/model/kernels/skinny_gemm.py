@@ -26,6 +26,7 @@ import triton.language as tl
 
 from shared.attention._launch import f32_dot, next_pow2
 from shared.model.kernels._checks import check_triton_device, fail
+from shared.model.kernels._tickets import tickets
 
 __all__ = ["GemmConfig", "choose_config", "skinny_gemm"]
 
@@ -110,23 +111,6 @@ def choose_config(m: int, n: int, k: int, *, itemsize: int = 2) -> GemmConfig:
     return GemmConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=stages)
 
 
-_tickets: dict[tuple[torch.device, int], torch.Tensor] = {}
-_retired: list[torch.Tensor] = []  # outgrown ticket sets: a captured graph may still count in one
-
-
-def _ticket(device: torch.device, blocks: int) -> torch.Tensor:
-    """Zeroed int32 counters per column block, one set per device and stream (each launch leaves them
-    zeroed again; launches on one stream are ordered, two threads' streams get two sets). A set that
-    grows keeps its old buffer alive: a CUDA graph captured with it replays into it."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    t = _tickets.get(key)
-    if t is None or t.numel() < blocks:
-        if t is not None:
-            _retired.append(t)
-        t = _tickets[key] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
-    return t
-
-
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation; M <= 64."""
     op = "skinny_gemm"
@@ -151,8 +135,9 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None)
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_chunk)  # no empty split: each adds its partial and takes its ticket
     part = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    ticket = tickets(x.device, blocks, 4096)
     _skinny_gemm_kernel[(blocks, split)](
-        x, w, out, part, _ticket(x.device, blocks), m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
+        x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, F32_DOT=f32_dot(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
