@@ -87,18 +87,36 @@ def test_the_default_config_fits_its_operand_tiles_in_shared_memory() -> None:
     assert choose_config(21, 4096, 2048, itemsize=4).block_k < choose_config(21, 4096, 2048).block_k
 
 
-def test_the_default_gemm_takes_the_skinny_kernel_up_to_16_rows_and_torch_above() -> None:
-    # Where the H200 measured each faster (docs/benchmarks.md): the skinny kernel at decode batches
-    # of up to 16 rows, cuBLAS above. Told apart by their roundings: each result equals one exactly.
+@pytest.mark.parametrize(
+    ("in_features", "out_features", "cases"),
+    [
+        (96, 64, ((1, True), (16, True), (17, False), (64, False))),  # up to 16 rows
+        (96, 48, ((1, True), (17, True), (64, True), (65, False))),  # deep (K >= 2N): up to 64 rows
+    ],
+)
+def test_the_default_gemm_takes_the_skinny_kernel_where_it_measured_faster(
+    in_features, out_features, cases, monkeypatch
+) -> None:
+    """Where the H200 measured each faster (docs/benchmarks.md): the skinny kernel at decode batches
+    of up to 16 rows, and up to 64 for deep weights (the down projection, where cuBLAS splits K and
+    reduces in a kernel of its own); cuBLAS above. Either way the result is that kernel's."""
     from torch import nn
 
     from shared.model.kernels.ops import kernels_for
 
     kernels = kernels_for(DEVICE, "triton")
-    layer = nn.Linear(96, 40, bias=False).to(DEVICE, torch.bfloat16)
-    for m, skinny in ((1, True), (16, True), (17, False), (64, False)):
-        x = operands(m, 40, 96)[0]
+    calls: list[int] = []
+
+    def recording(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return skinny_gemm(x, w)
+
+    monkeypatch.setattr(kernels, "_skinny_gemm", recording)
+    layer = nn.Linear(in_features, out_features, bias=False).to(DEVICE, torch.bfloat16)
+    for m, skinny in cases:
+        x = operands(m, out_features, in_features)[0]
+        calls.clear()
         got = kernels.linear(x, layer)
-        mine, torchs = skinny_gemm(x, layer.weight), torch.nn.functional.linear(x, layer.weight)
-        assert not torch.equal(mine, torchs), "the two round apart: the check below tells them apart"
-        assert torch.equal(got, mine if skinny else torchs), f"{m} rows"
+        assert calls == ([m] if skinny else []), f"{m} rows"
+        want = skinny_gemm(x, layer.weight) if skinny else torch.nn.functional.linear(x, layer.weight)
+        assert torch.equal(got, want), f"{m} rows"

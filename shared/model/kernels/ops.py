@@ -22,11 +22,13 @@ from shared.model.kernels import reference
 Tensor = torch.Tensor
 Backend = Literal["auto", "torch", "triton"]
 # The layers' GEMMs: torch's (cuBLAS on a GPU), or `skinny_gemm` for batches of at most 64 rows
-# ("skinny"), or at most 16 ("auto", the default: decode steps of 1 and 16 rows measured 1-4% faster
-# with it on the H200, from the gate/up and down projections; q/k/v and o alone are a little slower,
-# docs/benchmarks.md).
+# ("skinny"), or ("auto", the default) at most 16 rows, and at most 64 for deep weights (K >= 2N, the
+# down projection), where cuBLAS splits K and reduces in a kernel of its own. Decode steps of 1 and 16
+# rows measured 1-4% faster with it on the H200, from the gate/up and down projections; q/k/v and o
+# alone are a little slower (docs/benchmarks.md).
 Gemm = Literal["auto", "cublas", "skinny"]
 _SKINNY_ROWS = {"auto": 16, "skinny": 64, "cublas": 0}
+_DEEP_ROWS = {"auto": 64, "skinny": 64, "cublas": 0}  # for K >= 2N
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,9 @@ class TritonKernels(ModelKernels):
     def _skinny(self, x: Tensor, layer: nn.Linear) -> bool:
         """skinny_gemm takes it: few rows, no bias, rows contiguous along K; else torch's GEMM."""
         w = layer.weight
+        rows = _DEEP_ROWS[self.gemm] if w.shape[1] >= 2 * w.shape[0] else _SKINNY_ROWS[self.gemm]
         return (
-            layer.bias is None and x.dim() == 2 and 0 < x.shape[0] <= _SKINNY_ROWS[self.gemm]
+            layer.bias is None and x.dim() == 2 and 0 < x.shape[0] <= rows
             and x.dtype == w.dtype and x.stride(-1) == 1 and w.stride(-1) == 1
         )  # fmt: skip
 
