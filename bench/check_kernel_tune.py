@@ -4,10 +4,12 @@ Kernel time comes from a CUDA graph of 20 checks (host launch cost excluded: tha
 `invariants_overhead.py --profile`). `--sweep` times every tile of the window check instead, on
 inputs read from HBM (a graph over 8 distinct copies, more than L2 holds) beside a read-only
 reduction (`amax`) of the same bytes: the floor a check kernel can reach. `--grouped` times
-`batched_checks`' one launch over 40 rings (`launch_grouped`, each tile) against the 40 one-check
-launches and against one `amax` over all their bytes.
+`batched_checks`' one launch over 40 rings (`launch_grouped`: its default tile, every tile with
+`--tiles`) against the 40 one-check launches and against one `amax` over all their bytes, each tile
+first checked to count and attribute what the torch reference does on rings with planted failures
+and uneven row counts ("same").
 
-    python bench/check_kernel_tune.py [--sweep] [--grouped]
+    python bench/check_kernel_tune.py [--sweep] [--grouped [--tiles]]
 """
 
 from __future__ import annotations
@@ -83,8 +85,36 @@ def sweep_case(checker: Checker, batch: int, window: int, copies: int = 8) -> No
     )
 
 
-def grouped_case(checker: Checker, batch: int = 4096, window: int = 1024, layers: int = 40) -> None:
-    """One grouped launch over `layers` rings (each tile) vs one check per ring vs one read of them all."""
+def planted(whole: torch.Tensor, lens: torch.Tensor, ids: torch.Tensor, slots: int):
+    """Checks of `whole`'s kind (same width and strides) with failures planted: an eighth of the
+    rows, fewer in some layers (row blocks past a short check's end idle), two bad rows in most
+    layers, the last row in some. Returns the pending checks and the torch reference's counts and
+    bits."""
+    layers, batch, window = whole.shape
+    rings = whole[:, : batch // 8].clone()
+    pending = []
+    counts = torch.zeros(slots, dtype=torch.int64)
+    bits = torch.zeros(slots, (batch + 31) // 32, dtype=torch.int64)
+    for i in range(layers):
+        rows = batch // 8 - 5 * (i % 4)
+        for r in {(37 * i) % rows, (11 * i + 3) % rows} if i % 5 else {rows - 1}:
+            rings[i, r, (13 * i) % window] = -7  # no ring slot ever holds -7
+        pred = predicates.window_positions(rings[i, :rows], lens[:rows])
+        slot = 1 + i % 3
+        bad = (~pred.row_ok()).nonzero().flatten().cpu()
+        counts[slot] += bad.numel()
+        for r in ids[:rows].cpu()[bad].tolist():
+            bits[slot, r // 32] |= 1 << (r % 32)
+        pending.append((pred, ids[:rows], slot))
+    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)  # int32 bit patterns
+    return pending, counts, bits
+
+
+def grouped_case(
+    checker: Checker, batch: int = 4096, window: int = 1024, layers: int = 40, tiles: bool = False
+) -> None:
+    """One grouped launch over `layers` rings (the default tile, or each tile) vs one check per ring
+    vs one read of them all; each grouped tile first checked against the torch reference."""
     lens = torch.randint(window, 4 * window, (batch,), device="cuda")
     whole = window_expected(lens, window).int().expand(layers, -1, -1).contiguous()
     preds = [predicates.window_positions(r, lens) for r in whole.unbind(0)]
@@ -92,6 +122,9 @@ def grouped_case(checker: Checker, batch: int = 4096, window: int = 1024, layers
     pending = [(p, ids, checker.slot(INV)) for p in preds]
     nbytes = whole.numel() * 4
     keep: list[torch.Tensor] = []  # the host tables a captured upload reads
+    check_pending, want_counts, want_bits = planted(whole, lens, ids, checker.counts.shape[0])
+    assert want_bits.shape == checker.bits.shape
+    mismatched: list[str] = []
 
     def grouped() -> None:
         keep.extend(check_rows.launch_grouped(pending, counts=checker.counts, bits=checker.bits)[1])
@@ -100,28 +133,48 @@ def grouped_case(checker: Checker, batch: int = 4096, window: int = 1024, layers
         for p in preds:
             checker.check(INV, p, ids, crash=False)
 
-    def report(name: str, ms: float) -> None:
+    def same_as_reference() -> str:
+        """Whether the current tile counts and attributes the planted failures as the torch reference
+        does."""
+        counts, bits = torch.zeros_like(checker.counts), torch.zeros_like(checker.bits)
+        check_rows.launch_grouped(check_pending, counts=counts, bits=bits)
+        if torch.equal(counts.cpu(), want_counts) and torch.equal(bits.cpu(), want_bits):
+            return "same"
+        return "MISMATCH"
+
+    def report(name: str, ms: float, same: str = "") -> None:
         rate = nbytes / ms / 1e6
-        print(f"grouped {layers}x{batch}x{window} {name:>34s} {1e3 * ms:8.1f} us {rate:6.0f} GB/s")
+        print(
+            f"grouped {layers}x{batch}x{window} {name:>44s} {1e3 * ms:8.1f} us {rate:6.0f} GB/s {same}",
+            flush=True,
+        )
+
+    def timed(name: str) -> None:
+        same = same_as_reference()
+        mismatched.extend([name] * (same != "same"))
+        report(name, _graph_ms(grouped, 1), same)
 
     report("amax of all bytes", _graph_ms(lambda: torch.amax(whole), 1))
     report("one launch per check", _graph_ms(one_by_one, 1))
-    for br, bc, warps in _tiles(window):
-        for evict in ("", "evict_first") if warps == 4 else ("",):
-            check_rows.grouped_plan = lambda *_, t=(br, bc, warps, evict): t
-            report(f"grouped {br},{bc},{warps}{',' * bool(evict)}{evict}", _graph_ms(grouped, 1))
-    check_rows.grouped_plan = grouped_plan
-    report(f"grouped default {grouped_plan(batch, window)}", _graph_ms(grouped, 1))
+    if tiles:
+        for br, bc, warps in _tiles(window):
+            for evict in ("", "evict_first") if warps == 4 else ("",):
+                check_rows.grouped_plan = lambda *_, t=(br, bc, warps, evict): t
+                timed(f"grouped {br},{bc},{warps}{',' * bool(evict)}{evict}")
+        check_rows.grouped_plan = grouped_plan
+    timed(f"grouped default {grouped_plan(batch, window)}")
+    assert not mismatched, f"not counted as the torch reference counts: {mismatched}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time every tile of the window check from HBM")
     parser.add_argument("--grouped", action="store_true", help="time the grouped launch of batched_checks")
+    parser.add_argument("--tiles", action="store_true", help="with --grouped: time every tile")
     args = parser.parse_args()
     checker = Checker("cuda")
     if args.grouped:
-        grouped_case(checker)
+        grouped_case(checker, tiles=args.tiles)
         assert not checker.drain(), "every timed input holds"
         return
     if args.sweep:
