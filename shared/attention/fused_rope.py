@@ -37,7 +37,10 @@ class RopeInKernel:
 
     positions [T] int (a token's position; negative ones wrap, as in the RoPE kernel), cos_sin [P, D]
     float (cos half | sin half), optional per-head norm weights [D] with eps, and the store: k_dst /
-    v_dst [S, Hkv, D] (a cache viewed flat) at store_index [T] int64 (negative: not stored).
+    v_dst [S, Hkv, D] (a cache viewed flat) at store_index [T] int64 (negative: not stored, and
+    not attended either, as the kernels read the rotated key back from its row: a graph's padding row).
+    Paged attention reads it back through the block table, so there store_index must name the
+    token's own row of the pages, as the engine's store does.
     """
 
     positions: torch.Tensor
