@@ -20,7 +20,10 @@ def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexp
     F32_DOT computes both products in exact fp32: for fp32 inputs (tf32 would lose the tight
     agreement fp32 callers expect), and for bf16 under the interpreter, whose bf16 tl.dot is wrong.
     """
-    s = _dot_t(q, k, F32_DOT)
+    if F32_DOT:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
     s = tl.where(visible, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead avoids -inf - -inf.
@@ -35,16 +38,6 @@ def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexp
         pv = tl.dot(p.to(v.dtype), v)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
-
-
-@triton.jit
-def _dot_t(q, k, F32_DOT: tl.constexpr):
-    """q @ k^T, [M, N] in fp32."""
-    if F32_DOT:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    return s
 
 
 @triton.jit

@@ -20,12 +20,7 @@ from shared.attention._checks import check_last_dim_contiguous, check_paged
 from shared.attention._launch import LOG2E, Tiles, check_triton_device, choose_splits, f32_dot, resolve_tiles
 from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
-from shared.attention.fused_rope import (
-    RopeInKernel,
-    check_rope_in_kernel,
-    kernel_args,
-    store_chunk_keys,
-)
+from shared.attention.fused_rope import RopeInKernel, check_rope_in_kernel, kernel_args, store_chunk_keys
 
 
 # num_tokens and the block table's width change every step, num_splits every batch shape: specializing
@@ -44,8 +39,7 @@ def _paged_attention_kernel(
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
     stride_vdh, num_positions, eps,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0) // num_splits

@@ -21,12 +21,7 @@ from shared.attention._checks import check_last_dim_contiguous, check_ring
 from shared.attention._launch import LOG2E, Tiles, check_triton_device, choose_splits, f32_dot, resolve_tiles
 from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
-from shared.attention.fused_rope import (
-    RopeInKernel,
-    check_rope_in_kernel,
-    kernel_args,
-    store_chunk_keys,
-)
+from shared.attention.fused_rope import RopeInKernel, check_rope_in_kernel, kernel_args, store_chunk_keys
 
 
 # num_tokens changes every step and num_splits every batch shape: specializing on either (== 1, % 16)
@@ -45,8 +40,7 @@ def _ring_attention_kernel(
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
     stride_vdh, num_positions, eps,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
     ROPE: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0) // num_splits
