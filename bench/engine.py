@@ -101,18 +101,26 @@ def bench_engine(
     prefill_s = time.perf_counter() - t0
     done0 = sum(len(r.output) for r in reqs)
     t1 = time.perf_counter()
-    decode_steps = 0
+    decode_steps, marks = 0, []
     while not engine.idle:
         engine.step()
         decode_steps += 1
+        marks.append(time.perf_counter())
     decode_s = time.perf_counter() - t1
+    # Steady state: each step() returns once the step before it is done, so in the middle of the run
+    # the time between returns is the device's step. The ends hold the first batch's build and the
+    # last step's drain, which a longer generation spreads thinner.
+    trim = max(2, len(marks) // 8)
+    mid = marks[trim : len(marks) - trim]
+    steady_s = (mid[-1] - mid[0]) / (len(mid) - 1) if len(mid) > 1 else float("nan")
     tokens = sum(len(r.output) for r in reqs) - done0
     ctx = prompt_len + steps // 2
     roof_s = decode_roofline_bytes(model, batch, ctx) / bandwidth
     step_s = decode_s / max(decode_steps - 1, 1)
     return {"batch": batch, "prefill_s": prefill_s, "prefill_tok_s": batch * prompt_len / prefill_s,
             "decode_step_ms": 1e3 * step_s, "decode_tok_s": tokens / decode_s,
-            "roofline_step_ms": 1e3 * roof_s, "x_roofline": step_s / roof_s}  # fmt: skip
+            "steady_step_ms": 1e3 * steady_s, "roofline_step_ms": 1e3 * roof_s,
+            "x_roofline": step_s / roof_s, "steady_x_roofline": steady_s / roof_s}  # fmt: skip
 
 
 def matmul_peak() -> float:
@@ -183,8 +191,43 @@ def profile_decode(model, cfg, batch: int, prompt_len: int, steps: int = 8) -> N
         label = "graphs" if sizes else "eager"
         print(f"--- decode batch {batch}, {label}, {steps} steps ---")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+        print_timeline(prof, steps)
         while not engine.idle:
             engine.step()
+
+
+def print_timeline(prof, steps: int) -> None:  # type: ignore[no-untyped-def]
+    """The GPU's timeline, kernel by kernel: how long each kind runs and how long the GPU sat idle
+    before it (the graph-node gaps), per step."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    gpu = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e),
+        key=lambda e: e["ts"],
+    )
+    kinds: dict[str, list[float]] = {}
+    end, busy, idle = None, 0.0, 0.0
+    for e in gpu:
+        gap = 0.0 if end is None else max(0.0, e["ts"] - end)
+        gap = gap if gap < 50 else 0.0  # a host wait between steps, not a node gap
+        name = e["cat"] + ":" + e["name"][:60]
+        row = kinds.setdefault(name, [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += e["dur"]
+        row[2] += gap
+        busy, idle = busy + e["dur"], idle + gap
+        end = max(end or 0.0, e["ts"] + e["dur"])
+    print(f"timeline per step: {len(gpu) / steps:.0f} GPU ops, busy {busy / steps:.1f} us, "
+          f"idle between ops {idle / steps:.1f} us (gaps under 50 us)")  # fmt: skip
+    print(f"{'op':64s} {'per step':>8s} {'us each':>8s} {'gap before':>10s}")
+    for name, (n, dur, gap) in sorted(kinds.items(), key=lambda kv: -kv[1][1] - kv[1][2]):
+        print(f"{name:64s} {n / steps:8.1f} {dur / n:8.2f} {gap / n:10.2f}")
 
 
 def bench_hf(hf, cfg, batch: int, prompt_len: int, steps: int) -> dict[str, float]:

@@ -41,6 +41,21 @@ def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexp
 
 
 @triton.jit
+def fold_key(acc, m_i, l_i, q, k_row, v_row, seen, qk_scale):
+    """Fold one key held in registers (k_row, v_row: fp32 [D]; attended where `seen`) into the running
+    softmax, as `attend_block` would fold a block holding only it: its p rounded to q's dtype first."""
+    s = tl.sum(q.to(tl.float32) * k_row[None, :], axis=1) * qk_scale
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe).to(q.dtype).to(tl.float32)
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p[:, None] * v_row[None, :]
+    return acc, m_new, l_i
+
+
+@triton.jit
 def query_rows(
     q_ptr, cu_q_ptr, q_start_ptr, out_ptr, b, kvh, q_off, stride_qt, stride_qh, stride_ot, stride_oh,
     pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps,

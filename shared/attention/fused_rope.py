@@ -11,9 +11,17 @@ The attention loop stays the plain kernel's. Only the rows that hold data are ro
 of their own (a decode tile of 16 rows holds 2 query rows and 1 key): rotating the padded tile took
 145-168 registers a program against 92-128, and an SM held 3 programs instead of 4, so the 512
 programs of a batch-64 step no longer fit one wave (H200: paged 64 us against 46). The rotated query
-rows go to the program's own output rows, the rotated key to its cache row, and after a barrier the
-kernel loads both back as the plain kernel loads its tiles. Each column's rotation partner is loaded
-from memory a second time, in the tile's own layout (`rotated_rows`).
+rows go to the program's own output rows and, after a barrier, the kernel loads them back as the
+plain kernel loads its tile. Each column's rotation partner is loaded from memory a second time, in
+the tile's own layout (`rotated_rows`).
+
+The token's key is rotated and stored for the steps after (its v too) before the loop. Ring attention
+then attends to it from registers (`chunk_key`, `_online_softmax.fold_key`) where it used to read it
+back after pass 1 in a one-key block of its own, a chain of dependent loads at the end of every
+program (ring 39.4 us against 41.0 on an H200, docs/benchmarks.md). Paged attention reads it back
+from its page after a barrier, with the other keys: folding it from registers measured slower there
+(44.0 us against 43.2 at the start of the loop; 44.1 at its end, where holding it through the loop
+also took the ring kernel from 88 to 138 registers and 51.6 us).
 
 Decode-shaped calls only (every chunk one token, `max_q == 1`): a longer chunk's keys would be read by
 several query tiles, and each would store them.
@@ -38,9 +46,9 @@ class RopeInKernel:
     positions [T] int (a token's position; negative ones wrap, as in the RoPE kernel), cos_sin [P, D]
     float (cos half | sin half), optional per-head norm weights [D] with eps, and the store: k_dst /
     v_dst [S, Hkv, D] (a cache viewed flat) at store_index [T] int64 (negative: not stored, and
-    not attended either, as the kernels read the rotated key back from its row: a graph's padding row).
-    Paged attention reads it back through the block table, so there store_index must name the
-    token's own row of the pages, as the engine's store does.
+    not attended either: a graph's padding row). Paged attention's later steps read it through the
+    block table, so there store_index must name the token's own row of the pages, as the engine's
+    store does.
     """
 
     positions: torch.Tensor
@@ -162,8 +170,8 @@ def store_chunk_keys(
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     """Store the chunk's keys `jt` ([N] token ids, valid where j_ok) of kv head `kvh` at idx[jt] of
-    the flat caches, k rotated and v as is (a negative index: not stored). The caller reads them back
-    from there after a barrier (its plain key loads)."""
+    the flat caches, k rotated and v as is (a negative index: not stored). Returns the rotated k and
+    the v ([N, BLOCK_D], the caches' dtype) and which rows were stored."""
     k = rotated_rows(
         kn_ptr + jt * stride_knt + kvh * stride_knh, j_ok, jt, pos_ptr, cs_ptr, stride_cs, num_positions,
         kw_ptr, eps, BLOCK_D, HEAD_DIM, NORM,
@@ -172,7 +180,33 @@ def store_chunk_keys(
     mask = j_ok[:, None] & (d < HEAD_DIM)[None, :]
     v = tl.load(vn_ptr + (jt * stride_vnt + kvh * stride_vnh)[:, None] + d[None, :], mask=mask, other=0.0)
     dst = tl.load(idx_ptr + jt, mask=j_ok, other=-1).to(tl.int64)
-    keep = mask & (dst >= 0)[:, None]
+    stored = j_ok & (dst >= 0)
+    keep = mask & stored[:, None]
     row = tl.maximum(dst, 0)
     tl.store(kd_ptr + (row * stride_kds + kvh * stride_kdh)[:, None] + d[None, :], k, mask=keep)
     tl.store(vd_ptr + (row * stride_vds + kvh * stride_vdh)[:, None] + d[None, :], v, mask=keep)
+    return k, v, stored
+
+
+@triton.jit
+def chunk_key(
+    has_key, kn_ptr, vn_ptr, tok0, kvh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
+    stride_kds, stride_kdh, stride_vds, stride_vdh,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
+    """A decode step's one key (token tok0, kv head kvh; read by this program where `has_key`),
+    rotated and stored with its v for the steps after. Returns the rotated key and its v as fp32
+    [BLOCK_D] rows, and whether it is attended (`_online_softmax.fold_key` does that, from
+    registers): a key with a negative store index (a graph's padding row) is neither stored nor
+    attended."""
+    # tl.arange's smallest; row 1 is never valid. (A tensor & a scalar bool breaks the interpreter's masks.)
+    jr = tl.arange(0, 2)
+    k, v, stored = store_chunk_keys(
+        kn_ptr, vn_ptr, (tok0 + jr).to(tl.int64), jr < tl.where(has_key, 1, 0), kvh, stride_knt, stride_knh,
+        stride_vnt, stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr,
+        vd_ptr, stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, HEAD_DIM, NORM,
+    )  # fmt: skip
+    k_row = tl.sum(tl.where(stored[:, None], k.to(tl.float32), 0.0), axis=0)
+    v_row = tl.sum(tl.where(stored[:, None], v.to(tl.float32), 0.0), axis=0)
+    return k_row, v_row, tl.sum(stored.to(tl.int32), axis=0) > 0

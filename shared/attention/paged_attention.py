@@ -65,7 +65,7 @@ def _paged_attention_kernel(
         # keys end with it, rotates and stores it there first, then reads it as any other key.
         jr = tl.arange(0, 2)
         jr_ok = jr < tl.where((q_off < qlen) & (split == num_splits - 1), qlen, 0)
-        store_chunk_keys(
+        store_chunk_keys(  # its returned k and v go unused: the loop reads them back
             kn_ptr, vn_ptr, (tok0 + jr).to(tl.int64), jr_ok, kvh, stride_knt, stride_knh, stride_vnt,
             stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
             stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, HEAD_DIM, NORM,

@@ -19,9 +19,9 @@ import triton.language as tl
 
 from shared.attention._checks import check_last_dim_contiguous, check_ring
 from shared.attention._launch import LOG2E, Tiles, check_triton_device, choose_splits, f32_dot, resolve_tiles
-from shared.attention._online_softmax import attend_block, query_rows
+from shared.attention._online_softmax import attend_block, fold_key, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
-from shared.attention.fused_rope import RopeInKernel, check_rope_in_kernel, kernel_args, store_chunk_keys
+from shared.attention.fused_rope import RopeInKernel, check_rope_in_kernel, chunk_key, kernel_args
 
 
 # num_tokens changes every step and num_splits every batch shape: specializing on either (== 1, % 16)
@@ -61,6 +61,13 @@ def _ring_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if ROPE:  # a decode's one key, rotated, stored and attended first, from registers (the last split's)
+        key_k, key_v, key_seen = chunk_key(
+            live & (split == num_splits - 1), kn_ptr, vn_ptr, tok0, kvh, stride_knt, stride_knh, stride_vnt,
+            stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
+            stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, HEAD_DIM, NORM,
+        )  # fmt: skip
+        acc, m_i, l_i = fold_key(acc, m_i, l_i, q, key_k, key_v, row_ok & key_seen, qk_scale)
 
     # Pass 1, the ring. Only entries 0..min(W, L0)-1 hold a position; the newest (L0-1) is visible
     # to the tile's first query only while q_off < W - 1, so later tiles of a long chunk skip it.
@@ -82,35 +89,23 @@ def _ring_attention_kernel(
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
 
     # Pass 2, the chunk: key offsets j with qi - W < j <= qi for some row of the tile. Only the last
-    # split reads them (a decode's one key, or a short chunk: not worth a split of their own).
-    j_lo = tl.maximum(q_off - window + 1, 0)
-    j_hi = tl.where(live & (split == num_splits - 1), tl.minimum(q_off + BLOCK_Q, qlen), j_lo)
-    if ROPE:
-        # A decode's one key (max_q == 1): rotated and stored into its ring row, then loaded from there.
-        jr = j_lo + tl.arange(0, 2)
-        store_chunk_keys(
-            kn_ptr, vn_ptr, (tok0 + jr).to(tl.int64), jr < j_hi, kvh, stride_knt, stride_knh, stride_vnt,
-            stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
-            stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, HEAD_DIM, NORM,
-        )  # fmt: skip
-        tl.debug_barrier()  # stored by every thread before any thread loads it
-    for j0 in range(j_lo, j_hi, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        j_ok = j < j_hi
-        jt = (tok0 + j).to(tl.int64)
-        if ROPE:  # as stored above; a key with a negative store index (a padding row's) is not attended
-            dst = tl.load(idx_ptr + jt, mask=j_ok, other=-1).to(tl.int64)
-            j_ok = j_ok & (dst >= 0)
-            k_ptrs = kd_ptr + (tl.maximum(dst, 0) * stride_kds + kvh * stride_kdh)[:, None] + d[None, :]
-        else:
-            k_ptrs = kn_ptr + (jt * stride_knt + kvh * stride_knh)[:, None] + d[None, :]
-        kv_mask = j_ok[:, None] & d_ok
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v_row = jt * stride_vnt + kvh * stride_vnh
-        v = tl.load(vn_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        rel = j[None, :] - qi[:, None]
-        visible = j_ok[None, :] & (rel <= 0) & (rel > -window)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
+    # split reads them (a decode's one key, or a short chunk: not worth a split of their own). With
+    # ROPE the chunk is a decode's one key, attended before pass 1.
+    if not ROPE:
+        j_lo = tl.maximum(q_off - window + 1, 0)
+        j_hi = tl.where(live & (split == num_splits - 1), tl.minimum(q_off + BLOCK_Q, qlen), j_lo)
+        for j0 in range(j_lo, j_hi, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            j_ok = j < j_hi
+            jt = (tok0 + j).to(tl.int64)
+            kv_mask = j_ok[:, None] & d_ok
+            k_row = jt * stride_knt + kvh * stride_knh
+            k = tl.load(kn_ptr + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v_row = jt * stride_vnt + kvh * stride_vnh
+            v = tl.load(vn_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            rel = j[None, :] - qi[:, None]
+            visible = j_ok[None, :] & (rel <= 0) & (rel > -window)
+            acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
 
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,

@@ -80,9 +80,10 @@ def test_ring_rotates_stores_and_attends_like_rope_first(backend, dtype, norm, n
     )
     got = call(b.q, b.k_new, b.v_new, k_ring2, v_ring2, b.slots, b.cu_q, b.q_start, max_q=1, scale=b.scale,
                window=W, rope=rope, **split)  # fmt: skip
-    # The chunk's key joins the online softmax in a 16-key block, not the plain kernel's key block: the
-    # same up to float sum order. The rotated keys are exact where each product is rounded to the dtype (bf16; fp32 on CPU: a GPU may
-    # fuse fp32 products and sums), the norm's float32 sum aside.
+    # The chunk's key joins the online softmax first and from registers, not in the plain kernel's
+    # last key block: the same up to float sum order. The rotated keys are exact where each product is
+    # rounded to the dtype (bf16; fp32 on CPU: a GPU may fuse fp32 products and sums), the norm's
+    # float32 sum aside.
     assert_same(got, want, exact=False)
     assert_same(k_ring2, k_ring, exact=not norm and (dtype == torch.bfloat16 or DEVICE == "cpu"))
     assert torch.equal(v_ring2.nan_to_num(7.0), v_ring.nan_to_num(7.0))
