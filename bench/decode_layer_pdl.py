@@ -204,6 +204,19 @@ class Step:
             self.gemm(self.act, L["down"], self.h, "down")
 
 
+def capture(step: Step) -> torch.cuda.CUDAGraph:
+    """Compile the step's kernels, capture it in a graph and replay it once (its output is then in
+    `step.h`)."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
 def copy_rate() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     ms = triton.testing.do_bench(lambda: x.clone(), return_mode="median")
@@ -226,13 +239,7 @@ def main() -> None:
     rows, outputs = [], {}
     for variant in args.variants.split(","):
         step = Step(layers, variant)
-        step()  # compile
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        torch.cuda.synchronize()
+        graph = capture(step)
         outputs[variant] = step.h.clone()
         ms = triton.testing.do_bench(graph.replay, return_mode="median")
         plain = variant.replace("_pdl_prefetch", "").replace("_pdl", "")

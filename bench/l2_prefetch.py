@@ -194,13 +194,7 @@ def main() -> None:
     for variant in args.variants.split(","):
         schedule, _, el = variant.partition("+")
         step = PrefetchStep(layers, schedule, el == "el", args.chunk)
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        torch.cuda.synchronize()
+        graph = chain.capture(step)
         out = step.h.clone()
         ref = out if ref is None else ref
         ms = triton.testing.do_bench(graph.replay, return_mode="median")
