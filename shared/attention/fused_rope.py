@@ -18,7 +18,7 @@ the tile's own layout (`rotated_rows`).
 The token's key is rotated and stored for the steps after (its v too) before the loop. Ring attention
 then attends to it from registers (`chunk_key`, `_online_softmax.fold_key`) where it used to read it
 back after pass 1 in a one-key block of its own, a chain of dependent loads at the end of every
-program (ring 39.4 us against 41.0 on an H200, docs/benchmarks.md). Paged attention reads it back
+program (ring 40.1 us against 41.5 on an H200, docs/benchmarks.md). Paged attention reads it back
 from its page after a barrier, with the other keys: folding it from registers measured slower there
 (44.0 us against 43.2 at the start of the loop; 44.1 at its end, where holding it through the loop
 also took the ring kernel from 88 to 138 registers and 51.6 us).
