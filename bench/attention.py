@@ -28,7 +28,7 @@ import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
 from shared.attention import TorchOps, TritonOps
-from shared.attention._launch import Tiles, choose_tiles, sm_count, split_count
+from shared.attention._launch import Tiles, choose_tiles, fills_gpu, sm_count, split_count
 from shared.attention.fused_rope import RopeInKernel
 from shared.attention.paged_attention import _paged_attention_kernel, paged_attention
 from shared.attention.ring_attention import _ring_attention_kernel, ring_attention
@@ -120,9 +120,11 @@ def engine_decode(sweep: list[int]) -> list[dict]:
     calls, span, kv_bytes = engine_decode_calls()
     rate = copy_rate(kv_bytes)
     # What the wrappers' rule picks here (tests/attention/test_attention_gpu.py checks they agree).
-    block_n, sms = choose_tiles(HQ // HKV, D, 1).block_n, sm_count(torch.cuda.current_device())
+    sms = sm_count(torch.cuda.current_device())
     rows = []
     for op, call in calls.items():
+        full = fills_gpu(torch.device("cuda"), batch * HKV)
+        block_n = choose_tiles(HQ // HKV, D, 1, f"{op}_attention", full).block_n
         auto = split_count(batch * HKV, span[op], block_n, sms)
         for splits in dict.fromkeys([1, None, *sweep]):  # the old behaviour, the rule, forced factors
             fn = lambda c=call, s=splits: c(s, None)

@@ -35,7 +35,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from bench.attention import ENGINE_BATCH, HKV, HQ, D, copy_rate, engine_decode_calls
-from shared.attention._launch import Tiles, choose_tiles, sm_count, split_count
+from shared.attention._launch import Tiles, choose_tiles, fills_gpu, sm_count, split_count
 
 FULL = {"block_n": "32,64,128", "warps": "2,4,8", "stages": "1,2,3,4", "splits": "1,2,4"}
 QUICK = {"block_n": "32,64,128", "warps": "4,8", "stages": "2,3", "splits": "2,4"}
@@ -62,12 +62,14 @@ class Config:
 
 def default_configs(span: dict[str, int]) -> dict[str, Config]:
     """What the wrappers pick at the engine shape when nothing is forced."""
-    tiles, sms = choose_tiles(HQ // HKV, D, 1), sm_count(torch.cuda.current_device())
-    return {
-        op: Config(op, tiles.block_n, tiles.num_warps, tiles.num_stages,
-                   split_count(ENGINE_BATCH * HKV, key_span, tiles.block_n, sms))
-        for op, key_span in span.items()
-    }  # fmt: skip
+    sms = sm_count(torch.cuda.current_device())
+    configs = {}
+    for op, key_span in span.items():
+        full = fills_gpu(torch.device("cuda"), ENGINE_BATCH * HKV)
+        tiles = choose_tiles(HQ // HKV, D, 1, f"{op}_attention", full)
+        splits = split_count(ENGINE_BATCH * HKV, key_span, tiles.block_n, sms)
+        configs[op] = Config(op, tiles.block_n, tiles.num_warps, tiles.num_stages, splits)
+    return configs
 
 
 def sweep_order(defaults: dict[str, Config], grid: dict[str, list[int]]) -> list[Config]:

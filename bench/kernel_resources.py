@@ -2,10 +2,12 @@
 on a machine without a GPU: a check before spending device time on a kernel variant.
 
 Each kernel is compiled by `triton.compile` for `GPUTarget("cuda", 90, 32)` at the engine's decode
-shape (GQA 2, head dim 128, 32-key tiles, 4 warps, 3 stages, bf16), with RoPE inside attention off
-and on; `cuobjdump` (shipped with Triton) reads the cubin's resource use. The local Triton may not be
-the device's: compare variants within one run, not against the device's numbers
-(`CompiledKernel.n_regs` / `.metadata.shared` there).
+shape and tiles at batch 64 (GQA 2, head dim 128, bf16; ring 16-key tiles on 2 warps in 3 stages,
+paged 64 keys on 4 warps in 2: `_launch.choose_tiles`), with RoPE inside attention off and on, with
+Qwen3's q/k norm and with the input norm's row scale (`RopeInKernel.rms_x`); `cuobjdump` (shipped
+with Triton) reads the cubin's resource use. The local Triton may not be the device's: compare
+variants within one run, not against the device's numbers (`CompiledKernel.n_regs` /
+`.metadata.shared` there).
 
     python bench/kernel_resources.py
 """
@@ -29,8 +31,8 @@ POINTERS = {
     "pos_ptr": "*i64", "cs_ptr": "*fp32", "idx_ptr": "*i64", "slots_ptr": "*i32", "cu_q_ptr": "*i32",
     "q_start_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "bt_ptr": "*i32",
 }  # fmt: skip
-DECODE = {"GROUP": 2, "GROUP_P2": 2, "BLOCK_Q": 1, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_D": 128,
-          "HEAD_DIM": 128, "F32_DOT": False}  # fmt: skip
+DECODE = {"GROUP": 2, "GROUP_P2": 2, "BLOCK_Q": 1, "BLOCK_M": 16, "BLOCK_D": 128, "HEAD_DIM": 128,
+          "F32_DOT": False, "BLOCK_H": 2048}  # fmt: skip
 
 
 def signature(fn, consts: dict) -> dict[str, str]:
@@ -41,13 +43,14 @@ def signature(fn, consts: dict) -> dict[str, str]:
         elif name.endswith("_ptr"):
             sig[name] = POINTERS.get(name, "*bf16")
         else:
-            sig[name] = "fp32" if name in ("qk_scale", "eps") else "i32"
+            sig[name] = "fp32" if name in ("qk_scale", "eps", "rms_eps") else "i32"
     return sig
 
 
-def resources(fn, consts: dict) -> str:
+def resources(fn, consts: dict, warps: int, stages: int) -> str:
     src = ASTSource(fn=fn, signature=signature(fn, consts), constexprs=consts)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    options = {"num_warps": warps, "num_stages": stages}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -66,14 +69,19 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("TRITON_INTERPRET=1 makes the kernels Python: unset it to compile them")
     print(f"Triton {triton.__version__}, sm_90, decode tiles {DECODE}")
-    for name, fn, extra in (
-        ("ring", _ring_attention_kernel, {}),
-        ("paged", _paged_attention_kernel, {"PAGE_SIZE": 16, "HAS_WINDOW": False}),
+    for name, fn, extra, warps, stages in (
+        ("ring", _ring_attention_kernel, {"BLOCK_N": 16}, 2, 3),
+        ("paged", _paged_attention_kernel, {"BLOCK_N": 64, "PAGE_SIZE": 16, "HAS_WINDOW": False}, 4, 2),
     ):
-        for rope, norm in ((False, False), (True, False), (True, True)):
-            label = "plain" if not rope else "RoPE inside" + (" + q/k norm" if norm else "")
-            consts = {**DECODE, **extra, "ROPE": rope, "NORM": norm}
-            print(f"{name:6s} {label:24s} {resources(fn, consts)}")
+        variants = {
+            "plain": (False, False, False),
+            "RoPE inside": (True, False, False),
+            "RoPE inside + q/k norm": (True, True, False),
+            "RoPE inside + row scale": (True, False, True),
+        }
+        for label, (rope, norm, rms) in variants.items():
+            consts = {**DECODE, **extra, "ROPE": rope, "NORM": norm, "RMS": rms}
+            print(f"{name:6s} {label:26s} {resources(fn, consts, warps, stages)}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,12 @@ class EngineConfig:
     # -1.2% a step at batch 64 and -2.6% at batch 1 on the H200 (docs/benchmarks.md, "RoPE inside
     # decode attention"). On a CPU the torch ops do RoPE, the store and attention in turn: the same.
     rope_in_attention: bool = True
+    # On CUDA, each layer's RMSNorm weights are multiplied into the GEMM weights after them once
+    # (`Transformer.fold_norms`: it changes the model the engine is given): the residual adds go into
+    # the o and down projections' GEMMs, the row scales into attention and the SwiGLU kernel, and a
+    # layer runs no norm kernel (docs/benchmarks.md, "The norms folded"). On a CPU the model is left
+    # as it is.
+    fold_norms: bool = True
 
 
 @dataclass
@@ -82,7 +88,12 @@ class Engine(KVOwnership):
         self.cfg = cfg or EngineConfig()
         self.model_cfg = model.cfg
         self.cache = KVCache(model.cfg, kv)
-        self.runner = ModelRunner(model, self.cache, rope_in_attention=self.cfg.rope_in_attention)
+        self.runner = ModelRunner(
+            model,
+            self.cache,
+            rope_in_attention=self.cfg.rope_in_attention,
+            fold_norms=self.cfg.fold_norms,
+        )
         self.checker = invariants.checker(self.cache.device)
         max_pages = self.cache.pages_needed(self.max_context())
         self.page_table = PageTable(kv.max_requests + 1, max_pages)  # + the scratch slot's empty row

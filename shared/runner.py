@@ -112,7 +112,7 @@ class BatchAttention:
             assert target is not None, "takes_rope holds for decode batches only"
             inside = RopeInKernel(
                 rope.positions, rope.cos_sin, target.k_dst, target.v_dst, target.index,
-                rope.q_weight, rope.k_weight, rope.eps,
+                rope.q_weight, rope.k_weight, rope.eps, rope.rms_x, rope.rms_eps,
             )  # fmt: skip
         stored = layer in self._stored or inside is not None
         if not c.is_sliding(layer):
@@ -170,10 +170,14 @@ class ForwardOutput:
 class ModelRunner:
     def __init__(
         self, model: Transformer, cache: KVCache, ops: AttentionOps | None = None, *,
-        rope_in_attention: bool = True,
+        rope_in_attention: bool = True, fold_norms: bool = True,
     ) -> None:  # fmt: skip
         self.model = model
         self.rope_in_attention = rope_in_attention  # decode steps: RoPE + K/V store inside attention
+        if fold_norms and cache.device.type == "cuda":
+            model.fold_norms()  # no norm kernel in a layer (`EngineConfig.fold_norms`)
+        elif not fold_norms and model.norms_folded:
+            raise ValueError("ModelRunner: fold_norms=False, but the model's norms are folded already")
         self.cache = cache
         self.ops = ops or ops_for(cache.device)
         self.scale = 1.0 / math.sqrt(model.cfg.head_dim)

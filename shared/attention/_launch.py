@@ -55,13 +55,25 @@ class Tiles:
         return math.ceil(max_q / self.block_q)
 
 
-def choose_tiles(group: int, head_dim: int, max_q: int) -> Tiles:
+def choose_tiles(group: int, head_dim: int, max_q: int, op: str = "", fills_gpu: bool = False) -> Tiles:
+    """The tiles of a call: `op` names the kernel ("ring_attention" or "paged_attention"), `fills_gpu`
+    whether its unsplit programs fill the GPU on their own (`fills_gpu`); both matter to decode only."""
     group_p2 = next_pow2(group)
     block_d = max(16, next_pow2(head_dim))
     if interpreting():  # small tiles: the interpreter's cost grows with the tile, not the launch
         target_m, block_n, warps, stages = 16, 16, 4, 1
-    elif max_q == 1:  # bench/attention_tune.py at the engine's decode shape, both ops (docs/benchmarks.md)
-        target_m, block_n, warps, stages = 16, 32, 4, 3
+    elif max_q == 1:
+        # bench/attention_tune.py at the engine's decode shape, then with RoPE inside at batch 64, 16
+        # and 1 (docs/benchmarks.md): the ring's 16-key tiles on 2 warps were faster at every batch;
+        # paged attention's 64 keys on 2 stages only in one full wave of programs (batch 64: 40.5 us
+        # against 43.1), and slower below it (batch 16: 20.6 against 19.4).
+        target_m = 16
+        if op == "ring_attention":
+            block_n, warps, stages = 16, 2, 3
+        elif fills_gpu:
+            block_n, warps, stages = 64, 4, 2
+        else:
+            block_n, warps, stages = 32, 4, 3
     else:
         target_m = 64 if block_d <= 128 else 32
         block_n, warps, stages = (64, 4, 2) if block_d <= 128 else (32, 8, 2)
@@ -70,13 +82,15 @@ def choose_tiles(group: int, head_dim: int, max_q: int) -> Tiles:
     return Tiles(group_p2, block_q, block_m, block_n, block_d, warps, stages)
 
 
-def resolve_tiles(op: str, tiles: Tiles | None, group: int, head_dim: int, max_q: int) -> Tiles:
+def resolve_tiles(
+    op: str, tiles: Tiles | None, group: int, head_dim: int, max_q: int, fills_gpu: bool = False
+) -> Tiles:
     """`choose_tiles` for the shape, or the caller's `tiles` checked (bench/attention_tune.py forces them).
 
     A forced Tiles may differ only in block_n, num_warps and num_stages: the row layout (group_p2,
     block_q, block_m, block_d) is what the kernels' query rows and key ranges assume for the shape.
     """
-    chosen = choose_tiles(group, head_dim, max_q)
+    chosen = choose_tiles(group, head_dim, max_q, op, fills_gpu)
     if tiles is None:
         return chosen
     if not isinstance(tiles, Tiles):
@@ -117,6 +131,15 @@ def _is_int(x: object) -> bool:
 PROGRAMS_PER_SM = 3
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 32
+
+
+def fills_gpu(device: torch.device, programs: int) -> bool:
+    """Whether `programs` unsplit decode programs ((sequence, kv head) pairs) fill the GPU alone: at
+    least PROGRAMS_PER_SM a multiprocessor, where the split rule splits nothing for their count."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return programs >= PROGRAMS_PER_SM * sm_count(index)
 
 
 def split_count(programs: int, key_span: int, block_n: int, sms: int) -> int:

@@ -59,6 +59,11 @@ class RopeInKernel:
     q_weight: torch.Tensor | None = None
     k_weight: torch.Tensor | None = None
     eps: float = 0.0
+    # The layer's input before its RMSNorm, [T, H], when q, k and v come from a GEMM of it whose weight
+    # holds the norm's weight (`Transformer.fold_norms`): each token's q, k and v are first scaled by
+    # rsqrt(mean(x^2) + rms_eps) of its row, and rounded, as the GEMM of norm(x) would have given them.
+    rms_x: torch.Tensor | None = None
+    rms_eps: float = 0.0
 
     @property
     def norm(self) -> bool:
@@ -95,6 +100,15 @@ def check_rope_in_kernel(
         if w is not None and (w.shape != (d,) or w.stride(0) != 1):
             fail(op, f"{name} must be a contiguous [{d}] tensor, got {tuple(w.shape)}")
     check_store(op, k_new, v_new, rope.k_dst, rope.v_dst, rope.store_index)
+    if rope.rms_x is not None:
+        x = rope.rms_x
+        check_dims(op, "rope.rms_x", x, 2, "[T, H]")
+        if x.shape[0] != tokens or x.dtype != q.dtype or x.stride(1) != 1:
+            fail(op, f"rope.rms_x must be [T = {tokens}, H] in {q.dtype}, rows contiguous, got "
+                     f"{tuple(x.shape)} {x.dtype}")  # fmt: skip
+        if not isinstance(rope.rms_eps, float | int) or rope.rms_eps < 0:
+            fail(op, f"rope.rms_eps must be a non-negative float, got {rope.rms_eps!r}")
+        check_same_device(op, q=q, rms_x=x)
     for name, t in (("rope.k_dst", rope.k_dst), ("rope.v_dst", rope.v_dst)):
         if t.stride(-1) != 1:
             fail(op, f"{name} must have a contiguous last dim")
@@ -106,23 +120,43 @@ def check_rope_in_kernel(
 def kernel_args(rope: RopeInKernel | None, q: torch.Tensor, k_new: torch.Tensor) -> tuple:
     """The kernels' RoPE arguments, in order (stand-ins, never read, without `rope`)."""
     if rope is None:
-        return (q, q, q, q, q, k_new, k_new, 0, 0, 0, 0, 0, 1, 0.0)
+        return (q, q, q, q, q, k_new, k_new, 0, 0, 0, 0, 0, 1, 0.0, q, 0, 1, 0.0)
     qw = rope.q_weight if rope.q_weight is not None else q
     kw = rope.k_weight if rope.k_weight is not None else q
     kd, vd = rope.k_dst, rope.v_dst
+    x = rope.rms_x if rope.rms_x is not None else q
     return (
         rope.positions, rope.cos_sin, qw, kw, rope.store_index, kd, vd, rope.cos_sin.stride(0),
         kd.stride(0), kd.stride(1), vd.stride(0), vd.stride(1), rope.cos_sin.shape[0], float(rope.eps),
+        x, x.stride(0), x.shape[-1] if rope.rms_x is not None else 1, float(rope.rms_eps),
     )  # fmt: skip
+
+
+def rms_constexprs(rope: RopeInKernel | None) -> dict[str, object]:
+    """The kernels' RMS and BLOCK_H: whether q, k and v are scaled by their input row's rsqrt (`rms_x`)."""
+    x = rope.rms_x if rope is not None else None
+    return {
+        "RMS": x is not None,
+        "BLOCK_H": max(16, triton.next_power_of_2(x.shape[1])) if x is not None else 16,
+    }
+
+
+@triton.jit
+def row_rstd(x_ptr, row, stride, size, eps, BLOCK_H: tl.constexpr):
+    """rsqrt(mean(x[row]^2) + eps) over a row of `size` values, in float32 (`rms_x`'s scale)."""
+    c = tl.arange(0, BLOCK_H)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride + c, mask=c < size, other=0.0).to(tl.float32)
+    return tl.math.rsqrt(tl.sum(x * x, axis=0) / size + eps)
 
 
 @triton.jit
 def rotated_rows(
-    base, row_ok, tok, pos_ptr, cs_ptr, stride_cs, num_positions, w_ptr, eps,
-    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
+    base, row_ok, tok, pos_ptr, cs_ptr, stride_cs, num_positions, w_ptr, eps, scale,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, RMS: tl.constexpr,
 ):  # fmt: skip
-    """Rows `base[r] + d` ([R] pointers to heads), normed (NORM, weights `w_ptr`) and rotated to
-    positions[tok[r]], as one [R, BLOCK_D] tile in base's dtype (columns >= HEAD_DIM are 0).
+    """Rows `base[r] + d` ([R] pointers to heads), scaled by `scale` (RMS: the input's norm), normed
+    (NORM, weights `w_ptr`) and rotated to positions[tok[r]], as one [R, BLOCK_D] tile in base's dtype
+    (columns >= HEAD_DIM are 0).
 
     A rotation pairs column d with d +- D/2. The partner columns are loaded from memory a second
     time (the first load left the rows in L1), in the tile's own layout: gathering them within the
@@ -139,6 +173,9 @@ def rotated_rows(
     mask = row_ok[:, None] & d_ok[None, :]
     x = tl.load(base[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(base[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if RMS:  # the input's norm, as the GEMM of norm(x) would have rounded its output
+        x = round_to(x * scale, dtype)
+        xp = round_to(xp * scale, dtype)
     if NORM:
         sq = x * x  # the RoPE kernel sums each half, then adds the two
         lo = tl.sum(tl.where(first[None, :], sq, 0.0), axis=1)
@@ -166,19 +203,21 @@ def rotated_rows(
 def store_chunk_keys(
     kn_ptr, vn_ptr, jt, j_ok, kvh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
-    stride_kds, stride_kdh, stride_vds, stride_vdh,
-    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
+    stride_kds, stride_kdh, stride_vds, stride_vdh, scale,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, RMS: tl.constexpr,
 ):  # fmt: skip
     """Store the chunk's keys `jt` ([N] token ids, valid where j_ok) of kv head `kvh` at idx[jt] of
     the flat caches, k rotated and v as is (a negative index: not stored). Returns the rotated k and
     the v ([N, BLOCK_D], the caches' dtype) and which rows were stored."""
     k = rotated_rows(
         kn_ptr + jt * stride_knt + kvh * stride_knh, j_ok, jt, pos_ptr, cs_ptr, stride_cs, num_positions,
-        kw_ptr, eps, BLOCK_D, HEAD_DIM, NORM,
+        kw_ptr, eps, scale, BLOCK_D, HEAD_DIM, NORM, RMS,
     )  # fmt: skip
     d = tl.arange(0, BLOCK_D)
     mask = j_ok[:, None] & (d < HEAD_DIM)[None, :]
     v = tl.load(vn_ptr + (jt * stride_vnt + kvh * stride_vnh)[:, None] + d[None, :], mask=mask, other=0.0)
+    if RMS:
+        v = round_to(v.to(tl.float32) * scale, kd_ptr.dtype.element_ty).to(v.dtype)
     dst = tl.load(idx_ptr + jt, mask=j_ok, other=-1).to(tl.int64)
     stored = j_ok & (dst >= 0)
     keep = mask & stored[:, None]
@@ -192,8 +231,8 @@ def store_chunk_keys(
 def chunk_key(
     has_key, kn_ptr, vn_ptr, tok0, kvh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
-    stride_kds, stride_kdh, stride_vds, stride_vdh,
-    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
+    stride_kds, stride_kdh, stride_vds, stride_vdh, scale,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, RMS: tl.constexpr,
 ):  # fmt: skip
     """A decode step's one key (token tok0, kv head kvh; read by this program where `has_key`),
     rotated and stored with its v for the steps after. Returns the rotated key and its v as fp32
@@ -205,7 +244,7 @@ def chunk_key(
     k, v, stored = store_chunk_keys(
         kn_ptr, vn_ptr, (tok0 + jr).to(tl.int64), jr < tl.where(has_key, 1, 0), kvh, stride_knt, stride_knh,
         stride_vnt, stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr,
-        vd_ptr, stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, HEAD_DIM, NORM,
+        vd_ptr, stride_kds, stride_kdh, stride_vds, stride_vdh, scale, BLOCK_D, HEAD_DIM, NORM, RMS,
     )  # fmt: skip
     k_row = tl.sum(tl.where(stored[:, None], k.to(tl.float32), 0.0), axis=0)
     v_row = tl.sum(tl.where(stored[:, None], v.to(tl.float32), 0.0), axis=0)

@@ -93,10 +93,16 @@ class TorchOps(AttentionOps):
 def _rope_and_store(
     op: str, rope: RopeInKernel, q: Tensor, k_new: Tensor | None, v_new: Tensor | None, max_q: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """What the Triton kernels do inside attention, in torch: RoPE (and the q/k norm), then the store."""
+    """What the Triton kernels do inside attention, in torch: the input norm's row scale (`rms_x`),
+    RoPE (and the q/k norm), then the store."""
     from shared.model.kernels import reference as model_reference
 
     k_new, v_new = check_rope_in_kernel(op, rope, q, k_new, v_new, max_q)
+    if rope.rms_x is not None:
+        x, eps = rope.rms_x, rope.rms_eps
+        q, k_new, v_new = (
+            model_reference.rms_scale(t.flatten(1), x, eps).view_as(t) for t in (q, k_new, v_new)
+        )
     q, k_new = model_reference.rope(
         q, k_new, rope.positions, rope.cos_sin, rope.q_weight, rope.k_weight, rope.eps
     )

@@ -17,10 +17,24 @@ import triton
 import triton.language as tl
 
 from shared.attention._checks import check_last_dim_contiguous, check_paged
-from shared.attention._launch import LOG2E, Tiles, check_triton_device, choose_splits, f32_dot, resolve_tiles
+from shared.attention._launch import (
+    LOG2E,
+    Tiles,
+    check_triton_device,
+    choose_splits,
+    f32_dot,
+    fills_gpu,
+    resolve_tiles,
+)
 from shared.attention._online_softmax import attend_block, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
-from shared.attention.fused_rope import RopeInKernel, check_rope_in_kernel, kernel_args, store_chunk_keys
+from shared.attention.fused_rope import (
+    RopeInKernel,
+    check_rope_in_kernel,
+    kernel_args,
+    rms_constexprs,
+    store_chunk_keys,
+)
 
 
 # num_tokens and the block table's width change every step, num_splits every batch shape: specializing
@@ -37,20 +51,21 @@ def _paged_attention_kernel(
     stride_bt, stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
     kn_ptr, vn_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
-    stride_vdh, num_positions, eps,
+    stride_vdh, num_positions, eps, rms_ptr, stride_rms, rms_size, rms_eps,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
+    RMS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_off = qb * BLOCK_Q
-    q, tok, head, qi, row_ok, tok0, qlen, start = query_rows(
+    q, tok, head, qi, row_ok, tok0, qlen, start, scale = query_rows(
         q_ptr, cu_q_ptr, q_start_ptr, out_ptr, b, kvh, q_off, stride_qt, stride_qh, stride_ot, stride_oh,
-        pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps,
-        GROUP, GROUP_P2, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM,
+        pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps, rms_ptr, stride_rms, rms_size, rms_eps,
+        GROUP, GROUP_P2, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM, RMS, BLOCK_H,
     )  # fmt: skip
     qpos = start + qi
     # Keys this tile can see: [lo, hi). A tile past the chunk's end (max_q covers the longest chunk)
@@ -68,7 +83,7 @@ def _paged_attention_kernel(
         store_chunk_keys(  # its returned k and v go unused: the loop reads them back
             kn_ptr, vn_ptr, (tok0 + jr).to(tl.int64), jr_ok, kvh, stride_knt, stride_knh, stride_vnt,
             stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
-            stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, HEAD_DIM, NORM,
+            stride_kds, stride_kdh, stride_vds, stride_vdh, scale, BLOCK_D, HEAD_DIM, NORM, RMS,
         )  # fmt: skip
         tl.debug_barrier()  # stored by every thread before any thread loads it
     k_lo, k_hi = split_range(lo, hi, split, num_splits, BLOCK_N)
@@ -127,7 +142,8 @@ def paged_attention(
         kn, vn = check_rope_in_kernel(op, rope, q, k_new, v_new, max_q)
         check_last_dim_contiguous(op, k_new=kn, v_new=vn)
     page_size = k_cache.shape[1]
-    tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q)
+    full = fills_gpu(q.device, vl.batch * vl.num_kv_heads)
+    tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q, full)
     span = block_table.shape[1] * page_size  # the most keys one program can read
     if window is not None:
         span = min(span, window + tiles.block_q - 1)
@@ -144,6 +160,7 @@ def paged_attention(
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim, PAGE_SIZE=page_size,
         HAS_WINDOW=window is not None, F32_DOT=f32_dot(q.dtype), ROPE=rope is not None,
-        NORM=rope is not None and rope.norm, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        NORM=rope is not None and rope.norm, **rms_constexprs(rope), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

@@ -18,10 +18,24 @@ import triton
 import triton.language as tl
 
 from shared.attention._checks import check_last_dim_contiguous, check_ring
-from shared.attention._launch import LOG2E, Tiles, check_triton_device, choose_splits, f32_dot, resolve_tiles
+from shared.attention._launch import (
+    LOG2E,
+    Tiles,
+    check_triton_device,
+    choose_splits,
+    f32_dot,
+    fills_gpu,
+    resolve_tiles,
+)
 from shared.attention._online_softmax import attend_block, fold_key, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
-from shared.attention.fused_rope import RopeInKernel, check_rope_in_kernel, chunk_key, kernel_args
+from shared.attention.fused_rope import (
+    RopeInKernel,
+    check_rope_in_kernel,
+    chunk_key,
+    kernel_args,
+    rms_constexprs,
+)
 
 
 # num_tokens changes every step and num_splits every batch shape: specializing on either (== 1, % 16)
@@ -38,20 +52,21 @@ def _ring_attention_kernel(
     stride_krs, stride_kri, stride_krh, stride_vrs, stride_vri, stride_vrh,
     stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
-    stride_vdh, num_positions, eps,
+    stride_vdh, num_positions, eps, rms_ptr, stride_rms, rms_size, rms_eps,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
     ROPE: tl.constexpr, NORM: tl.constexpr,
+    RMS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_off = qb * BLOCK_Q
-    q, tok, head, qi, row_ok, tok0, qlen, start = query_rows(
+    q, tok, head, qi, row_ok, tok0, qlen, start, scale = query_rows(
         q_ptr, cu_q_ptr, q_start_ptr, out_ptr, b, kvh, q_off, stride_qt, stride_qh, stride_ot, stride_oh,
-        pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps,
-        GROUP, GROUP_P2, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM,
+        pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps, rms_ptr, stride_rms, rms_size, rms_eps,
+        GROUP, GROUP_P2, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM, RMS, BLOCK_H,
     )  # fmt: skip
     qpos = start + qi
     live = q_off < qlen  # a tile past the chunk's end reads nothing and stores nothing
@@ -65,7 +80,7 @@ def _ring_attention_kernel(
         key_k, key_v, key_seen = chunk_key(
             live & (split == num_splits - 1), kn_ptr, vn_ptr, tok0, kvh, stride_knt, stride_knh, stride_vnt,
             stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
-            stride_kds, stride_kdh, stride_vds, stride_vdh, BLOCK_D, HEAD_DIM, NORM,
+            stride_kds, stride_kdh, stride_vds, stride_vdh, scale, BLOCK_D, HEAD_DIM, NORM, RMS,
         )  # fmt: skip
         acc, m_i, l_i = fold_key(acc, m_i, l_i, q, key_k, key_v, row_ok & key_seen, qk_scale)
 
@@ -133,7 +148,8 @@ def ring_attention(
     check_triton_device(op, q.device)
     if rope is not None:
         check_rope_in_kernel(op, rope, q, k_new, v_new, max_q)
-    tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q)
+    full = fills_gpu(q.device, vl.batch * vl.num_kv_heads)
+    tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q, full)
     # The ring's W entries are what gets split (the chunk's keys all go to the last split).
     num_splits = choose_splits(op, q.device, num_splits, tiles, max_q, vl.batch * vl.num_kv_heads, window)
     out, part_o, part_lse = outputs(q, num_splits)
@@ -147,6 +163,7 @@ def ring_attention(
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim,
         F32_DOT=f32_dot(q.dtype), ROPE=rope is not None, NORM=rope is not None and rope.norm,
+        **rms_constexprs(rope),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

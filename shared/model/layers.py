@@ -63,6 +63,10 @@ class RopeArgs:
     q_weight: torch.Tensor | None = None
     k_weight: torch.Tensor | None = None
     eps: float = 0.0
+    # The layer's input, when q, k and v come from a GEMM of it rather than of its norm
+    # (`Transformer.fold_norms`): they are scaled by its rows' rsqrt(mean(x^2) + rms_eps) first.
+    rms_x: torch.Tensor | None = None
+    rms_eps: float = 0.0
 
 
 class Rotary(nn.Module):
@@ -90,11 +94,17 @@ class Rotary(nn.Module):
         """Recompute the table (after a model was materialized from the meta device)."""
         self.cos_sin = self._table(device)
 
-    def args(self, positions: torch.Tensor, qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> RopeArgs:
-        """RoPE of `positions` (and the q/k norm) for an attention that applies it itself."""
+    def args(
+        self, positions: torch.Tensor, qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+        rms: tuple[torch.Tensor, float] | None = None,
+    ) -> RopeArgs:  # fmt: skip
+        """RoPE of `positions` (and the q/k norm) for an attention that applies it itself; `rms` is
+        the layer's input and its norm's eps when q, k and v are to be scaled by it (RopeArgs.rms_x)."""
+        rx, reps = rms if rms is not None else (None, 0.0)
         if qk_norm is None:
-            return RopeArgs(positions, self.cos_sin)
-        return RopeArgs(positions, self.cos_sin, qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+            return RopeArgs(positions, self.cos_sin, rms_x=rx, rms_eps=reps)
+        q_norm, k_norm = qk_norm
+        return RopeArgs(positions, self.cos_sin, q_norm.weight, k_norm.weight, q_norm.eps, rx, reps)
 
     def forward(
         self,
@@ -129,5 +139,16 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, kernels: ModelKernels = _TORCH) -> torch.Tensor:
-        return kernels.linear(kernels.silu_mul(kernels.linear(x, self.gate_up_proj)), self.down_proj)
+    def forward(
+        self, x: torch.Tensor, kernels: ModelKernels = _TORCH, rms_eps: float | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """With `rms_eps`, x is the residual stream itself, not its norm: gate_up's weight holds the
+        norm's weight (`Transformer.fold_norms`) and the activation applies each row's
+        rsqrt(mean(x^2) + eps), which commutes with the GEMM. With `residual` (which the call
+        consumes), residual + the output, the add inside the down projection's GEMM."""
+        gate_up = kernels.linear(x, self.gate_up_proj)
+        act = kernels.silu_mul(gate_up) if rms_eps is None else kernels.silu_mul_rms(gate_up, x, rms_eps)
+        if residual is not None:
+            return kernels.linear_add(act, self.down_proj, residual)
+        return kernels.linear(act, self.down_proj)

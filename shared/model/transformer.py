@@ -65,19 +65,30 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionFn,
-        kernels: ModelKernels,
+        kernels: ModelKernels, residual: torch.Tensor | None = None, rms_eps: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
+        """The o projection's output, or with `residual` (which the call consumes) residual + it, the
+        add inside the GEMM. With `rms_eps`, x is the layer's input itself, not its norm, and qkv's
+        weight holds the norm's weight (`Transformer.fold_norms`): q, k and v are scaled by x's rows'
+        rsqrt(mean(x^2) + eps), inside attention where it applies RoPE, else by a kernel of its own."""
         t = x.shape[0]
-        q, k, v = kernels.linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        rope_inside = attn.takes_rope(self.layer)
+        qkv = kernels.linear(x, self.qkv_proj)
+        if rms_eps is not None and not rope_inside:
+            qkv = kernels.rms_scale(qkv, x, rms_eps)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
-        if attn.takes_rope(self.layer):
-            out = attn(self.layer, q, k, v, rope=rotary.args(positions, qk_norm))
+        if rope_inside:
+            rms = (x, rms_eps) if rms_eps is not None else None
+            out = attn(self.layer, q, k, v, rope=rotary.args(positions, qk_norm, rms))
         else:
             q, k = rotary(positions, q, k, kernels, qk_norm, store=attn.store_target(self.layer), v=v)
             out = attn(self.layer, q, k, v)
+        if residual is not None:
+            return kernels.linear_add(out.reshape(t, self.q_size), self.o_proj, residual)
         return kernels.linear(out.reshape(t, self.q_size), self.o_proj)
 
 
@@ -88,20 +99,38 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        # Transformer.fold_norms: post_attention_layernorm's weight lives in mlp.gate_up_proj's, and
+        # (attn_norm_folded) input_layernorm's in self_attn.qkv_proj's
+        self.mlp_norm_folded = False
+        self.attn_norm_folded = False
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: Rotary,
         attn: AttentionFn, kernels: ModelKernels,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """(mlp output, residual stream before it): the stream is `residual + x` for the next norm to add.
 
         x is the previous layer's MLP output (the embedding, with residual None, for the first layer).
         The adds round exactly where `h = h + sublayer(norm(h))` would, so the stream is unchanged.
+
+        With the norms folded (`Transformer.fold_norms`) no norm kernel runs: the GEMMs read the stream
+        itself and the row scales are applied after them (in attention, or in a kernel of their own;
+        in the SwiGLU activation). With both folded, x is the whole stream (residual None) and so is the
+        result: each sublayer's add is inside its last GEMM, rounded once, into x's storage on CUDA.
         """
+        if self.attn_norm_folded:
+            assert residual is None, "a layer with its input norm folded takes the whole stream"
+            stream = self.self_attn(
+                x, positions, rotary, attn, kernels, residual=x, rms_eps=self.input_layernorm.eps
+            )
+            return self.mlp(stream, kernels, self.post_attention_layernorm.eps, residual=stream), None
         if residual is None:
             h, residual = self.input_layernorm(x, kernels), x
         else:
             h, residual = self.input_layernorm.add(x, residual, kernels)
+        if self.mlp_norm_folded:
+            residual = self.self_attn(h, positions, rotary, attn, kernels, residual=residual)
+            return self.mlp(residual, kernels, self.post_attention_layernorm.eps), residual
         h = self.self_attn(h, positions, rotary, attn, kernels)
         h, residual = self.post_attention_layernorm.add(h, residual, kernels)
         return self.mlp(h, kernels), residual
@@ -157,6 +186,31 @@ class Transformer(nn.Module):
 
     # -- weights -------------------------------------------------------------------------------------------
 
+    @property
+    def norms_folded(self) -> bool:
+        return any(layer.mlp_norm_folded for layer in self.layers)
+
+    @torch.no_grad()
+    def fold_norms(self) -> None:
+        """Multiply each layer's RMSNorm weights into the columns of the GEMM weights after them, once:
+        norm(h) @ W^T == (h @ (W * g)^T) * rsqrt(mean(h^2) + eps) row by row. The post-attention norm
+        goes into gate/up, the input norm into q/k/v (unless they have a bias, which the row scale
+        must not touch). The layers then run no norm kernel: the GEMMs read the residual stream and
+        the row scales are applied after them, in the SwiGLU activation and in attention; each residual
+        add goes inside the GEMM before it. Results agree with the unfolded model to the dtype's
+        rounding (each weight product is rounded once, from float32). Idempotent; weights cannot be
+        loaded into a folded model."""
+        attention_too = all(layer.self_attn.qkv_proj.bias is None for layer in self.layers)
+        for layer in self.layers:
+            pairs = [("mlp_norm_folded", layer.mlp.gate_up_proj, layer.post_attention_layernorm)]
+            if attention_too:
+                pairs.append(("attn_norm_folded", layer.self_attn.qkv_proj, layer.input_layernorm))
+            for flag, linear, norm in pairs:
+                if not getattr(layer, flag):
+                    w = linear.weight
+                    w.copy_((w.float() * norm.weight.float()[None, :]).to(w.dtype))
+                    setattr(layer, flag, True)
+
     def _shards(self, name: str) -> list[int] | None:
         """Row sizes of the checkpoint tensors stacked into parameter `name`, None if it is not fused."""
         c = self.cfg
@@ -168,6 +222,8 @@ class Transformer(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the model; every parameter must be covered."""
+        if self.norms_folded:
+            raise ValueError("load_weights: the model's norms are folded into its weights; use a fresh model")
         params = dict(self.named_parameters())
         expected = set()
         for name in params:

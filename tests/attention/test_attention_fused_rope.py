@@ -124,6 +124,39 @@ def test_paged_rotates_stores_and_attends_like_rope_first(backend, dtype, norm, 
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", ["ring", "paged"])
+def test_an_input_row_scale_is_applied_to_q_k_and_v_first(backend, dtype, op) -> None:
+    """`rms_x` (a layer whose input norm is folded into q/k/v's weight): the result and the stored
+    K/V of q, k and v scaled by rsqrt(mean(x^2) + eps) of their token's row of x beforehand."""
+    ops = ops_for(DEVICE, backend=backend)
+    b, positions, cos_sin, weights = case(dtype, norm=True)
+    gen = torch.Generator().manual_seed(8)
+    x = (30 * torch.randn(b.q.shape[0], 24, generator=gen)).to(dtype).to(DEVICE)
+    scaled = [model_reference.rms_scale(t.flatten(1), x, 1e-5).view_as(t) for t in (b.q, b.k_new, b.v_new)]
+    runs = []
+    for q, k, v, rms in ((b.q, b.k_new, b.v_new, x), (*scaled, None)):
+        if op == "ring":
+            dst = (b.slots.long() * W + b.q_start.long() % W).to(DEVICE)
+            kc, vc = b.k_ring.clone(), b.v_ring.clone()
+        else:
+            dst = page_rows(b)
+            kc, vc = b.k_cache.clone(), b.v_cache.clone()
+        rope = RopeInKernel(
+            positions, cos_sin, kc.view(-1, 2, D), vc.view(-1, 2, D), dst, *weights, 1e-6, rms, 1e-5
+        )
+        if op == "ring":
+            out = ops.ring_attention(q, k, v, kc, vc, b.slots, b.cu_q, b.q_start, max_q=1, scale=b.scale,
+                                     window=W, rope=rope)  # fmt: skip
+        else:
+            out = ops.paged_attention(q, kc, vc, b.block_table, b.cu_q, b.q_start, max_q=1, scale=b.scale,
+                                      window=None, k_new=k, v_new=v, rope=rope)  # fmt: skip
+        runs.append((out, kc, vc))
+    for got, want in zip(*runs, strict=True):
+        assert_same(got, want, exact=False)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_rope_inside_attention_refuses_prefill_shapes_and_bad_arguments(backend) -> None:
     ops = ops_for(DEVICE, backend=backend)
     b, positions, cos_sin, _ = case(torch.float32, False)
@@ -147,3 +180,17 @@ def test_rope_inside_attention_refuses_prefill_shapes_and_bad_arguments(backend)
         ops.paged_attention(
             *args, max_q=1, scale=b.scale, window=None, k_new=b.k_new, v_new=b.v_new, rope=half
         )
+    for rms_x, eps, message in [
+        (torch.ones(5, 24, device=DEVICE), 1e-5, r"rope.rms_x must be \[T = 6, H\]"),
+        (
+            torch.ones(6, 24, device=DEVICE, dtype=torch.float16),
+            1e-5,
+            r"rope.rms_x must be .* in torch.float32",
+        ),
+        (torch.ones(6, 24, device=DEVICE), -1.0, "rope.rms_eps must be a non-negative float"),
+    ]:
+        scaled = RopeInKernel(positions, cos_sin, *flat, dst, rms_x=rms_x, rms_eps=eps)
+        with pytest.raises(ValueError, match=message):
+            ops.paged_attention(
+                *args, max_q=1, scale=b.scale, window=None, k_new=b.k_new, v_new=b.v_new, rope=scaled
+            )

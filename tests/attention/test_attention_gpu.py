@@ -9,7 +9,7 @@ import torch
 
 from invariants.testing import no_host_sync
 from shared.attention import AttentionOps, TorchOps, TritonOps, ops_for
-from shared.attention._launch import choose_tiles, sm_count, split_count
+from shared.attention._launch import choose_tiles, fills_gpu, sm_count, split_count
 from shared.attention.paged_attention import paged_attention as triton_paged
 from shared.attention.ring_attention import ring_attention as triton_ring
 
@@ -129,9 +129,12 @@ def test_engine_decode_shape_split_k(lengths: str) -> None:
         assert_near(ring(splits), ring_ref)
         assert_near(paged(splits), paged_ref)
     # The wrappers take the rule's split (none on an H200's 132 SMs) and nothing else decides it.
-    sms, bn = sm_count(torch.cuda.current_device()), choose_tiles(HQ // HKV, 128, 1).block_n
-    ring_s = split_count(64 * HKV, 1024, bn, sms)
-    paged_s = split_count(64 * HKV, step.block_table.shape[1] * PAGE, bn, sms)
+    sms = sm_count(torch.cuda.current_device())
+    full = fills_gpu(torch.device("cuda"), 64 * HKV)
+    ring_bn = choose_tiles(HQ // HKV, 128, 1, "ring_attention", full).block_n
+    paged_bn = choose_tiles(HQ // HKV, 128, 1, "paged_attention", full).block_n
+    ring_s = split_count(64 * HKV, 1024, ring_bn, sms)
+    paged_s = split_count(64 * HKV, step.block_table.shape[1] * PAGE, paged_bn, sms)
     if sms == 132:
         assert ring_s == paged_s == 1
     torch.testing.assert_close(ring(None), ring(ring_s), atol=0, rtol=0)

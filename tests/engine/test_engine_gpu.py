@@ -20,27 +20,41 @@ from tests.engine.test_engine_parity import Seq
 pytestmark = pytest.mark.gpu
 
 
-def cuda_runner(layout: str = "SSFS", *, qk_norm: bool = False, rope_in_attention: bool = False):
+def cuda_runner(
+    layout: str = "SSFS", *, qk_norm: bool = False, rope_in_attention: bool = False, fold: bool = True
+):  # fmt: skip
     cfg = dataclasses.replace(tiny_config(layout), qk_norm=qk_norm)
     cpu_model = tiny_model(cfg)
     model = tiny_model(cfg).cuda()
     cache = KVCache(cfg, KVConfig(page_size=16, num_pages=64, max_requests=8, device="cuda"))
-    return cpu_model, cache, ModelRunner(model, cache, rope_in_attention=rope_in_attention)
+    runner = ModelRunner(model, cache, rope_in_attention=rope_in_attention, fold_norms=fold)
+    assert model.norms_folded == fold
+    return cpu_model, cache, runner
 
 
 @pytest.mark.parametrize(
-    ("layout", "gemm", "qk_norm", "rope_in_attention"),
+    ("layout", "gemm", "qk_norm", "rope_in_attention", "fold"),
     [
-        ("SSFS", "cublas", False, False),
-        ("FSFS", "cublas", False, False),
-        ("SSFS", "skinny", False, False),
-        ("SSFS", "cublas", False, True),  # decode's RoPE inside attention (EngineConfig.rope_in_attention)
-        ("FSFS", "cublas", False, True),
-        ("SSFS", "cublas", True, True),  # with Qwen3's per-head norm
+        ("SSFS", "cublas", False, False, True),
+        ("FSFS", "cublas", False, False, True),
+        ("SSFS", "skinny", False, False, True),
+        (
+            "SSFS",
+            "cublas",
+            False,
+            True,
+            True,
+        ),  # decode's RoPE inside attention (EngineConfig.rope_in_attention)
+        ("FSFS", "cublas", False, True, True),
+        ("SSFS", "cublas", True, True, True),  # with Qwen3's per-head norm
+        ("SSFS", "cublas", False, True, False),  # the norms not folded (EngineConfig.fold_norms)
+        ("FSFS", "skinny", False, False, False),
     ],
 )
-def test_triton_path_matches_the_reference_teacher_forced(layout, gemm, qk_norm, rope_in_attention):
-    cpu_model, cache, runner = cuda_runner(layout, qk_norm=qk_norm, rope_in_attention=rope_in_attention)
+def test_triton_path_matches_the_reference_teacher_forced(layout, gemm, qk_norm, rope_in_attention, fold):
+    cpu_model, cache, runner = cuda_runner(
+        layout, qk_norm=qk_norm, rope_in_attention=rope_in_attention, fold=fold
+    )
     runner.model.gemm_backend = gemm
     lengths = [W - 1, 3 * W + 2, 1, 40]
     seqs = [Seq(cache, i, random_tokens(n + 5, seed=20 + i)) for i, n in enumerate(lengths)]

@@ -129,22 +129,35 @@ def test_engine_greedy_generation_matches_the_reference_and_frees_everything():
     engine.check_idle_integrity()
 
 
-def test_the_triton_kernels_through_the_runner_match_too():
-    # On CPU the Triton kernels run in the interpreter: the same wrappers and views as on a GPU.
+@pytest.mark.parametrize("fold", [False, True])
+def test_the_triton_kernels_through_the_runner_match_too(fold: bool):
+    # On CPU the Triton kernels run in the interpreter: the same wrappers and views as on a GPU. With
+    # `fold`, the model as a CUDA runner makes it (EngineConfig.fold_norms), its kernels Triton's.
     from shared.attention import ops_for
 
     cfg = tiny_config("SSFS")
     model = tiny_model(cfg)
     cache = KVCache(cfg, KVConfig(page_size=PAGE, num_pages=32, max_requests=2))
-    runner = ModelRunner(model, cache, ops_for(cache.device, backend="triton"))
     seqs = [Seq(cache, 0, random_tokens(W + 5, seed=4)), Seq(cache, 1, random_tokens(W + 5, seed=5))]
     wants = [reference(model, s.tokens) for s in seqs]
+    if fold:
+        model.fold_norms()
+        model.kernel_backend = "triton"
+    runner = ModelRunner(model, cache, ops_for(cache.device, backend="triton"))
     logits = run(runner, [seqs[0].chunk(W + 2), seqs[1].chunk(3)], Mode.EXTEND)
     for row, s, want in zip(logits, seqs, wants, strict=True):
         torch.testing.assert_close(row, want[s.done - 1], rtol=1e-4, atol=1e-4)
     logits = run(runner, [s.chunk(1) for s in seqs], Mode.DECODE)
     for row, s, want in zip(logits, seqs, wants, strict=True):
         torch.testing.assert_close(row, want[s.done - 1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_runner_folds_the_mlp_norms_on_cuda_only_and_never_undoes_a_fold():
+    model, cache, _ = make("SSFS")
+    assert not model.norms_folded, "on a CPU the model stays as it was given"
+    model.fold_norms()
+    with pytest.raises(ValueError, match="fold_norms=False, but the model's norms are folded already"):
+        ModelRunner(model, cache, fold_norms=False)
 
 
 @pytest.mark.parametrize("rope_in_attention", [True, False])

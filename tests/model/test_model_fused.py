@@ -23,10 +23,12 @@ CONFIGS = {
     "qwen2-qkv-bias": {"architectures": ["Qwen2ForCausalLM"]},
     "qwen3-qk-norm": {"architectures": ["Qwen3ForCausalLM"]},
 }  # fmt: skip
+# No bias anywhere: every norm folds (test_folded_norms_give_the_same_logits).
+UNBIASED = {"llama-plain": {"architectures": ["LlamaForCausalLM"]}}
 
 
 def random_model(name: str, dtype: torch.dtype) -> Transformer:
-    cfg = config_from_hf({**TINY, **CONFIGS[name]})
+    cfg = config_from_hf({**TINY, **{**CONFIGS, **UNBIASED}[name]})
     cfg = with_layout(cfg, sliding_window=5, layer_types="SF")
     torch.manual_seed(0)
     model = Transformer(cfg).to(device=DEVICE, dtype=dtype)
@@ -65,3 +67,44 @@ def test_auto_backend_follows_the_device() -> None:
     with torch.inference_mode():
         hidden = model(ids, positions, DenseAttention(model.cfg, cu))
     assert hidden.shape == (3, TINY["hidden_size"]) and hidden.isfinite().all()
+
+
+def max_rel_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max(
+        ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+        for a, b in zip(got, want, strict=True)
+    )
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", [*CONFIGS, *UNBIASED])
+def test_folded_norms_give_the_same_logits(name: str, dtype: torch.dtype, backend: str) -> None:
+    """The norms' weights inside the GEMMs after them (no norm kernel; the adds inside the o and down
+    GEMMs): the unfolded model's logits in float32; in bf16, which rounds elsewhere, as close to the
+    float32 model as the unfolded one is. Q/K/V with a bias keep their input norm. Folding twice
+    changes nothing more."""
+    model = random_model(name, dtype)
+    model.kernel_backend = backend
+    seqs = [list(range(3, 20)), [7, 1, 4], [9]]
+    unfolded = reference_logits(model, seqs)
+    model.fold_norms()
+    folded_weights = [p.clone() for p in model.parameters()]
+    model.fold_norms()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), folded_weights, strict=True))
+    has_bias = model.layers[0].self_attn.qkv_proj.bias is not None
+    assert all(layer.mlp_norm_folded and layer.attn_norm_folded != has_bias for layer in model.layers)
+    folded = reference_logits(model, seqs)
+    if dtype == torch.float32:
+        assert max_rel_diff(folded, unfolded) <= 1e-4
+    else:
+        truth = reference_logits(random_model(name, torch.float32), seqs)
+        assert max_rel_diff(folded, truth) <= 1.5 * max_rel_diff(unfolded, truth)
+
+
+def test_a_folded_model_takes_no_weights() -> None:
+    model = random_model("qwen2-qkv-bias", torch.float32)
+    weights = [(f"model.{n}", p.detach().clone()) for n, p in model.named_parameters()]
+    model.fold_norms()
+    with pytest.raises(ValueError, match="norms are folded"):
+        model.load_weights(weights)

@@ -8,9 +8,9 @@ import torch
 from kernel_testutil import assert_matches
 
 from shared.model.kernels import KVStore, TorchKernels, TritonKernels, kernels_for, reference
-from shared.model.kernels.rms_norm import add_rms_norm, rms_norm
+from shared.model.kernels.rms_norm import add_rms_norm, rms_norm, rms_scale
 from shared.model.kernels.rope import rope
-from shared.model.kernels.silu_mul import silu_mul
+from shared.model.kernels.silu_mul import silu_mul, silu_mul_rms
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -148,6 +148,28 @@ def test_silu_mul_matches_reference(rows: int, size: int, dtype: torch.dtype) ->
     assert_matches(silu_mul(gate_up), reference.silu_mul(gate_up))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "width", "hidden"), [(1, 1, 1), (3, 40, 33), (5, 1500, 100)])
+def test_rms_scale_matches_reference(rows: int, width: int, hidden: int, dtype: torch.dtype) -> None:
+    """A GEMM's output scaled by its input rows' norm (q/k/v of a folded input norm), strided rows."""
+    y = rand(rows, width + 3, dtype=dtype, scale=4.0, seed=9)[:, 1 : 1 + width]
+    x = rand(rows, hidden, dtype=dtype, scale=30.0, seed=10)
+    assert_matches(rms_scale(y, x, 1e-6), reference.rms_scale(y, x, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "size", "hidden"), [(1, 1, 1), (3, 7, 33), (4, 1500, 100)])
+def test_silu_mul_rms_matches_reference(rows: int, size: int, hidden: int, dtype: torch.dtype) -> None:
+    """The MLP's activation with the norm's row scale of x (strided rows, as the residual stream's)."""
+    gate_up = rand(rows, 2 * size, dtype=dtype, scale=4.0, seed=7)
+    x = rand(rows, hidden + 5, dtype=dtype, scale=30.0, seed=8)[:, 2 : 2 + hidden]
+    got = silu_mul_rms(gate_up, x, 1e-5)
+    assert_matches(got, reference.silu_mul_rms(gate_up, x, 1e-5))
+    # The row scale is the RMSNorm's: gate_up of x equals gate_up of its norm, scaled.
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert_matches(reference.silu_mul_rms(gate_up, x, 1e-5), silu_mul((gate_up.float() * rstd).to(dtype)))
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # numpy, interpreting
 def test_silu_mul_saturates_without_nan() -> None:
     gate_up = torch.tensor([[-200.0, 0.0, 90.0, 2.0, 3.0, 4.0]], device=DEVICE)
@@ -160,6 +182,8 @@ def test_empty_batches() -> None:
     w = torch.ones(8, device=DEVICE)
     assert rms_norm(torch.zeros(0, 8, device=DEVICE), w, 1e-6).shape == (0, 8)
     assert silu_mul(torch.zeros(0, 8, device=DEVICE)).shape == (0, 4)
+    empty = torch.zeros(0, 8, device=DEVICE)
+    assert silu_mul_rms(empty, torch.zeros(0, 3, device=DEVICE), 1e-6).shape == (0, 4)
     q, k = rope(torch.zeros(0, 2, 4, device=DEVICE), torch.zeros(0, 1, 4, device=DEVICE),
                 torch.zeros(0, dtype=torch.int64, device=DEVICE), rope_table(4, 4))  # fmt: skip
     assert q.shape == (0, 2, 4) and k.shape == (0, 1, 4)
@@ -191,6 +215,12 @@ def _rope_args(**change: object) -> dict[str, object]:
         ),
         (lambda: silu_mul(torch.zeros(2, 5)), "equal width"),
         (lambda: silu_mul(torch.zeros(10)), r"gate_up must be \[T, 2I\]"),
+        (lambda: silu_mul_rms(torch.zeros(2, 8), torch.zeros(3, 4), 1e-6), "must have gate_up's 2 rows"),
+        (lambda: rms_scale(torch.zeros(2, 8), torch.zeros(3, 4), 1e-6), "must have y's 2 rows"),
+        (lambda: rms_scale(torch.zeros(2, 8), torch.zeros(2, 4), -1.0), "eps must be"),
+        (lambda: silu_mul_rms(torch.zeros(2, 8), torch.zeros(2, 4, dtype=torch.float16), 1e-6), "dtype"),
+        (lambda: silu_mul_rms(torch.zeros(2, 8), torch.zeros(2, 4), -1.0), "eps must be"),
+        (lambda: silu_mul_rms(torch.zeros(2, 8), torch.zeros(4, 2).t(), 1e-6), "contiguous last dimension"),
         (lambda: rope(**_rope_args(k=torch.zeros(3, 1, 6))), "k .* must be"),
         (lambda: rope(**_rope_args(k=torch.zeros(3, 1, 8, dtype=torch.float16))), "k dtype"),
         (lambda: rope(**_rope_args(positions=torch.zeros(4, dtype=torch.int64))), "positions has 4"),

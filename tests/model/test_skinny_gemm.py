@@ -38,6 +38,23 @@ def test_matches_torch_split_or_not(m: int, n: int, k: int, split_k: int) -> Non
     )
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_an_addend_is_added_once_and_written_in_place(split_k: int) -> None:
+    """`add=`: the residual stream plus the product, rounded once, into the residual's storage."""
+    x, w = operands(5, 40, 300)
+    residual = (10 * torch.randn(5, 40, generator=torch.Generator().manual_seed(3))).to(DEVICE, x.dtype)
+    expected = (residual.float() + x.float() @ w.float().T).to(x.dtype)
+    cfg = GemmConfig(block_n=16, block_k=32, split_k=split_k, num_warps=2, num_stages=2)
+    got = skinny_gemm(x, w, cfg, add=residual)
+    assert got.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match=r"add must be \[5, 40\]"):
+        skinny_gemm(x, w, cfg, add=residual[:4])
+    empty = operands(3, 20, 0)
+    kept = torch.ones(3, 20, dtype=x.dtype, device=DEVICE)
+    assert torch.equal(skinny_gemm(*empty, add=kept), torch.ones_like(kept)), "an empty sum adds nothing"
+
+
 def test_a_split_that_would_be_empty_is_not_launched() -> None:
     # K = 96 in 64-wide tiles, asked for 4 splits: two chunks of 64 cover it, and only two programs
     # per column block add partials (a third one would wait for a ticket that never comes).

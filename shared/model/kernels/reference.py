@@ -57,3 +57,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up from gate_up [T, 2I] (gate | up, one fused projection's output) -> [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rms_scale(y: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """y's rows times rsqrt(mean(x_f32^2) + eps) of x's rows, rounded to y's dtype: what a GEMM of
+    norm(x) gives when it read x and its weight holds the norm's weight (`Transformer.fold_norms`)."""
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (y.float() * rstd).to(y.dtype)
+
+
+def silu_mul_rms(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`silu_mul` of gate_up's rows scaled by rsqrt(mean(x_f32^2) + eps) of x's rows, rounded to the
+    dtype first: the MLP of a layer whose post-attention RMSNorm weight sits in gate_up's weight
+    (`Transformer.fold_norms`), so that the GEMM could read x itself rather than its norm."""
+    return silu_mul(rms_scale(gate_up, x, eps))

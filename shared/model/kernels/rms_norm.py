@@ -91,3 +91,45 @@ def add_rms_norm(
     out, res_out = _launch("add_rms_norm", x, residual, weight, eps)
     assert res_out is not None
     return out, res_out
+
+
+@triton.jit
+def _rms_scale_kernel(
+    y_ptr, x_ptr, out_ptr, stride_y, stride_x, stride_out, width, size, eps,
+    BLOCK: tl.constexpr, BLOCK_X: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    xc = tl.arange(0, BLOCK_X)
+    x = tl.load(x_ptr + row * stride_x + xc, mask=xc < size, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / size + eps)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    dtype = out_ptr.dtype.element_ty
+    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, round_to(y * rstd, dtype).to(dtype), mask=mask)
+
+
+def rms_scale(y: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton version of `reference.rms_scale`: y [T, N] with each row times rsqrt(mean(x^2) + eps) of
+    x [T, H]'s row, a new tensor. (A GEMM of x whose weight holds the norm's weight, scaled as if it
+    had read norm(x).)"""
+    op = "rms_scale"
+    check_activation(op, "y", y, 2, "[T, N]")
+    check_activation(op, "x", x, 2, "[T, H]")
+    if x.shape[0] != y.shape[0] or x.dtype != y.dtype:
+        fail(op, f"x {tuple(x.shape)} {x.dtype} must have y's {y.shape[0]} rows and dtype {y.dtype}")
+    check_eps(op, eps)
+    check_same_device(op, y=y, x=x)
+    check_triton_device(op, y.device)
+    rows, width = y.shape
+    out = torch.empty_like(y, memory_format=torch.contiguous_format)
+    if rows == 0 or width == 0:
+        return out
+    if next_pow2(x.shape[1]) > 65536:
+        fail(op, f"rows of x of {x.shape[1]} values do not fit one program (at most 65536)")
+    block = min(1024, next_pow2(width))
+    _rms_scale_kernel[(rows, triton.cdiv(width, block))](
+        y, x, out, y.stride(0), x.stride(0), out.stride(0), width, x.shape[1], float(eps),
+        BLOCK=block, BLOCK_X=next_pow2(x.shape[1]), num_warps=4,
+    )  # fmt: skip
+    return out

@@ -3,6 +3,11 @@
 A 2-D grid (row, column block) rather than one program per row: at decode the rows are few and long
 (64 x 6144), and a row per program would leave most SMs idle. silu is rounded to the dtype before the
 multiply, as `F.silu(gate) * up` rounds it.
+
+`silu_mul_rms` also applies the post-attention RMSNorm's row scale, for a model whose norm weight is
+folded into gate_up's weight (`Transformer.fold_norms`): every program sums the squares of its
+row of the norm's input (a few KB, hot in L2) and scales gate and up by its rsqrt. That is one kernel
+where the layer ran two, the norm's and this one.
 """
 
 from __future__ import annotations
@@ -12,36 +17,72 @@ import triton
 import triton.language as tl
 
 from shared.attention._launch import next_pow2
-from shared.model.kernels._checks import check_activation, check_triton_device, fail
+from shared.model.kernels._checks import (
+    check_activation,
+    check_eps,
+    check_same_device,
+    check_triton_device,
+    fail,
+)
 from shared.model.kernels._round import round_to
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    x_ptr, out_ptr, h_ptr, stride_x, stride_out, stride_h, size, hidden, eps,
+    BLOCK: tl.constexpr, RMS: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask, other=0.0).to(tl.float32)
+    if RMS:
+        hc = tl.arange(0, BLOCK_H)
+        h = tl.load(h_ptr + row * stride_h + hc, mask=hc < hidden, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
+        gate = round_to(gate * rstd, dtype)
+        up = round_to(up * rstd, dtype)
     act = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
     tl.store(out_ptr + row * stride_out + cols, round_to(act * up, dtype).to(dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """Triton version of `reference.silu_mul`: gate_up [T, 2I] (gate | up) -> [T, I], a new tensor."""
-    op = "silu_mul"
+def _launch(op: str, gate_up: torch.Tensor, h: torch.Tensor | None, eps: float) -> torch.Tensor:
     check_activation(op, "gate_up", gate_up, 2, "[T, 2I]")
     rows, width = gate_up.shape
     if width % 2:
         fail(op, f"gate_up must hold gate and up halves of equal width, got {width} columns")
+    if h is not None:
+        check_activation(op, "x", h, 2, "[T, H]")
+        if h.shape[0] != rows or h.dtype != gate_up.dtype:
+            want = f"gate_up's {rows} rows and dtype {gate_up.dtype}"
+            fail(op, f"x {tuple(h.shape)} {h.dtype} must have {want}")
+        check_eps(op, eps)
+        check_same_device(op, gate_up=gate_up, x=h)
     check_triton_device(op, gate_up.device)
     size = width // 2
     out = torch.empty((rows, size), dtype=gate_up.dtype, device=gate_up.device)
     if rows == 0 or size == 0:
         return out
     block = min(1024, next_pow2(size))
+    hidden = h.shape[1] if h is not None else 1
+    if next_pow2(hidden) > 65536:
+        fail(op, f"rows of x of {hidden} values do not fit one program (at most 65536)")
     _silu_mul_kernel[(rows, triton.cdiv(size, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=block, num_warps=4
-    )
+        gate_up, out, h if h is not None else gate_up, gate_up.stride(0), out.stride(0),
+        h.stride(0) if h is not None else 0, size, hidden, float(eps),
+        BLOCK=block, RMS=h is not None, BLOCK_H=next_pow2(hidden), num_warps=4,
+    )  # fmt: skip
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Triton version of `reference.silu_mul`: gate_up [T, 2I] (gate | up) -> [T, I], a new tensor."""
+    return _launch("silu_mul", gate_up, None, 0.0)
+
+
+def silu_mul_rms(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton version of `reference.silu_mul_rms`: gate_up [T, 2I] scaled by each row's rsqrt(mean(x^2)
+    + eps) of x [T, H], then `silu_mul`; a new [T, I] tensor."""
+    return _launch("silu_mul_rms", gate_up, x, eps)
