@@ -15,6 +15,7 @@ bytes timed the same way in the same run.
     PYTHONPATH=. python bench/attention.py --engine-only  # just the engine decode shape (~1 min)
     PYTHONPATH=. python bench/attention.py --json out.json  # the same rows as JSON
     PYTHONPATH=. python bench/attention.py --rope  # engine shape: RoPE kernel + attention vs RoPE inside
+    PYTHONPATH=. python bench/attention.py --contexts 2,64,272,528  # engine batch, RoPE inside, by context
 """
 
 from __future__ import annotations
@@ -245,6 +246,45 @@ def engine_decode_rope() -> list[dict]:
     return rows
 
 
+def engine_decode_by_context(contexts: list[int]) -> list[dict]:
+    """The engine's decode attention (batch 64, RoPE inside, default tiles) at several context lengths,
+    each from a CUDA graph over three input copies (so K/V come from HBM): what a call costs beyond
+    reading its K/V shows as the intercept (docs/benchmarks.md, "Where an attention kernel's time goes")."""
+    dtype, scale, batch, window = torch.bfloat16, D**-0.5, ENGINE_BATCH, ENGINE_WINDOW
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda").float() / D)
+    angles = torch.arange(8192, device="cuda").float()[:, None] * inv[None, :]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    rows = []
+    for ctx in contexts:
+        l0, n = [ctx - 1] * batch, [1] * batch
+        positions = torch.tensor(l0, dtype=torch.int64, device="cuda")
+        for op in ("ring", "paged"):
+            calls = []
+            for _ in range(3):
+                if op == "ring":
+                    a = _ring_inputs(l0, n, window, dtype)
+                    kd, vd = a["k_ring"].view(-1, HKV, D), a["v_ring"].view(-1, HKV, D)
+                    index = torch.arange(batch, device="cuda") * window + (ctx - 1) % window
+                    rope = RopeInKernel(positions, cos_sin, kd, vd, index)
+                    calls.append(
+                        lambda a=a, r=rope: ring_attention(**a, max_q=1, scale=scale, window=window, rope=r)
+                    )
+                else:
+                    a = _paged_inputs(l0, n, dtype)
+                    kd, vd = a["k_cache"].view(-1, HKV, D), a["v_cache"].view(-1, HKV, D)
+                    index = a["block_table"][:, (ctx - 1) // PAGE].long() * PAGE + (ctx - 1) % PAGE
+                    rope = RopeInKernel(positions, cos_sin, kd, vd, index)
+                    new = {"k_new": torch.randn(batch, HKV, D, device="cuda", dtype=dtype)}
+                    new["v_new"] = torch.randn_like(new["k_new"])
+                    calls.append(lambda a=a, r=rope, nw=new: paged_attention(
+                        **a, **nw, max_q=1, scale=scale, window=None, rope=r))  # fmt: skip
+            ms = do_bench_cudagraph(lambda c=calls: [f() for f in c], rep=200, return_mode="median") / 3
+            kv_bytes = 2 * batch * ctx * HKV * D * torch.tensor([], dtype=dtype).element_size()
+            rows.append({"op": f"{op} decode, RoPE inside", "case": f"B={batch} ctx={ctx}",
+                         "graph_us": round(ms * 1e3, 2), "kv_MB": round(kv_bytes / 1e6, 1)})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows to this file")
@@ -252,7 +292,12 @@ def main() -> None:
     parser.add_argument("--engine-only", action="store_true", help="only the engine's decode shape")
     parser.add_argument("--splits", default="2,4,8", help="split-K factors to force at the engine shape")
     parser.add_argument("--rope", action="store_true", help="only RoPE inside attention vs a RoPE kernel")
+    parser.add_argument("--contexts", help="only the engine batch at these context lengths, e.g. 2,64,528")
     opts = parser.parse_args()
+    if opts.contexts:
+        for r in engine_decode_by_context([int(c) for c in opts.contexts.split(",")]):
+            print("  ".join(f"{k}={v}" for k, v in r.items()))
+        return
     if opts.rope:
         for r in engine_decode_rope():
             print("  ".join(f"{k}={v}" for k, v in r.items()))

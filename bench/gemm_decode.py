@@ -6,6 +6,7 @@ Shapes: the engine bench's ~2B hybrid (hidden 2048, 16/8 heads x 128, intermedia
 they come from HBM, as in a decode step (each layer's weights are read once).
 
     python bench/gemm_decode.py [--rows 64,16,1] [--quick] [--json gemm.json]   (~2 min at M=64)
+    python bench/gemm_decode.py --shapes o --quick --residual-add   (+ cuBLAS with the residual add)
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="12 configs per shape instead of 48")
     ap.add_argument("--deep", action="store_true", help="wide blocks, deep pipelines, 8 warps (see sweep)")
     ap.add_argument("--compile-procs", type=int, default=0, help="precompile the sweep in N processes")
+    ap.add_argument("--residual-add", action="store_true",
+                    help="also cuBLAS adding a residual: addmm out of place, addmm_ in place")  # fmt: skip
     ap.add_argument("--json")
     args = ap.parse_args()
     mode = "deep" if args.deep else "quick" if args.quick else "full"
@@ -129,6 +132,11 @@ def main() -> None:
                 torch.backends.cuda.preferred_blas_library(lib)
                 timed[lib] = graph_us(lambda: [torch_gemm(w) for w in ws], copies)  # noqa: B023
             torch.backends.cuda.preferred_blas_library("cublaslt")
+            if args.residual_add:  # ModelKernels.linear_add: the o and down projections' residual add
+                res = [torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
+                pairs = list(zip(res, ws, strict=True))
+                timed["addmm"] = graph_us(lambda: [torch.addmm(r, x, w.T) for r, w in pairs], copies)  # noqa: B023
+                timed["addmm_"] = graph_us(lambda: [r.addmm_(x, w.T) for r, w in pairs], copies)  # noqa: B023
             default = choose_config(m, n, k)
             torch.testing.assert_close(ours(ws[0], default).float(), ref, rtol=3e-2, atol=3e-2)
             timed["skinny default"] = graph_us(lambda: [ours(w, default) for w in ws], copies)  # noqa: B023

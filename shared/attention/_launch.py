@@ -120,10 +120,11 @@ def _is_int(x: object) -> bool:
 #
 # A decode-shaped call (every chunk in one query tile) has one program per (sequence, kv head), each
 # streaming all its keys alone, and a lone program cannot keep enough loads in flight to draw its
-# share of bandwidth. Decode tiles (32 keys, three pipeline stages: 48 KB of K and V a program) let
-# an SM hold ~4 programs, so 64 sequences x 8 kv heads = 512 programs fill an H200's 132 SMs in one
-# wave: measured at 39.6 us a layer (ring) and 39.5 us (paged) unsplit against 33.1 us to copy the
-# same bytes, and 47-49 us split in two, whose partial rows and merge cost more than they bring.
+# share of bandwidth. At decode tiles (then 32 keys, three pipeline stages: 48 KB of K and V a
+# program; `choose_tiles` has the current ones) an SM holds ~4 programs, so 64 sequences x 8 kv heads
+# = 512 programs fill an H200's 132 SMs in one wave: measured at 39.6 us a layer (ring) and 39.5 us
+# (paged) unsplit against 33.1 us to copy the same bytes, and 47-49 us split in two, whose partial
+# rows and merge cost more than they bring.
 # The rule: S is the smallest power of two with programs x S >= PROGRAMS_PER_SM x SMs, lowered
 # until every split keeps MIN_TILES_PER_SPLIT key tiles of the host-side key bound (a shorter split
 # is mostly pipeline prologue), and at most MAX_SPLITS. Batch 64 x 8 heads gets S = 1; batch 1

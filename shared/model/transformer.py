@@ -6,7 +6,11 @@ this file free of batch structure, and its forward free of host syncs, so it can
 
 Elementwise work goes through `ModelKernels` (fused Triton kernels on CUDA, torch elsewhere), and the
 residual stream travels beside the hidden state as in vLLM: each norm adds the residual it follows in
-the same kernel, so a layer costs its four GEMMs, attention and four small kernels.
+the same kernel, so a layer costs its four GEMMs, attention and four small kernels (two norms, RoPE,
+SwiGLU; RoPE goes inside decode attention). With the norms folded into the GEMMs after them
+(`Transformer.fold_norms`, what the engine does on CUDA), a decode layer runs its four GEMMs,
+attention and the SwiGLU kernel: the adds go inside the o and down GEMMs, the row scales into
+attention and SwiGLU.
 """
 
 from __future__ import annotations

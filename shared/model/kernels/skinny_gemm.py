@@ -14,6 +14,9 @@ gate/up and down projections (`bench/gemm_decode.py`), 3-4% off a decode step at
 (`bench/engine.py --gemm cublas,skinny`). At 64 rows it does not beat cuBLAS (docs/benchmarks.md).
 A SwiGLU prologue (the activation computed as the tiles load) was tried and measured 3-8x slower
 than the SwiGLU kernel plus cuBLAS: every column block recomputed the whole input's activation.
+
+With `add=` the result is added to a tensor and written into it (a residual add inside the GEMM,
+`ModelKernels.linear_add`): the addend is loaded before the K loop, so its latency is not at the tail.
 """
 
 from __future__ import annotations
