@@ -82,12 +82,20 @@ def decode_roofline_bytes(model, batch: int, ctx: int) -> int:
     return weights + kv
 
 
+FOLD_NORMS = True  # --fold-norms: EngineConfig.fold_norms for every engine of the run
+
+
+def engine_config(**kw: object) -> EngineConfig:
+    """The run's engines: 8192-token steps, the norms folded or not as --fold-norms says."""
+    return EngineConfig(max_batch_tokens=8192, fold_norms=FOLD_NORMS, **kw)  # type: ignore[arg-type]
+
+
 def bench_engine(
     model, cfg, batch: int, prompt_len: int, steps: int, bandwidth: float, rope_in_attention: bool = True
 ) -> dict[str, float]:
     pages = batch * ((prompt_len + steps + 16) // 16 + 1) + 16
     kv = KVConfig(page_size=16, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda")
-    engine_cfg = EngineConfig(max_batch_tokens=8192, max_running=batch, rope_in_attention=rope_in_attention)
+    engine_cfg = engine_config(max_running=batch, rope_in_attention=rope_in_attention)
     engine = Engine(model, kv, engine_cfg)
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
@@ -141,7 +149,7 @@ def bench_prefill(model, cfg, prompt_len: int, count: int, peak: float) -> dict[
     over the window on sliding layers and the whole prefix on full ones)."""
     pages = count * (prompt_len // 16 + 2) + 16
     kv = KVConfig(page_size=16, num_pages=pages, max_requests=count, dtype=torch.bfloat16, device="cuda")
-    engine = Engine(model, kv, EngineConfig(max_batch_tokens=8192, max_running=count))
+    engine = Engine(model, kv, engine_config(max_running=count))
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for _rep in range(2):  # the first round warms up Triton's autotuning and the allocator
         reqs = [engine.add_request(torch.randint(0, cfg.vocab_size, (prompt_len,)).tolist(), sp)
@@ -174,7 +182,7 @@ def profile_decode(model, cfg, batch: int, prompt_len: int, steps: int = 8) -> N
     for sizes in ((batch,), ()):
         pages = batch * ((prompt_len + 64) // 16 + 1) + 16
         kv = KVConfig(page_size=16, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda")
-        ecfg = EngineConfig(max_batch_tokens=8192, max_running=batch, cuda_graph_sizes=sizes)
+        ecfg = engine_config(max_running=batch, cuda_graph_sizes=sizes)
         engine = Engine(model, kv, ecfg)
         prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len)).tolist()
         sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
@@ -267,7 +275,14 @@ def main() -> None:
         default="on",
         help="decode's RoPE + K/V store inside the attention kernels (on) or in a kernel of its own (off)",
     )
+    ap.add_argument(
+        "--fold-norms", choices=["on", "off"], default="on",
+        help="each layer's RMSNorm weights folded into the GEMMs after them (EngineConfig.fold_norms); "
+        "one value a run: the fold changes the model",
+    )  # fmt: skip
     args = ap.parse_args()
+    global FOLD_NORMS
+    FOLD_NORMS = args.fold_norms == "on"
     ropes = args.rope_in_attention.split(",")
     if not set(ropes) <= {"on", "off"}:
         ap.error(f"--rope-in-attention: on and/or off, got {args.rope_in_attention!r}")
