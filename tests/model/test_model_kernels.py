@@ -243,6 +243,11 @@ def test_bad_arguments_raise_clear_errors(call, message: str) -> None:
 
 def test_kernels_for_picks_by_device() -> None:
     assert isinstance(kernels_for("cpu"), TorchKernels)
-    assert isinstance(kernels_for("cpu", "triton"), TritonKernels)  # the interpreter, as set by conftest
+    if torch.cuda.is_available():  # compiled kernels (conftest sets the interpreter only without CUDA)
+        assert isinstance(kernels_for("cuda"), TritonKernels)
+        with pytest.raises(ValueError, match="need CUDA tensors"):
+            kernels_for("cpu", "triton")
+    else:
+        assert isinstance(kernels_for("cpu", "triton"), TritonKernels)  # the interpreter
     with pytest.raises(ValueError, match="backend must be"):
         kernels_for("cpu", "cuda")  # type: ignore[arg-type]
