@@ -10,7 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from shared.attention.fused_rope import rotated_rows, row_rstd
+from shared.attention.fused_rope import rotated_rows
+from shared.model.kernels._rows import row_rstd
 
 
 @triton.jit

@@ -142,14 +142,6 @@ def rms_constexprs(rope: RopeInKernel | None) -> dict[str, object]:
 
 
 @triton.jit
-def row_rstd(x_ptr, row, stride, size, eps, BLOCK_H: tl.constexpr):
-    """rsqrt(mean(x[row]^2) + eps) over a row of `size` values, in float32 (`rms_x`'s scale)."""
-    c = tl.arange(0, BLOCK_H)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride + c, mask=c < size, other=0.0).to(tl.float32)
-    return tl.math.rsqrt(tl.sum(x * x, axis=0) / size + eps)
-
-
-@triton.jit
 def rotated_rows(
     base, row_ok, tok, pos_ptr, cs_ptr, stride_cs, num_positions, w_ptr, eps, scale,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, RMS: tl.constexpr,

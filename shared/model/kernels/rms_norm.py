@@ -23,6 +23,7 @@ from shared.model.kernels._checks import (
     fail,
 )
 from shared.model.kernels._round import round_to
+from shared.model.kernels._rows import row_rstd
 
 
 @triton.jit
@@ -99,9 +100,7 @@ def _rms_scale_kernel(
     BLOCK: tl.constexpr, BLOCK_X: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    xc = tl.arange(0, BLOCK_X)
-    x = tl.load(x_ptr + row * stride_x + xc, mask=xc < size, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / size + eps)
+    rstd = row_rstd(x_ptr, row, stride_x, size, eps, BLOCK_X)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
     dtype = out_ptr.dtype.element_ty

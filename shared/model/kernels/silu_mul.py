@@ -25,6 +25,7 @@ from shared.model.kernels._checks import (
     fail,
 )
 from shared.model.kernels._round import round_to
+from shared.model.kernels._rows import row_rstd
 
 
 @triton.jit
@@ -39,9 +40,7 @@ def _silu_mul_kernel(
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask, other=0.0).to(tl.float32)
     if RMS:
-        hc = tl.arange(0, BLOCK_H)
-        h = tl.load(h_ptr + row * stride_h + hc, mask=hc < hidden, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
+        rstd = row_rstd(h_ptr, row, stride_h, hidden, eps, BLOCK_H)
         gate = round_to(gate * rstd, dtype)
         up = round_to(up * rstd, dtype)
     act = round_to(gate / (1.0 + tl.exp(-gate)), dtype)

@@ -1,0 +1,16 @@
+"""The RMSNorm row scale, for kernels that apply a norm folded into the GEMM before them
+(`Transformer.fold_norms`): the SwiGLU activation, `rms_scale`, and decode attention's q/k/v."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def row_rstd(x_ptr, row, stride, size, eps, BLOCK: tl.constexpr):
+    """rsqrt(mean(x[row]^2) + eps) of a row of `size` values (BLOCK >= size), in float32, as
+    `reference.rms_norm` computes it (up to the order of the sum)."""
+    c = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride + c, mask=c < size, other=0.0).to(tl.float32)
+    return tl.math.rsqrt(tl.sum(x * x, axis=0) / size + eps)
