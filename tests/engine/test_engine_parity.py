@@ -41,9 +41,12 @@ def run(runner: ModelRunner, items: list[ChunkItem], mode: Mode) -> torch.Tensor
     return runner.forward(batch, None, return_logits=True).logits
 
 
-def make(layout: str, max_requests: int = 4):
+def make(layout: str, max_requests: int = 4, fold: bool = False):
+    """A CPU runner; with `fold`, over a model with its norms folded (as a CUDA runner folds them)."""
     cfg = tiny_config(layout)
     model = tiny_model(cfg)
+    if fold:
+        model.fold_norms()
     cache = KVCache(cfg, KVConfig(page_size=PAGE, num_pages=128, max_requests=max_requests))
     return model, cache, ModelRunner(model, cache)
 
@@ -60,7 +63,15 @@ def test_the_window_matters_for_these_weights():
 @pytest.mark.parametrize("prompt_len", [W - 1, W, W + 1, 3 * PAGE, 2 * W + 3])
 @pytest.mark.parametrize("chunk", [3, W - 1, W, W + 1, 64])
 def test_chunked_prefill_then_decode_matches_one_dense_pass(layout, prompt_len, chunk):
-    model, cache, runner = make(layout)
+    assert_chunked_prefill_then_decode(*make(layout), prompt_len, chunk)
+
+
+@pytest.mark.parametrize("chunk", [3, W + 1])
+def test_with_the_norms_folded_chunked_prefill_then_decode_matches_one_dense_pass(chunk):
+    assert_chunked_prefill_then_decode(*make("SSFS", fold=True), 2 * W + 3, chunk)
+
+
+def assert_chunked_prefill_then_decode(model, cache, runner, prompt_len: int, chunk: int) -> None:
     tokens = random_tokens(prompt_len + 6, seed=prompt_len)
     want = reference(model, tokens)
     seq = Seq(cache, 0, tokens)
@@ -72,9 +83,10 @@ def test_chunked_prefill_then_decode_matches_one_dense_pass(layout, prompt_len, 
         torch.testing.assert_close(logits[0], want[seq.done - 1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("layout", ["SSFS", "FSFS"])
-def test_a_mixed_batch_equals_each_sequence_alone(layout):
-    model, cache, runner = make(layout)
+def test_a_mixed_batch_equals_each_sequence_alone(layout, fold):
+    model, cache, runner = make(layout, fold=fold)
     lengths = [W - 1, 2 * W + 5, 1, W + 1]
     seqs = [Seq(cache, i, random_tokens(n + 4, seed=10 + i)) for i, n in enumerate(lengths)]
     wants = [reference(model, s.tokens) for s in seqs]
@@ -87,9 +99,12 @@ def test_a_mixed_batch_equals_each_sequence_alone(layout):
             torch.testing.assert_close(row, want[s.done - 1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("layout", ["SSFS", "SFFF", "SSSS"])
-def test_bounded_replay_rebuilds_the_history_a_single_pass_computed(layout):
+def test_bounded_replay_rebuilds_the_history_a_single_pass_computed(layout, fold):
     model = tiny_model(tiny_config(layout))
+    if fold:  # replay steps scale q/k/v in a kernel of their own (no RoPE inside attention there)
+        model.fold_norms()
     kv = KVConfig(page_size=PAGE, num_pages=128, max_requests=2)
     engine = Engine(model, kv, EngineConfig(max_batch_tokens=16))
     prompt = random_tokens(5 * W + 3, seed=3)
