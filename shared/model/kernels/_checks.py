@@ -21,6 +21,7 @@ __all__ = [
     "check_dims",
     "check_dtype",
     "check_eps",
+    "check_norm_input",
     "check_same_device",
     "check_triton_device",
     "check_weight",
@@ -48,3 +49,16 @@ def check_weight(op: str, name: str, w: torch.Tensor, size: int, dtype: torch.dt
 def check_eps(op: str, eps: float) -> None:
     if not isinstance(eps, float | int) or isinstance(eps, bool) or eps < 0:
         fail(op, f"eps must be a non-negative Python float, got {eps!r}")
+
+
+def check_norm_input(op: str, x: torch.Tensor, name: str, scaled: torch.Tensor, eps: float) -> None:
+    """x [T, H]: the rows whose RMSNorm scale the kernel applies to `scaled`'s rows (a norm folded into
+    the GEMM before it, `Transformer.fold_norms`), each row summed by one program."""
+    check_activation(op, "x", x, 2, "[T, H]")
+    rows = scaled.shape[0]
+    if x.shape[0] != rows or x.dtype != scaled.dtype:
+        fail(op, f"x {tuple(x.shape)} {x.dtype} must have {name}'s {rows} rows and dtype {scaled.dtype}")
+    check_eps(op, eps)
+    check_same_device(op, **{name: scaled, "x": x})
+    if x.shape[1] > 65536:
+        fail(op, f"rows of x of {x.shape[1]} values do not fit one program (at most 65536)")

@@ -17,6 +17,7 @@ from shared.attention._launch import next_pow2
 from shared.model.kernels._checks import (
     check_activation,
     check_eps,
+    check_norm_input,
     check_same_device,
     check_triton_device,
     check_weight,
@@ -114,18 +115,12 @@ def rms_scale(y: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
     had read norm(x).)"""
     op = "rms_scale"
     check_activation(op, "y", y, 2, "[T, N]")
-    check_activation(op, "x", x, 2, "[T, H]")
-    if x.shape[0] != y.shape[0] or x.dtype != y.dtype:
-        fail(op, f"x {tuple(x.shape)} {x.dtype} must have y's {y.shape[0]} rows and dtype {y.dtype}")
-    check_eps(op, eps)
-    check_same_device(op, y=y, x=x)
+    check_norm_input(op, x, "y", y, eps)
     check_triton_device(op, y.device)
     rows, width = y.shape
     out = torch.empty_like(y, memory_format=torch.contiguous_format)
     if rows == 0 or width == 0:
         return out
-    if next_pow2(x.shape[1]) > 65536:
-        fail(op, f"rows of x of {x.shape[1]} values do not fit one program (at most 65536)")
     block = min(1024, next_pow2(width))
     _rms_scale_kernel[(rows, triton.cdiv(width, block))](
         y, x, out, y.stride(0), x.stride(0), out.stride(0), width, x.shape[1], float(eps),

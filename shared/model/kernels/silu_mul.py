@@ -17,13 +17,7 @@ import triton
 import triton.language as tl
 
 from shared.attention._launch import next_pow2
-from shared.model.kernels._checks import (
-    check_activation,
-    check_eps,
-    check_same_device,
-    check_triton_device,
-    fail,
-)
+from shared.model.kernels._checks import check_activation, check_norm_input, check_triton_device, fail
 from shared.model.kernels._round import round_to
 from shared.model.kernels._rows import row_rstd
 
@@ -53,12 +47,7 @@ def _launch(op: str, gate_up: torch.Tensor, h: torch.Tensor | None, eps: float) 
     if width % 2:
         fail(op, f"gate_up must hold gate and up halves of equal width, got {width} columns")
     if h is not None:
-        check_activation(op, "x", h, 2, "[T, H]")
-        if h.shape[0] != rows or h.dtype != gate_up.dtype:
-            want = f"gate_up's {rows} rows and dtype {gate_up.dtype}"
-            fail(op, f"x {tuple(h.shape)} {h.dtype} must have {want}")
-        check_eps(op, eps)
-        check_same_device(op, gate_up=gate_up, x=h)
+        check_norm_input(op, h, "gate_up", gate_up, eps)
     check_triton_device(op, gate_up.device)
     size = width // 2
     out = torch.empty((rows, size), dtype=gate_up.dtype, device=gate_up.device)
@@ -66,8 +55,6 @@ def _launch(op: str, gate_up: torch.Tensor, h: torch.Tensor | None, eps: float) 
         return out
     block = min(1024, next_pow2(size))
     hidden = h.shape[1] if h is not None else 1
-    if next_pow2(hidden) > 65536:
-        fail(op, f"rows of x of {hidden} values do not fit one program (at most 65536)")
     _silu_mul_kernel[(rows, triton.cdiv(size, block))](
         gate_up, out, h if h is not None else gate_up, gate_up.stride(0), out.stride(0),
         h.stride(0) if h is not None else 0, size, hidden, float(eps),
