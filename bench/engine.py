@@ -121,6 +121,10 @@ def bench_engine(
     trim = max(2, len(marks) // 8)
     mid = marks[trim : len(marks) - trim]
     steady_s = (mid[-1] - mid[0]) / (len(mid) - 1) if len(mid) > 1 else float("nan")
+    # The ends' share of the whole: the first call (a batch built while the device idles) and the last
+    # (the drain, every request finished and its KV freed), against a steady step.
+    gaps = [b - a for a, b in zip([t1, *marks], marks, strict=False)]
+    ends_ms = [round(1e3 * g, 3) for g in (*gaps[:2], *gaps[-2:])]
     tokens = sum(len(r.output) for r in reqs) - done0
     ctx = prompt_len + steps // 2
     roof_s = decode_roofline_bytes(model, batch, ctx) / bandwidth
@@ -128,7 +132,8 @@ def bench_engine(
     return {"batch": batch, "prefill_s": prefill_s, "prefill_tok_s": batch * prompt_len / prefill_s,
             "decode_step_ms": 1e3 * step_s, "decode_tok_s": tokens / decode_s,
             "steady_step_ms": 1e3 * steady_s, "roofline_step_ms": 1e3 * roof_s,
-            "x_roofline": step_s / roof_s, "steady_x_roofline": steady_s / roof_s}  # fmt: skip
+            "x_roofline": step_s / roof_s, "steady_x_roofline": steady_s / roof_s,
+            "decode_steps": decode_steps, "ends_ms": ends_ms}  # fmt: skip
 
 
 def matmul_peak() -> float:

@@ -105,6 +105,7 @@ class Engine(KVOwnership):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._inflight: InFlightStep | None = None
+        self._forget: list[int] | None = None  # see KVOwnership._free_kv
         self.held: set[Request] = set()  # KVOwnership's: reserved for a transfer in, or held for one out
         self._sampling: SamplingBatch | None = None
         self._sampling_reqs: list[Request] = []  # the rows `_sampling` was built for
@@ -267,6 +268,14 @@ class Engine(KVOwnership):
         if step.ready is not None:
             step.ready.synchronize()  # the step's one wait for the device
         tokens = step.host.tolist()
+        self._forget = []
+        try:
+            return self._emit(step, tokens)
+        finally:
+            slots, self._forget = self._forget, None
+            self.cache.forget_windows(slots)
+
+    def _emit(self, step: InFlightStep, tokens: list[int]) -> list[tuple[Request, int]]:
         for req in step.releases:
             self._free_kv(req)
         self._contain(self.checker.poll())

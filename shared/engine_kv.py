@@ -44,6 +44,7 @@ class KVOwnership:
     model_cfg: ModelConfig
     running: list[Request]
     _inflight: InFlightStep | None
+    _forget: list[int] | None  # window slots freed during a step's completion, cleared at its end
     idle: bool
     abort: Callable[[Request], None]
     _new_request: Callable[[list[int], SamplingParams], Request]
@@ -146,5 +147,9 @@ class KVOwnership:
             self.cache.pages.free(req.rid, req.pages)
             req.pages = []
         if req.window is not None:
-            req.window.free()
+            if self._forget is not None:  # a step's completion: its frees forget their rings at once
+                self._forget.append(req.window.slot)
+                req.window.free(clear=False)
+            else:
+                req.window.free()
             req.window = None

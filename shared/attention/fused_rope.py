@@ -13,15 +13,20 @@ of their own (a decode tile of 16 rows holds 2 query rows and 1 key): rotating t
 programs of a batch-64 step no longer fit one wave (H200: paged 64 us against 46). The rotated query
 rows go to the program's own output rows and, after a barrier, the kernel loads them back as the
 plain kernel loads its tile. Each column's rotation partner is loaded from memory a second time, in
-the tile's own layout (`rotated_rows`).
+the tile's own layout (`decode_rope`).
 
 The token's key is rotated and stored for the steps after (its v too) before the loop. Ring attention
-then attends to it from registers (`chunk_key`, `_online_softmax.fold_key`) where it used to read it
-back after pass 1 in a one-key block of its own, a chain of dependent loads at the end of every
-program (ring 40.1 us against 41.5 on an H200, docs/benchmarks.md). Paged attention reads it back
-from its page after a barrier, with the other keys: folding it from registers measured slower there
+then attends to it from registers (`_online_softmax.fold_key`) where it used to read it back after
+pass 1 in a one-key block of its own, a chain of dependent loads at the end of every program (ring
+40.1 us against 41.5 on an H200, docs/benchmarks.md). Paged attention reads it back from its page
+after the prologue's barrier, with the other keys: folding it from registers measured slower there
 (44.0 us against 43.2 at the start of the loop; 44.1 at its end, where holding it through the loop
 also took the ring kernel from 88 to 138 registers and 51.6 us).
+
+All of it is one prologue (`decode_rope`) that issues every load needing only the token at once, then
+the position's cos/sin, then the math and the stores, under one barrier: before, the input's norm,
+the query rows and the key each waited for the loads before them (ring 37.9 us against 38.9 at the
+engine's shape, 5.5 against 6.2 at context 2: the fixed cost of a call; docs/benchmarks.md).
 
 Decode-shaped calls only (every chunk one token, `max_q == 1`): a longer chunk's keys would be read by
 several query tiles, and each would store them.
@@ -37,6 +42,7 @@ import triton.language as tl
 
 from shared.attention._checks import check_dims, check_dtype, check_same_device, check_store, fail
 from shared.model.kernels._round import round_to
+from shared.model.kernels._rows import load_row, rstd_of
 
 
 @dataclass(frozen=True)
@@ -142,30 +148,16 @@ def rms_constexprs(rope: RopeInKernel | None) -> dict[str, object]:
 
 
 @triton.jit
-def rotated_rows(
-    base, row_ok, tok, pos_ptr, cs_ptr, stride_cs, num_positions, w_ptr, eps, scale,
-    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, RMS: tl.constexpr,
+def rotate(
+    x, xp, c, s, w, wp, eps, scale, first, dtype: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
+    RMS: tl.constexpr,
 ):  # fmt: skip
-    """Rows `base[r] + d` ([R] pointers to heads), scaled by `scale` (RMS: the input's norm), normed
-    (NORM, weights `w_ptr`) and rotated to positions[tok[r]], as one [R, BLOCK_D] tile in base's dtype
-    (columns >= HEAD_DIM are 0).
-
-    A rotation pairs column d with d +- D/2. The partner columns are loaded from memory a second
-    time (the first load left the rows in L1), in the tile's own layout: gathering them within the
-    tile goes through shared memory, and splitting heads into halves changes the attention loop's
-    dot products (both measured slower, docs/benchmarks.md). Each step is the RoPE kernel's
-    `_rotate_heads`, rounding included.
-    """
-    HALF: tl.constexpr = HEAD_DIM // 2
-    dtype = base.dtype.element_ty
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    first = d < HALF
-    partner = tl.where(first, d + HALF, d - HALF)
-    mask = row_ok[:, None] & d_ok[None, :]
-    x = tl.load(base[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(base[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    if RMS:  # the input's norm, as the GEMM of norm(x) would have rounded its output
+    """Rows x (fp32 [R, BLOCK_D], columns >= HEAD_DIM 0) rotated by RoPE, in `dtype`: xp holds each
+    column's rotation partner (column d +- D/2), c and s the cos and sin of the rows' positions laid
+    out as x, w and wp the per-head norm weight at x's and xp's columns (NORM). Each step is the RoPE
+    kernel's `_rotate_heads`, rounding included; RMS first scales by `scale` (the input's norm), as
+    the GEMM of norm(x) would have rounded its output."""
+    if RMS:
         x = round_to(x * scale, dtype)
         xp = round_to(xp * scale, dtype)
     if NORM:
@@ -173,71 +165,90 @@ def rotated_rows(
         lo = tl.sum(tl.where(first[None, :], sq, 0.0), axis=1)
         hi = tl.sum(tl.where(first[None, :], 0.0, sq), axis=1)
         rstd = tl.math.rsqrt((lo + hi) / (2 * HALF) + eps)[:, None]
-        w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         x = round_to(round_to(x * rstd, dtype) * w, dtype)
         xp = round_to(round_to(xp * rstd, dtype) * wp, dtype)
-    # As the RoPE kernel: negative positions wrap (graph padding rows carry -1), the rest is clamped.
-    pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int64)
-    pos = tl.where(pos < 0, pos + num_positions, pos)
-    pos = tl.minimum(tl.maximum(pos, 0), num_positions - 1)
-    cs_row = cs_ptr + pos[:, None] * stride_cs
-    j = tl.where(first, d, partner)[None, :]  # d mod D/2: cos_sin holds one half of each
-    c = round_to(tl.load(cs_row + j, mask=mask, other=0.0).to(tl.float32), dtype)
-    s = round_to(tl.load(cs_row + HALF + j, mask=mask, other=0.0).to(tl.float32), dtype)
-    xc = round_to(x * c, dtype)
-    ps = round_to(xp * s, dtype)
+    xc = round_to(x * round_to(c, dtype), dtype)
+    ps = round_to(xp * round_to(s, dtype), dtype)
     # first half: x1 c - x2 s; second half: x2 c + x1 s
     return round_to(tl.where(first[None, :], xc - ps, xc + ps), dtype).to(dtype)
 
 
 @triton.jit
-def store_chunk_keys(
-    kn_ptr, vn_ptr, jt, j_ok, kvh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-    pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
-    stride_kds, stride_kdh, stride_vds, stride_vdh, scale,
-    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, RMS: tl.constexpr,
+def decode_rope(
+    q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, kvh, has_tok, has_key, stride_qt, stride_qh, stride_ot,
+    stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions,
+    qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh, stride_vds, stride_vdh,
+    rms_ptr, stride_rms, rms_size, rms_eps,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NORM: tl.constexpr, RMS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """Store the chunk's keys `jt` ([N] token ids, valid where j_ok) of kv head `kvh` at idx[jt] of
-    the flat caches, k rotated and v as is (a negative index: not stored). Returns the rotated k and
-    the v ([N, BLOCK_D], the caches' dtype) and which rows were stored."""
-    k = rotated_rows(
-        kn_ptr + jt * stride_knt + kvh * stride_knh, j_ok, jt, pos_ptr, cs_ptr, stride_cs, num_positions,
-        kw_ptr, eps, scale, BLOCK_D, HEAD_DIM, NORM, RMS,
-    )  # fmt: skip
+    """A decode program's prologue: token tok0's GROUP query heads of kv head `kvh` rotated into this
+    program's output rows (where `has_tok`: the program has a token), and, where `has_key` (the
+    program that owns the token's key), its key rotated and stored with its v at store_index[tok0]
+    (a negative index: neither stored nor attended). Ends with a barrier: every thread's stores land
+    before any thread reads the query rows or the key back.
+
+    Returns the rotated key and its v as fp32 [BLOCK_D] rows and whether the key is attended, for
+    kernels that fold it from registers (`_online_softmax.fold_key`).
+
+    Every load that needs only the token is issued first, the position's cos/sin next, then the math:
+    a program's prologue is a chain of dependent loads that no K/V traffic hides (in a batch-64
+    decode all programs start together, in one wave), so its length is the kernel's fixed cost.
+    """
+    HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, BLOCK_D)
-    mask = j_ok[:, None] & (d < HEAD_DIM)[None, :]
-    v = tl.load(vn_ptr + (jt * stride_vnt + kvh * stride_vnh)[:, None] + d[None, :], mask=mask, other=0.0)
+    d_ok = d < HEAD_DIM
+    first = d < HALF
+    partner = tl.where(first, d + HALF, d - HALF)
+    tok = tok0.to(tl.int64)
+    # 1. The token's query heads, key, value, store index and position, and the input row of RMS.
+    g = tl.arange(0, GROUP_P2)
+    q_ok = g < tl.where(has_tok, GROUP, 0)  # (a tensor & a scalar bool breaks the interpreter's masks)
+    q_mask = q_ok[:, None] & d_ok[None, :]
+    q_rows = q_ptr + tok * stride_qt + (kvh * GROUP + g) * stride_qh
+    xq = tl.load(q_rows[:, None] + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    xqp = tl.load(q_rows[:, None] + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    jr = tl.arange(0, 2)  # tl.arange's smallest; row 1 is never valid
+    k_ok = jr < tl.where(has_key, 1, 0)
+    k_mask = k_ok[:, None] & d_ok[None, :]
+    k_rows = kn_ptr + (tok + jr) * stride_knt + kvh * stride_knh
+    xk = tl.load(k_rows[:, None] + d[None, :], mask=k_mask, other=0.0).to(tl.float32)
+    xkp = tl.load(k_rows[:, None] + partner[None, :], mask=k_mask, other=0.0).to(tl.float32)
+    v_rows = vn_ptr + (tok + jr) * stride_vnt + kvh * stride_vnh
+    v = tl.load(v_rows[:, None] + d[None, :], mask=k_mask, other=0.0)
+    dst = tl.load(idx_ptr + tok + jr, mask=k_ok, other=-1).to(tl.int64)
+    pos = tl.load(pos_ptr + tok, mask=has_tok, other=0).to(tl.int64)
+    qw, qwp, kw, kwp = 1.0, 1.0, 1.0, 1.0
+    if NORM:
+        qw = tl.load(qw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        qwp = tl.load(qw_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        kw = tl.load(kw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        kwp = tl.load(kw_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    if RMS:
+        x_row = load_row(rms_ptr, tok, stride_rms, rms_size, BLOCK_H)
+    # 2. Its position's cos and sin. As the RoPE kernel: a negative position wraps (graph padding rows
+    # carry -1), the rest is clamped.
+    pos = tl.where(pos < 0, pos + num_positions, pos)
+    pos = tl.minimum(tl.maximum(pos, 0), num_positions - 1)
+    j = tl.where(first, d, partner)  # d mod D/2: cos_sin holds one half of each
+    c = tl.load(cs_ptr + pos * stride_cs + j, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(cs_ptr + pos * stride_cs + HALF + j, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    # 3. The math, and the stores.
+    scale = 1.0
+    if RMS:  # a decode's chunk is one token: one scale for its query heads, key and value
+        scale = rstd_of(x_row, rms_size, rms_eps)
+    q_rot = rotate(xq, xqp, c, s, qw, qwp, eps, scale, first, q_ptr.dtype.element_ty, HALF, NORM, RMS)
+    out = out_ptr + (tok * stride_ot + (kvh * GROUP + g) * stride_oh)[:, None] + d[None, :]
+    tl.store(out, q_rot, mask=q_mask)
+    k = rotate(xk, xkp, c, s, kw, kwp, eps, scale, first, kn_ptr.dtype.element_ty, HALF, NORM, RMS)
     if RMS:
         v = round_to(v.to(tl.float32) * scale, kd_ptr.dtype.element_ty).to(v.dtype)
-    dst = tl.load(idx_ptr + jt, mask=j_ok, other=-1).to(tl.int64)
-    stored = j_ok & (dst >= 0)
-    keep = mask & stored[:, None]
+    stored = k_ok & (dst >= 0)
+    keep = k_mask & stored[:, None]
     row = tl.maximum(dst, 0)
     tl.store(kd_ptr + (row * stride_kds + kvh * stride_kdh)[:, None] + d[None, :], k, mask=keep)
     tl.store(vd_ptr + (row * stride_vds + kvh * stride_vdh)[:, None] + d[None, :], v, mask=keep)
-    return k, v, stored
-
-
-@triton.jit
-def chunk_key(
-    has_key, kn_ptr, vn_ptr, tok0, kvh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-    pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
-    stride_kds, stride_kdh, stride_vds, stride_vdh, scale,
-    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, RMS: tl.constexpr,
-):  # fmt: skip
-    """A decode step's one key (token tok0, kv head kvh; read by this program where `has_key`),
-    rotated and stored with its v for the steps after. Returns the rotated key and its v as fp32
-    [BLOCK_D] rows, and whether it is attended (`_online_softmax.fold_key` does that, from
-    registers): a key with a negative store index (a graph's padding row) is neither stored nor
-    attended."""
-    # tl.arange's smallest; row 1 is never valid. (A tensor & a scalar bool breaks the interpreter's masks.)
-    jr = tl.arange(0, 2)
-    k, v, stored = store_chunk_keys(
-        kn_ptr, vn_ptr, (tok0 + jr).to(tl.int64), jr < tl.where(has_key, 1, 0), kvh, stride_knt, stride_knh,
-        stride_vnt, stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr,
-        vd_ptr, stride_kds, stride_kdh, stride_vds, stride_vdh, scale, BLOCK_D, HEAD_DIM, NORM, RMS,
-    )  # fmt: skip
+    tl.debug_barrier()  # every thread's rows are stored before any thread loads them back
     k_row = tl.sum(tl.where(stored[:, None], k.to(tl.float32), 0.0), axis=0)
     v_row = tl.sum(tl.where(stored[:, None], v.to(tl.float32), 0.0), axis=0)
     return k_row, v_row, tl.sum(stored.to(tl.int32), axis=0) > 0

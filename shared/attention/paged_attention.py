@@ -26,14 +26,14 @@ from shared.attention._launch import (
     fills_gpu,
     resolve_tiles,
 )
-from shared.attention._online_softmax import attend_block, query_rows
+from shared.attention._online_softmax import attend_block, chunk_of, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
 from shared.attention.fused_rope import (
     RopeInKernel,
     check_rope_in_kernel,
+    decode_rope,
     kernel_args,
     rms_constexprs,
-    store_chunk_keys,
 )
 
 
@@ -62,11 +62,27 @@ def _paged_attention_kernel(
     b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_off = qb * BLOCK_Q
-    q, tok, head, qi, row_ok, tok0, qlen, start, scale = query_rows(
-        q_ptr, cu_q_ptr, q_start_ptr, out_ptr, b, kvh, q_off, stride_qt, stride_qh, stride_ot, stride_oh,
-        pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps, rms_ptr, stride_rms, rms_size, rms_eps,
-        GROUP, GROUP_P2, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM, RMS, BLOCK_H,
-    )  # fmt: skip
+    tok0, qlen, start = chunk_of(cu_q_ptr, q_start_ptr, b)
+    live = q_off < qlen
+    if ROPE:
+        tl.static_assert(BLOCK_Q == 1)  # decode-shaped calls only (check_rope_in_kernel)
+        # The chunk's key (a decode's one: max_q == 1) is not in the pages yet: the last split, whose
+        # keys end with it, rotates and stores it there first (its returned k and v go unused: the
+        # loop reads them back after the prologue's barrier, as any other key).
+        decode_rope(
+            q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, kvh, live, live & (split == num_splits - 1), stride_qt,
+            stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr,
+            stride_cs, num_positions, qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh,
+            stride_vds, stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, GROUP, GROUP_P2, BLOCK_D,
+            HEAD_DIM, NORM, RMS, BLOCK_H,
+        )  # fmt: skip
+        q, tok, head, qi, row_ok = query_rows(
+            out_ptr, tok0, qlen, kvh, q_off, stride_ot, stride_oh, GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM
+        )  # fmt: skip
+    else:
+        q, tok, head, qi, row_ok = query_rows(
+            q_ptr, tok0, qlen, kvh, q_off, stride_qt, stride_qh, GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM
+        )  # fmt: skip
     qpos = start + qi
     # Keys this tile can see: [lo, hi). A tile past the chunk's end (max_q covers the longest chunk)
     # gets an empty range and stores nothing.
@@ -74,18 +90,7 @@ def _paged_attention_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(start + q_off - window + 1, 0)
-    hi = tl.where(q_off < qlen, hi, lo)
-    if ROPE:
-        # The chunk's key (a decode's one: max_q == 1) is not in the pages yet: the last split, whose
-        # keys end with it, rotates and stores it there first, then reads it as any other key.
-        jr = tl.arange(0, 2)
-        jr_ok = jr < tl.where((q_off < qlen) & (split == num_splits - 1), qlen, 0)
-        store_chunk_keys(  # its returned k and v go unused: the loop reads them back
-            kn_ptr, vn_ptr, (tok0 + jr).to(tl.int64), jr_ok, kvh, stride_knt, stride_knh, stride_vnt,
-            stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
-            stride_kds, stride_kdh, stride_vds, stride_vdh, scale, BLOCK_D, HEAD_DIM, NORM, RMS,
-        )  # fmt: skip
-        tl.debug_barrier()  # stored by every thread before any thread loads it
+    hi = tl.where(live, hi, lo)
     k_lo, k_hi = split_range(lo, hi, split, num_splits, BLOCK_N)
 
     d = tl.arange(0, BLOCK_D)

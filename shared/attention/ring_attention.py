@@ -27,12 +27,12 @@ from shared.attention._launch import (
     fills_gpu,
     resolve_tiles,
 )
-from shared.attention._online_softmax import attend_block, fold_key, query_rows
+from shared.attention._online_softmax import attend_block, chunk_of, fold_key, query_rows
 from shared.attention._split_k import merge, outputs, split_range, store_result
 from shared.attention.fused_rope import (
     RopeInKernel,
     check_rope_in_kernel,
-    chunk_key,
+    decode_rope,
     kernel_args,
     rms_constexprs,
 )
@@ -63,25 +63,33 @@ def _ring_attention_kernel(
     b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_off = qb * BLOCK_Q
-    q, tok, head, qi, row_ok, tok0, qlen, start, scale = query_rows(
-        q_ptr, cu_q_ptr, q_start_ptr, out_ptr, b, kvh, q_off, stride_qt, stride_qh, stride_ot, stride_oh,
-        pos_ptr, cs_ptr, stride_cs, num_positions, qw_ptr, eps, rms_ptr, stride_rms, rms_size, rms_eps,
-        GROUP, GROUP_P2, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM, RMS, BLOCK_H,
-    )  # fmt: skip
-    qpos = start + qi
+    tok0, qlen, start = chunk_of(cu_q_ptr, q_start_ptr, b)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
     live = q_off < qlen  # a tile past the chunk's end reads nothing and stores nothing
+    if ROPE:  # a decode's one key, rotated and stored (the last split's), then attended from registers
+        tl.static_assert(BLOCK_Q == 1)  # decode-shaped calls only (check_rope_in_kernel)
+        key_k, key_v, key_seen = decode_rope(
+            q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, kvh, live, live & (split == num_splits - 1), stride_qt,
+            stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr,
+            stride_cs, num_positions, qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh,
+            stride_vds, stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, GROUP, GROUP_P2, BLOCK_D,
+            HEAD_DIM, NORM, RMS, BLOCK_H,
+        )  # fmt: skip
+        q, tok, head, qi, row_ok = query_rows(
+            out_ptr, tok0, qlen, kvh, q_off, stride_ot, stride_oh, GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM
+        )  # fmt: skip
+    else:
+        q, tok, head, qi, row_ok = query_rows(
+            q_ptr, tok0, qlen, kvh, q_off, stride_qt, stride_qh, GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM
+        )  # fmt: skip
+    qpos = start + qi
 
     d = tl.arange(0, BLOCK_D)
     d_ok = (d < HEAD_DIM)[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if ROPE:  # a decode's one key, rotated, stored and attended first, from registers (the last split's)
-        key_k, key_v, key_seen = chunk_key(
-            live & (split == num_splits - 1), kn_ptr, vn_ptr, tok0, kvh, stride_knt, stride_knh, stride_vnt,
-            stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr,
-            stride_kds, stride_kdh, stride_vds, stride_vdh, scale, BLOCK_D, HEAD_DIM, NORM, RMS,
-        )  # fmt: skip
+    if ROPE:
         acc, m_i, l_i = fold_key(acc, m_i, l_i, q, key_k, key_v, row_ok & key_seen, qk_scale)
 
     # Pass 1, the ring. Only entries 0..min(W, L0)-1 hold a position; the newest (L0-1) is visible
@@ -89,7 +97,6 @@ def _ring_attention_kernel(
     # This split's share of them is [r_lo, r_hi).
     ring_hi = tl.where(live & (q_off < window - 1), tl.minimum(window, start), 0)
     r_lo, r_hi = split_range(0, ring_hi, split, num_splits, BLOCK_N)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
     kr_base = kr_ptr + slot * stride_krs + kvh * stride_krh
     vr_base = vr_ptr + slot * stride_vrs + kvh * stride_vrh
     for i0 in range(r_lo, r_hi, BLOCK_N):

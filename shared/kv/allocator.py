@@ -48,13 +48,19 @@ class UnitAllocator:
         return units
 
     def free(self, owner: int, units: list[int]) -> None:
+        # Checked whole before anything changes. A batch's requests finishing together free
+        # thousands of pages in one step: comprehensions, not a loop of appends.
+        owners, cap = self._owner, self.capacity
+        bad = [u for u in units if not 0 <= u < cap or owners[u] != owner]
+        if bad:
+            u = bad[0]
+            holder = owners[u] if 0 <= u < cap else "out of range"
+            raise IntegrityError(f"{self.what} {u} freed by {owner} but held by {holder}")
+        if len(set(units)) != len(units):
+            raise IntegrityError(f"{self.what} freed twice in one call by {owner}: {sorted(units)}")
         for u in units:
-            if not 0 <= u < self.capacity or self._owner[u] != owner:
-                holder = self._owner[u] if 0 <= u < self.capacity else "out of range"
-                raise IntegrityError(f"{self.what} {u} freed by {owner} but held by {holder}")
-        for u in units:
-            self._owner[u] = FREE
-            self._free.append(u)
+            owners[u] = FREE
+        self._free.extend(units)
 
     def owned_by(self, owner: int) -> list[int]:
         return [u for u, o in enumerate(self._owner) if o == owner]

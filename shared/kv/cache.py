@@ -77,6 +77,22 @@ class KVCache:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def forget_windows(self, slots: list[int]) -> None:
+        """Mark the rings of window `slots` empty (every position absent), in one launch.
+
+        A freed slot forgets its history before it is handed out again, so that `swa.history_present`
+        can never be satisfied by another request's positions. A batch that finishes together frees
+        all its slots in one step: one index_fill, not a fill per slot (on a GPU each is a launch).
+        The index goes over from pinned memory without waiting for the device.
+        """
+        if len(slots) == 1:
+            self.ring_pos[:, slots[0]].fill_(-1)
+        elif slots:
+            idx = torch.tensor(slots, dtype=torch.int64)
+            if self.ring_pos.is_cuda:
+                idx = idx.pin_memory().to(self.ring_pos.device, non_blocking=True)
+            self.ring_pos.index_fill_(1, idx, -1)
+
     def window_bytes_per_request(self) -> int:
         """Sliding-layer memory one request holds: fixed by W, not by its length."""
         per_token = 2 * self.model.num_kv_heads * self.model.head_dim * self.k_ring.element_size() + 4

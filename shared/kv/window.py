@@ -61,12 +61,15 @@ class RequestWindow:
 
     def clear(self) -> None:
         """Forget the history (it must then be transferred or rebuilt by bounded replay)."""
-        self.cache.ring_pos[:, self.slot].fill_(-1)
+        self.cache.forget_windows([self.slot])
 
-    def free(self) -> None:
+    def free(self, *, clear: bool = True) -> None:
+        """Give the slot back. `clear=False`: the caller forgets its history itself before anything
+        can allocate again (`KVCache.forget_windows`, for many slots at once)."""
         if self._freed:
             return
-        self.clear()
+        if clear:
+            self.clear()
         self.cache.slots.free(self.owner, [self.slot])
         self._freed = True
 

@@ -266,7 +266,7 @@ class ChunkAssembler:
 
 def begin_receive(cache: KVCache, slot: int) -> None:
     """Empty the window slot's rings, so positions the sender has no history for read as absent."""
-    cache.ring_pos[:, slot].fill_(-1)
+    cache.forget_windows([slot])
 
 
 def apply_chunk(cache: KVCache, pages: list[int], slot: int, chunk: Chunk) -> None:

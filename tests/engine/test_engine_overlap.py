@@ -65,3 +65,20 @@ def test_abort_in_flight_frees_once_the_step_completes():
         eng.step()
     assert len(other.output) == 10 and other.finish_reason == "length"
     eng.check_idle_integrity()
+
+
+def test_requests_finishing_in_one_step_forget_their_windows_before_their_slots_return():
+    eng = engine(overlap=True, max_requests=3)
+    same = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    batch = [eng.add_request(PROMPTS[i], same) for i in (1, 2, 4)]
+    slots = set()
+    while not eng.idle:
+        slots |= {r.window.slot for r in batch if r.window is not None}
+        eng.step()
+    assert len(slots) == 3 and all(r.finish_reason == "length" for r in batch)
+    assert bool((eng.cache.ring_pos == -1).all()), "a freed slot kept its history"
+    # A request in a recycled slot reads none of the old history: as on an engine of its own.
+    again = eng.generate([PROMPTS[3]], same)[0]
+    fresh = engine(overlap=True, max_requests=3).generate([PROMPTS[3]], same)[0]
+    assert again.output == fresh.output
+    eng.check_idle_integrity()

@@ -28,6 +28,15 @@ def test_units_are_owned_exactly_once():
     assert pool.owned_by(2) == sorted(b)
 
 
+def test_a_unit_listed_twice_in_one_free_is_refused_and_nothing_is_freed():
+    pool = UnitAllocator(4)
+    a = pool.alloc(owner=1, n=2)
+    with pytest.raises(IntegrityError, match="freed twice in one call by 1"):
+        pool.free(owner=1, units=[a[0], a[1], a[0]])
+    assert pool.num_free == 2 and pool.owned_by(1) == sorted(a)
+    pool.check_integrity()
+
+
 def test_a_failed_allocation_takes_nothing():
     pool = UnitAllocator(4)
     pool.alloc(owner=0, n=3)
@@ -79,6 +88,22 @@ def test_freeing_a_window_clears_it_and_returns_the_slot():
     window.free()
     window.free()  # idempotent: freed exactly once
     assert cache.slots.num_free == 1 and bool((cache.ring_pos == -1).all())
+
+
+def test_forgetting_many_windows_at_once_clears_exactly_those_slots():
+    cache = KVCache(tiny_config("SSFS"), KVConfig(page_size=4, num_pages=16, max_requests=4))
+    windows = [RequestWindow(cache, owner=i) for i in range(4)]
+    cache.ring_pos.fill_(5)
+    gone = [windows[0].slot, windows[2].slot, windows[3].slot]
+    for w in (windows[0], windows[2], windows[3]):
+        w.free(clear=False)  # the caller forgets them together
+    assert bool((cache.ring_pos == 5).all())
+    cache.forget_windows(gone)
+    for slot in range(cache.ring_pos.shape[1]):
+        want = -1 if slot in gone else 5
+        assert bool((cache.ring_pos[:, slot] == want).all()), slot
+    cache.forget_windows([])  # nothing to forget: nothing changes
+    assert cache.slots.num_free == 3
 
 
 @pytest.mark.parametrize(
