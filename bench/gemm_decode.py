@@ -48,6 +48,13 @@ def sweep(mode: str, n: int, k: int):  # type: ignore[no-untyped-def]
     "quick": 12; "deep": wider column blocks, deeper pipelines and 8 warps, kept to a grid of 100-640
     programs and to what fits in shared memory (ncu on an H200 showed cuBLAS's M=64 kernels on 88-96
     of the 132 SMs and the skinny kernel's DRAM at 37%: too few weight bytes in flight)."""
+    if mode == "wide":  # wide column blocks on 4 warps, short K tiles: each program re-reads x less
+        for bn, bk, s, st in itertools.product((64, 128), (32, 64, 128), (2, 4, 8, 16), (3, 4, 6)):
+            programs = triton.cdiv(n, bn) * s
+            smem = st * bk * 2 * (64 + bn)
+            if 100 <= programs <= 1024 and smem <= 200 << 10 and k // s >= 2 * bk:
+                yield GemmConfig(block_n=bn, block_k=bk, split_k=s, num_warps=4, num_stages=st)
+        return
     if mode == "deep":
         for bn, bk, s, warps, st in itertools.product(
             (32, 64, 128), (64, 128), (1, 2, 4, 8, 16), (4, 8), (4, 6)
@@ -98,12 +105,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--quick", action="store_true", help="12 configs per shape instead of 48")
     ap.add_argument("--deep", action="store_true", help="wide blocks, deep pipelines, 8 warps (see sweep)")
+    ap.add_argument("--wide", action="store_true", help="64-128 column blocks on 4 warps, K tiles 32-128")
     ap.add_argument("--compile-procs", type=int, default=0, help="precompile the sweep in N processes")
     ap.add_argument("--residual-add", action="store_true",
                     help="also cuBLAS adding a residual: addmm out of place, addmm_ in place")  # fmt: skip
     ap.add_argument("--json")
     args = ap.parse_args()
-    mode = "deep" if args.deep else "quick" if args.quick else "full"
+    mode = "wide" if args.wide else "deep" if args.deep else "quick" if args.quick else "full"
     if args.compile_procs:
         jobs = [(name, int(m), cfg) for name in args.shapes.split(",") for m in args.rows.split(",")
                 for cfg in sweep(mode, *SHAPES[name])]  # fmt: skip

@@ -35,6 +35,7 @@ from shared.attention.fused_rope import (
     kernel_args,
     rms_constexprs,
 )
+from shared.model.kernels._round import rounding_options
 
 
 # num_tokens and the block table's width change every step, num_splits every batch shape: specializing
@@ -166,6 +167,6 @@ def paged_attention(
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim, PAGE_SIZE=page_size,
         HAS_WINDOW=window is not None, F32_DOT=f32_dot(q.dtype), ROPE=rope is not None,
         NORM=rope is not None and rope.norm, **rms_constexprs(rope), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        num_stages=tiles.num_stages, **rounding_options(q.dtype),
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def rounding_options(dtype: torch.dtype) -> dict[str, bool]:
+    """Launch options for a kernel that rounds products with `round_to` in `dtype`.
+
+    float16 rounds by casts, and compiling with FP fusion (contraction) lets the backend narrow a
+    rounded product to a float16 multiply and then fuse it, widened, into the add or subtract after it
+    (one float32 FMA): the product's rounding is gone. On an H200, RoPE's `round(x1 c) - round(x2 s)`
+    differed from torch's float16 ops in 26% of values that way (tests/model/test_model_kernels.py).
+    bfloat16 rounds by bits, which nothing fuses, so only float16 kernels compile without fusion.
+    """
+    return {"enable_fp_fusion": dtype != torch.float16}
 
 
 @triton.jit

@@ -27,7 +27,7 @@ from shared.model.kernels._checks import (
     check_weight,
     fail,
 )
-from shared.model.kernels._round import round_to
+from shared.model.kernels._round import round_to, rounding_options
 from shared.model.kernels.ops import KVStore
 
 
@@ -193,6 +193,6 @@ def rope(
         cos_sin.shape[0], float(eps),
         HQ=hq, HKV=k.shape[1], HALF=half, BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half,
         BLOCK_D=next_pow2(d), NORM=norm, STORE=store is not None,
-        num_warps=4 if block_hq * block_half <= 2048 else 8,
+        num_warps=4 if block_hq * block_half <= 2048 else 8, **rounding_options(q.dtype),
     )  # fmt: skip
     return q_out, k_out
