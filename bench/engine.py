@@ -97,6 +97,10 @@ def bench_engine(
     kv = KVConfig(page_size=16, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda")
     engine_cfg = engine_config(max_running=batch, rope_in_attention=rope_in_attention)
     engine = Engine(model, kv, engine_cfg)
+    # As a service does before it reports ready (shared/service_runtime.py): kernels compiled, and the
+    # host's pinned staging blocks allocated, before the first request (a decode step that has to
+    # allocate one waits ~0.6 ms for it).
+    engine.warm_up()
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
     sp = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
@@ -211,7 +215,8 @@ def profile_decode(model, cfg, batch: int, prompt_len: int, steps: int = 8) -> N
 
 def print_timeline(prof, steps: int) -> None:  # type: ignore[no-untyped-def]
     """The GPU's timeline, kernel by kernel: how long each kind runs and how long the GPU sat idle
-    before it (the graph-node gaps), per step."""
+    before it, per step; then the span of the profiled steps against their busy time, and the
+    longest gaps with the ops on either side (a host wait, a launch outside the graph)."""
     import os
     import tempfile
 
@@ -222,25 +227,30 @@ def print_timeline(prof, steps: int) -> None:  # type: ignore[no-untyped-def]
             events = json.load(f)["traceEvents"]
     gpu = sorted(
         (e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e),
-        key=lambda e: e["ts"],
+        key=lambda e: float(e["ts"]),
     )
     kinds: dict[str, list[float]] = {}
-    end, busy, idle = None, 0.0, 0.0
+    end, busy, idle, prev, gaps = None, 0.0, 0.0, "", []
     for e in gpu:
-        gap = 0.0 if end is None else max(0.0, e["ts"] - end)
-        gap = gap if gap < 50 else 0.0  # a host wait between steps, not a node gap
+        ts, dur = float(e["ts"]), float(e["dur"])  # microseconds, as the trace format has them
+        gap = 0.0 if end is None else max(0.0, ts - end)
         name = e["cat"] + ":" + e["name"][:60]
         row = kinds.setdefault(name, [0, 0.0, 0.0])
         row[0] += 1
-        row[1] += e["dur"]
+        row[1] += dur
         row[2] += gap
-        busy, idle = busy + e["dur"], idle + gap
-        end = max(end or 0.0, e["ts"] + e["dur"])
-    print(f"timeline per step: {len(gpu) / steps:.0f} GPU ops, busy {busy / steps:.1f} us, "
-          f"idle between ops {idle / steps:.1f} us (gaps under 50 us)")  # fmt: skip
+        busy, idle = busy + dur, idle + gap
+        gaps.append((gap, prev, name))
+        end, prev = max(end or 0.0, ts + dur), name
+    span = end - float(gpu[0]["ts"]) if gpu else 0.0
+    print(f"timeline per step: {len(gpu) / steps:.0f} GPU ops, busy {busy / steps:.1f} us, idle between "
+          f"ops {idle / steps:.1f} us, span {span / steps:.1f} us")  # fmt: skip
     print(f"{'op':64s} {'per step':>8s} {'us each':>8s} {'gap before':>10s}")
     for name, (n, dur, gap) in sorted(kinds.items(), key=lambda kv: -kv[1][1] - kv[1][2]):
         print(f"{name:64s} {n / steps:8.1f} {dur / n:8.2f} {gap / n:10.2f}")
+    print("longest gaps (us, after -> before):")
+    for gap, after, before in sorted(gaps, reverse=True)[: 2 * steps]:
+        print(f"  {gap:8.2f}  {after[:50]} -> {before[:50]}")
 
 
 def bench_hf(hf, cfg, batch: int, prompt_len: int, steps: int) -> dict[str, float]:

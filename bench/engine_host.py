@@ -33,6 +33,7 @@ import torch
 
 from shared.api.model_source import random_model_config, random_transformer
 from shared.batch import ChunkItem, ForwardBatch, Mode
+from shared.cuda_graph import packed_buffers
 from shared.engine import Engine, EngineConfig
 from shared.kv.cache import KVConfig
 from shared.runner import ForwardOutput
@@ -46,9 +47,12 @@ class _StaticShim:
 
     def __init__(self, cache, sizes: list[int], max_pages: int) -> None:
         self.cache, self.sizes, self.max_pages = cache, sorted(sizes), max_pages
-        self.static = {
-            s: ForwardBatch.build([], Mode.DECODE, cache, pad_to=s, table_width=max_pages) for s in sizes
-        }
+        self.static, self.raw = {}, {}
+        for s in sizes:
+            self.raw[s], buf32, buf64 = packed_buffers(s, max_pages, cache.device)
+            self.static[s] = ForwardBatch.build(
+                [], Mode.DECODE, cache, pad_to=s, table_width=max_pages, into=(buf32, buf64)
+            )
 
     def prepare(self, items: list[ChunkItem]) -> ForwardBatch | None:
         size = next((s for s in self.sizes if s >= len(items)), None)

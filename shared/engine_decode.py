@@ -9,9 +9,10 @@ walk every token and every page of every request in Python and pack them anew: a
   `last_index`, and the block table, one gather by slot from the engine's `PageTable`;
 - each step writes only what moves with the position (positions, `q_start`, ring context and
   positions, the page and ring store indices), vectorized over the rows;
-- the packed layout and the two uploads are `ForwardBatch.build`'s (`I32_FIELDS`, `I64_FIELDS`),
-  into a CUDA graph's static buffers when one fits. While the rows and the page table stay the
-  same the device already holds the block table, so the int32 upload stops before it.
+- the packed layout is `ForwardBatch.build`'s (`I32_FIELDS`, `I64_FIELDS`); into a CUDA graph's
+  static buffers, when one fits, both go in one upload (one byte buffer, int64 fields first:
+  `cuda_graph.packed_buffers`). While the rows and the page table stay the same the device already
+  holds the block table, so the upload stops before it.
 
 Results do not change: the batch is value for value what `ForwardBatch.build` packs for the same
 requests (tests/engine/test_engine_decode.py compares them through admit, finish, abort and slot
@@ -44,8 +45,11 @@ class _Layout:
     def __init__(self, size: int, width: int) -> None:
         s32, s64 = packed_sizes(size, size, size, width)
         o32, o64 = [0, *np.cumsum(s32).tolist()], [0, *np.cumsum(s64).tolist()]
-        self.h32 = np.zeros(o32[-1], dtype=np.int32)
-        self.h64 = np.zeros(o64[-1], dtype=np.int64)
+        # One byte buffer, int64 fields first, as a graph's static buffers (`cuda_graph.packed_buffers`).
+        self.bytes64 = 8 * o64[-1]
+        self.raw = np.zeros(self.bytes64 + 4 * o32[-1], dtype=np.uint8)
+        self.h64 = self.raw[: self.bytes64].view(np.int64)
+        self.h32 = self.raw[self.bytes64 :].view(np.int32)
         self.f32 = {name: self.h32[o32[i] : o32[i + 1]] for i, name in enumerate(I32_FIELDS)}
         self.f64 = {name: self.h64[o64[i] : o64[i + 1]] for i, name in enumerate(I64_FIELDS)}
         self.table = self.f32["block_table"].reshape(size, width)
@@ -150,14 +154,13 @@ class DecodeBatcher:
         return lay
 
     def _upload_static(self, rows: _Rows, graphs: DecodeGraphs) -> ForwardBatch:
-        """Two copies into the graph's static buffers; the block table only when the device lacks it."""
-        assert rows.static is not None and rows.static.buffers is not None
-        buf32, buf64 = rows.static.buffers
-        lay = rows.layout
+        """One copy into the graph's static buffers (int64 fields, then int32 ones); the block table,
+        last, only when the device lacks it."""
+        assert rows.static is not None
+        raw, lay = graphs.raw[rows.size], rows.layout
         keep_table = graphs.resident_table[rows.size] is rows
-        end = lay.prefix32 if keep_table else len(lay.h32)
-        _upload(lay.h32[:end], buf32[:end], buf32.device)
-        _upload(lay.h64, buf64, buf64.device)
+        end = lay.bytes64 + 4 * (lay.prefix32 if keep_table else len(lay.h32))
+        _upload(lay.raw[:end], raw[:end], raw.device)
         graphs.resident_table[rows.size] = rows
         return rows.static
 

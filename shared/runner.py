@@ -159,12 +159,17 @@ class BatchAttention:
             c.ring_pos.view(n, -1).index_copy_(1, b.ring_dst, b.ring_pos.expand(n, -1))
 
 
+HOST_RING = 4  # pinned buffers for greedy steps' tokens (`ModelRunner._host_tokens`)
+
+
 @dataclass
 class ForwardOutput:
     tokens: torch.Tensor  # [B] int64 on device
     logits: torch.Tensor | None  # [B, V] float32, when asked for
     ready: torch.cuda.Event | None  # recorded after sampling and host_tokens' copy (None on CPU: done)
-    host_tokens: torch.Tensor | None = None  # `tokens` in pinned host memory, readable once `ready`
+    # `tokens` in pinned host memory, readable once `ready` (a greedy step's: until HOST_RING forwards
+    # later, when the runner's ring hands its buffer out again)
+    host_tokens: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -185,6 +190,12 @@ class ModelRunner:
         self.num_pages = cache.cfg.num_pages
 
         self.graphs: DecodeGraphs | None = None
+        # Greedy steps' tokens, written to pinned memory by the argmax kernel itself: a ring of
+        # buffers, each reused only HOST_RING forwards later. The engine reads a step's tokens before
+        # it launches the step after next (one step in flight), so a ring of 2 would do.
+        self._host_ring: list[torch.Tensor] = []
+        self._host_next = 0
+        self._host_retired: list[torch.Tensor] = []
 
     def capture_decode_graphs(self, batch_sizes: list[int], max_pages: int) -> None:
         """Capture the decode forward for these batch sizes (CUDA only; levels frozen at capture)."""
@@ -240,14 +251,31 @@ class ModelRunner:
             return ForwardOutput(torch.empty(0, dtype=torch.int64, device=self.cache.device), None, None)
         if batch.num_real < batch.num_seqs:  # rows padding a CUDA graph
             logits = logits[: batch.num_real]
-        if sampling is None:
-            tokens = argmax_rows(logits)  # split over the vocabulary on CUDA; torch.argmax on CPU
+        rows = logits.shape[0]
+        host = self._host_tokens(rows) if logits.is_cuda and sampling is None else None
+        if sampling is None:  # split over the vocabulary on CUDA, writing `host` too; torch.argmax on CPU
+            tokens = argmax_rows(logits, host_out=host)
         else:
             tokens = sample(logits, sampling, batch.sample_positions[: batch.num_real])
-        ready, host = None, tokens
+        ready = None
         if tokens.is_cuda:  # the tokens' way to the host starts here, so one event covers both
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+            if host is None:
+                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return ForwardOutput(tokens, logits.float() if keep else None, ready, host)
+        else:
+            host = tokens
+        return ForwardOutput(tokens, logits.float() if keep else None, ready, host[:rows])
+
+    def _host_tokens(self, rows: int) -> torch.Tensor:
+        """The next pinned buffer of the ring, for a greedy step's tokens (grown to `rows` as needed)."""
+        if len(self._host_ring) < HOST_RING or self._host_ring[0].numel() < rows:
+            size = max(rows, 64, self._host_ring[0].numel() if self._host_ring else 0)
+            ring = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(HOST_RING)]
+            # Kept alive: a launch in flight may still write the smaller ones (freed, torch's pinned
+            # cache could hand them to another copy meanwhile). A few KB, once per growth.
+            self._host_retired += self._host_ring
+            self._host_ring = ring
+        self._host_next = (self._host_next + 1) % HOST_RING
+        return self._host_ring[self._host_next]

@@ -190,6 +190,43 @@ def test_one_compiled_variant_serves_every_batch_size_and_split_count() -> None:
 # --- GPU: full size, graph replay, no host sync ----------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+def test_host_out_receives_the_indices_too(backend: str) -> None:
+    x = rand(5, V, seed=8)
+    host = torch.full((7,), -1, dtype=torch.int64, pin_memory=DEVICE == "cuda")
+    got = argmax_rows(x, backend=backend, host_out=host)  # type: ignore[arg-type]
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert host[:5].tolist() == got.tolist() and host[5:].tolist() == [-1, -1]  # rows past B untouched
+
+
+def test_a_bad_host_out_is_refused_by_name() -> None:
+    x = rand(3, V)
+    for bad in (
+        torch.empty(2, dtype=torch.int64),  # too short
+        torch.empty(3, dtype=torch.int32),
+        torch.empty(6, dtype=torch.int64)[::2],  # not contiguous
+        torch.empty(3, dtype=torch.int64, device=DEVICE) if DEVICE == "cuda" else torch.empty(3, 1)[:, 0],
+    ):
+        with pytest.raises(ValueError, match="host_out must be a contiguous int64 CPU tensor of at least 3"):
+            argmax_rows(x, host_out=bad)
+
+
+@pytest.mark.gpu
+def test_the_kernel_writes_host_out_itself_in_one_launch() -> None:
+    """On CUDA the indices reach pinned memory from the kernel (no copy op), for one split and many."""
+    x = rand(64, 128256, torch.bfloat16, seed=5)
+    for splits in (1, None):
+        host = torch.full((64,), -1, dtype=torch.int64, pin_memory=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = argmax_rows(x, num_splits=splits, host_out=host)
+            torch.cuda.synchronize()
+        assert host.tolist() == got.tolist() == x.argmax(dim=-1).tolist()
+        kinds = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+        assert not any("Memcpy" in k for k in kinds), kinds
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("rows", "dtype"), [(64, torch.bfloat16), (1, torch.bfloat16), (16, torch.float32)])
 def test_full_vocabulary_on_the_gpu(rows: int, dtype: torch.dtype) -> None:

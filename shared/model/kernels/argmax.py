@@ -68,8 +68,8 @@ def _first_max(vals, idxs):
 # (== 1) would compile a second kernel mid-traffic.
 @triton.jit(do_not_specialize=["num_splits"])
 def _argmax_kernel(
-    x_ptr, out_ptr, val_ptr, idx_ptr, ticket_ptr, V, stride_row, chunk, num_splits,
-    BLOCK: tl.constexpr, MAX_S: tl.constexpr,
+    x_ptr, out_ptr, val_ptr, idx_ptr, ticket_ptr, host_ptr, V, stride_row, chunk, num_splits,
+    BLOCK: tl.constexpr, MAX_S: tl.constexpr, HOST: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -90,6 +90,8 @@ def _argmax_kernel(
     value, index = _first_max(best, best_i)
     if num_splits == 1:
         tl.store(out_ptr + row, index.to(tl.int64))
+        if HOST:
+            tl.store(host_ptr + row, index.to(tl.int64))
     else:
         part = row * num_splits
         tl.store(val_ptr + part + split, value)
@@ -103,6 +105,8 @@ def _argmax_kernel(
             idxs = tl.load(idx_ptr + part + s, mask=ok, other=0, cache_modifier=".cg")
             _, index = _first_max(vals, tl.where(ok, idxs, 2147483647))
             tl.store(out_ptr + row, index.to(tl.int64))
+            if HOST:
+                tl.store(host_ptr + row, index.to(tl.int64))
             tl.atomic_xchg(ticket_ptr + row, 0)  # ready for the next launch
 
 
@@ -125,7 +129,9 @@ def _sms(device: torch.device) -> int:
     return sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _argmax_triton(x: torch.Tensor, num_splits: int | None, block: int | None) -> torch.Tensor:
+def _argmax_triton(
+    x: torch.Tensor, num_splits: int | None, block: int | None, host_out: torch.Tensor | None = None
+) -> torch.Tensor:
     rows, size = x.shape
     device = x.device
     check_triton_device("argmax_rows", device)
@@ -145,7 +151,8 @@ def _argmax_triton(x: torch.Tensor, num_splits: int | None, block: int | None) -
         idx = ticket = out.view(torch.int32)
         val = out.view(torch.float32)
     _argmax_kernel[(rows, splits)](
-        x, out, val, idx, ticket, size, x.stride(0), chunk, splits, BLOCK=block, MAX_S=MAX_SPLITS, num_warps=4
+        x, out, val, idx, ticket, host_out if host_out is not None else out, size, x.stride(0), chunk, splits,
+        BLOCK=block, MAX_S=MAX_SPLITS, HOST=host_out is not None, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -162,8 +169,9 @@ def _check_tuning(num_splits: int | None, block: int | None) -> None:
 
 
 def argmax_rows(
-    x: torch.Tensor, *, backend: Backend = "auto", num_splits: int | None = None, block: int | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, *, backend: Backend = "auto", num_splits: int | None = None, block: int | None = None,
+    host_out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """`x.argmax(dim=-1)` of a 2-D x [B, V]: int64 [B] on x's device, the same indices bit for bit.
 
     `backend` "auto" takes the Triton kernel for CUDA tensors and torch.argmax elsewhere; "triton"
@@ -171,6 +179,11 @@ def argmax_rows(
     `num_splits` (at most MAX_SPLITS) and `block` (a power of two) override the launch's split count
     and tile width (tests and bench/argmax.py); results do not depend on them. Inputs the kernel does
     not take (see the module's docstring) go to torch.argmax whatever the backend.
+
+    `host_out` (CUDA x only: a pinned, contiguous int64 CPU tensor of at least B values) also gets the
+    indices, written by the kernel itself through the pinned memory's device mapping: no copy after
+    it (a decode step's copy-engine transfer and its gaps, ~7 us on an H200). The caller keeps it
+    alive, unreused, until the launch has completed; elsewhere it is filled by a copy.
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -179,10 +192,22 @@ def argmax_rows(
         raise ValueError(f"argmax_rows: backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     _check_tuning(num_splits, block)
     rows, size = x.shape
+    if host_out is not None:
+        ok = host_out.device.type == "cpu" and host_out.dtype == torch.int64 and host_out.is_contiguous()
+        if not ok or host_out.numel() < rows or (x.is_cuda and not host_out.is_pinned()):
+            raise ValueError(
+                f"argmax_rows: host_out must be a contiguous int64 CPU tensor of at least {rows} values "
+                f"(pinned for CUDA x), got {tuple(host_out.shape)} {host_out.dtype} on {host_out.device}"
+            )
     takes = x.dtype in _FLOATS and x.stride(1) == 1 and rows > 0 and 0 < size <= _MAX_COLUMNS
+    direct = host_out is not None and x.is_cuda  # the kernel writes host_out itself
     if not takes or backend == "torch" or (backend == "auto" and not x.is_cuda):
-        return x.argmax(dim=-1)
-    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        out = x.argmax(dim=-1)
+    elif x.is_cuda and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):
-            return _argmax_triton(x, num_splits, block)
-    return _argmax_triton(x, num_splits, block)
+            out = _argmax_triton(x, num_splits, block, host_out if direct else None)
+    else:
+        out = _argmax_triton(x, num_splits, block, host_out if direct else None)
+    if host_out is not None and not (direct and takes and backend != "torch"):
+        host_out[:rows].copy_(out, non_blocking=x.is_cuda)
+    return out
