@@ -2,7 +2,7 @@
 
 One graph per captured batch size, sharing one memory pool. Each graph reads a ForwardBatch packed
 in its own static buffers: the scheduler builds a decode batch of B sequences straight into the
-buffers of the smallest graph of at least B rows (two host-to-device copies), padding the rest onto
+buffers of the smallest graph of at least B rows (one host-to-device copy), padding the rest onto
 the KV cache's scratch slot (nothing stored, positions written as -1, so the scratch ring stays
 empty and passes its history check). Sampling stays outside: its kernels depend on the batch's
 parameters. Invariant levels are frozen at capture.
