@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from shared.attention.fused_rope import decode_rope
+
 
 @triton.jit
 def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexpr):
@@ -81,3 +83,36 @@ def query_rows(
     rows = rows_ptr + tok * stride_t + head * stride_h
     q = tl.load(rows[:, None] + d[None, :], mask=row_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     return q, tok, head, qi, row_ok
+
+
+@triton.jit
+def tile_queries(
+    q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, qlen, kvh, q_off, has_key, stride_qt, stride_qh, stride_ot,
+    stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions,
+    qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh, stride_vds, stride_vdh,
+    rms_ptr, stride_rms, rms_size, rms_eps,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, RMS: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """A program's query tile (`query_rows`), and with ROPE (decode-shaped calls) its prologue first:
+    `fused_rope.decode_rope` rotates the token's query heads into the output rows, where the tile is
+    then loaded from, and where `has_key` rotates and stores the token's key. Returns query_rows'
+    values and decode_rope's key (zeros, unseen, without ROPE)."""
+    if ROPE:
+        key_k, key_v, key_seen = decode_rope(
+            q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, kvh, q_off < qlen, has_key, stride_qt, stride_qh,
+            stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr, stride_cs,
+            num_positions, qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh, stride_vds,
+            stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, GROUP, GROUP_P2, BLOCK_D, HEAD_DIM, NORM, RMS,
+            BLOCK_H,
+        )  # fmt: skip
+        rows_ptr, stride_t, stride_h = out_ptr, stride_ot, stride_oh
+    else:
+        key_k = tl.zeros([BLOCK_D], tl.float32)
+        key_v = tl.zeros([BLOCK_D], tl.float32)
+        key_seen = qlen < 0  # never
+        rows_ptr, stride_t, stride_h = q_ptr, stride_qt, stride_qh
+    q, tok, head, qi, row_ok = query_rows(
+        rows_ptr, tok0, qlen, kvh, q_off, stride_t, stride_h, GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM
+    )  # fmt: skip
+    return q, tok, head, qi, row_ok, key_k, key_v, key_seen

@@ -26,12 +26,11 @@ from shared.attention._launch import (
     fills_gpu,
     resolve_tiles,
 )
-from shared.attention._online_softmax import attend_block, chunk_of, query_rows
+from shared.attention._online_softmax import attend_block, chunk_of, tile_queries
 from shared.attention._split_k import merge, outputs, split_range, store_result
 from shared.attention.fused_rope import (
     RopeInKernel,
     check_rope_in_kernel,
-    decode_rope,
     kernel_args,
     rms_constexprs,
 )
@@ -65,25 +64,17 @@ def _paged_attention_kernel(
     q_off = qb * BLOCK_Q
     tok0, qlen, start = chunk_of(cu_q_ptr, q_start_ptr, b)
     live = q_off < qlen
-    if ROPE:
-        tl.static_assert(BLOCK_Q == 1)  # decode-shaped calls only (check_rope_in_kernel)
-        # The chunk's key (a decode's one: max_q == 1) is not in the pages yet: the last split, whose
-        # keys end with it, rotates and stores it there first (its returned k and v go unused: the
-        # loop reads them back after the prologue's barrier, as any other key).
-        decode_rope(
-            q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, kvh, live, live & (split == num_splits - 1), stride_qt,
-            stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr,
-            stride_cs, num_positions, qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh,
-            stride_vds, stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, GROUP, GROUP_P2, BLOCK_D,
-            HEAD_DIM, NORM, RMS, BLOCK_H,
-        )  # fmt: skip
-        q, tok, head, qi, row_ok = query_rows(
-            out_ptr, tok0, qlen, kvh, q_off, stride_ot, stride_oh, GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM
-        )  # fmt: skip
-    else:
-        q, tok, head, qi, row_ok = query_rows(
-            q_ptr, tok0, qlen, kvh, q_off, stride_qt, stride_qh, GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM
-        )  # fmt: skip
+    tl.static_assert(not ROPE or BLOCK_Q == 1)  # decode-shaped calls only (check_rope_in_kernel)
+    # With ROPE the chunk's key (a decode's one: max_q == 1) is not in the pages yet: the last split,
+    # whose keys end with it, rotates and stores it there first (the returned k and v go unused: the
+    # loop reads them back after the prologue's barrier, as any other key).
+    q, tok, head, qi, row_ok, _, _, _ = tile_queries(
+        q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, qlen, kvh, q_off, live & (split == num_splits - 1), stride_qt,
+        stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr,
+        stride_cs, num_positions, qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh,
+        stride_vds, stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, GROUP, GROUP_P2, BLOCK_M, BLOCK_D,
+        HEAD_DIM, ROPE, NORM, RMS, BLOCK_H,
+    )  # fmt: skip
     qpos = start + qi
     # Keys this tile can see: [lo, hi). A tile past the chunk's end (max_q covers the longest chunk)
     # gets an empty range and stores nothing.

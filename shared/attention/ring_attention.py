@@ -27,12 +27,11 @@ from shared.attention._launch import (
     fills_gpu,
     resolve_tiles,
 )
-from shared.attention._online_softmax import attend_block, chunk_of, fold_key, query_rows
+from shared.attention._online_softmax import attend_block, chunk_of, fold_key, tile_queries
 from shared.attention._split_k import merge, outputs, split_range, store_result
 from shared.attention.fused_rope import (
     RopeInKernel,
     check_rope_in_kernel,
-    decode_rope,
     kernel_args,
     rms_constexprs,
 )
@@ -67,22 +66,15 @@ def _ring_attention_kernel(
     tok0, qlen, start = chunk_of(cu_q_ptr, q_start_ptr, b)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     live = q_off < qlen  # a tile past the chunk's end reads nothing and stores nothing
-    if ROPE:  # a decode's one key, rotated and stored (the last split's), then attended from registers
-        tl.static_assert(BLOCK_Q == 1)  # decode-shaped calls only (check_rope_in_kernel)
-        key_k, key_v, key_seen = decode_rope(
-            q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, kvh, live, live & (split == num_splits - 1), stride_qt,
-            stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr,
-            stride_cs, num_positions, qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh,
-            stride_vds, stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, GROUP, GROUP_P2, BLOCK_D,
-            HEAD_DIM, NORM, RMS, BLOCK_H,
-        )  # fmt: skip
-        q, tok, head, qi, row_ok = query_rows(
-            out_ptr, tok0, qlen, kvh, q_off, stride_ot, stride_oh, GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM
-        )  # fmt: skip
-    else:
-        q, tok, head, qi, row_ok = query_rows(
-            q_ptr, tok0, qlen, kvh, q_off, stride_qt, stride_qh, GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM
-        )  # fmt: skip
+    tl.static_assert(not ROPE or BLOCK_Q == 1)  # decode-shaped calls only (check_rope_in_kernel)
+    # With ROPE a decode's one key is rotated and stored (the last split's), then attended from registers.
+    q, tok, head, qi, row_ok, key_k, key_v, key_seen = tile_queries(
+        q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, qlen, kvh, q_off, live & (split == num_splits - 1), stride_qt,
+        stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr,
+        stride_cs, num_positions, qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh,
+        stride_vds, stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, GROUP, GROUP_P2, BLOCK_M, BLOCK_D,
+        HEAD_DIM, ROPE, NORM, RMS, BLOCK_H,
+    )  # fmt: skip
     qpos = start + qi
 
     d = tl.arange(0, BLOCK_D)
