@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.host_copy import to_device
 from shared.kv.allocator import UnitAllocator
 from shared.model.config import ModelConfig
 
@@ -83,14 +84,12 @@ class KVCache:
         A freed slot forgets its history before it is handed out again, so that `swa.history_present`
         can never be satisfied by another request's positions. A batch that finishes together frees
         all its slots in one step: one index_fill, not a fill per slot (on a GPU each is a launch).
-        The index goes over from pinned memory without waiting for the device.
+        The index goes over without the host waiting for the device (`to_device`).
         """
         if len(slots) == 1:
             self.ring_pos[:, slots[0]].fill_(-1)
         elif slots:
-            idx = torch.tensor(slots, dtype=torch.int64)
-            if self.ring_pos.is_cuda:
-                idx = idx.pin_memory().to(self.ring_pos.device, non_blocking=True)
+            idx = to_device(torch.tensor(slots, dtype=torch.int64), self.ring_pos.device)
             self.ring_pos.index_fill_(1, idx, -1)
 
     def window_bytes_per_request(self) -> int:
