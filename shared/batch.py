@@ -69,9 +69,7 @@ class ForwardBatch:
         steady state, the same requests in the same rows: no index upload). Gathered on the device,
         so the host never waits for it."""
         if pairs is None:
-            # A kernel, not copy_: a device-to-device copy_ is a copy-engine memcpy, and switching engines
-            # between two kernels cost a decode step ~5 us on an H200's timeline (bench/engine.py --profile).
-            torch.mul(tokens, 1, out=self.input_ids[: tokens.shape[0]])
+            self.input_ids[: tokens.shape[0]].copy_(tokens)
             return
         if not pairs:
             return
