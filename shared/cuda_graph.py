@@ -44,8 +44,8 @@ class DecodeGraphs:
         self.max_pages = max_pages
         self.static: dict[int, ForwardBatch] = {}
         # Each graph's static int64 and int32 fields are views of one byte buffer (int64 first), so a
-        # decode step uploads them in one copy (`shared/engine_decode.py`): between two kernels every
-        # copy-engine transfer cost the step ~5-9 us on an H200's timeline.
+        # decode step uploads them in one copy (`shared/engine_decode.py`): each eager op between two
+        # replays cost the step ~5-9 us on an H200's timeline (`bench/engine.py --profile`).
         self.raw: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Whose block table each static buffer holds on the device: a token the incremental decode

@@ -193,7 +193,10 @@ def decode_rope(
 
     Every load that needs only the token is issued first, the position's cos/sin next, then the math:
     a program's prologue is a chain of dependent loads that no K/V traffic hides (in a batch-64
-    decode all programs start together, in one wave), so its length is the kernel's fixed cost.
+    decode all programs start together, in one wave), so its length is the kernel's fixed cost. Each
+    column's rotation partner is loaded a second time, in the rows' own layout: gathering it within
+    the tile goes through shared memory, and splitting heads into halves changes the attention loop's
+    dot products (both measured slower, docs/benchmarks.md).
     """
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, BLOCK_D)

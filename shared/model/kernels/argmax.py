@@ -180,10 +180,11 @@ def argmax_rows(
     and tile width (tests and bench/argmax.py); results do not depend on them. Inputs the kernel does
     not take (see the module's docstring) go to torch.argmax whatever the backend.
 
-    `host_out` (CUDA x only: a pinned, contiguous int64 CPU tensor of at least B values) also gets the
-    indices, written by the kernel itself through the pinned memory's device mapping: no copy after
-    it (a decode step's copy-engine transfer and its gaps, ~7 us on an H200). The caller keeps it
-    alive, unreused, until the launch has completed; elsewhere it is filled by a copy.
+    `host_out` (a contiguous int64 CPU tensor of at least B values, pinned when x is on CUDA) also
+    gets the indices. The CUDA kernel writes it itself, through the pinned memory's device mapping: no
+    device-to-host copy follows it (in a decode step that op and the gap before it took ~7 us on an
+    H200). The caller keeps it alive, unreused, until the launch has completed. Elsewhere a copy
+    fills it.
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -200,14 +201,15 @@ def argmax_rows(
                 f"(pinned for CUDA x), got {tuple(host_out.shape)} {host_out.dtype} on {host_out.device}"
             )
     takes = x.dtype in _FLOATS and x.stride(1) == 1 and rows > 0 and 0 < size <= _MAX_COLUMNS
-    direct = host_out is not None and x.is_cuda  # the kernel writes host_out itself
-    if not takes or backend == "torch" or (backend == "auto" and not x.is_cuda):
+    kernel = takes and (backend == "triton" or (backend == "auto" and x.is_cuda))
+    direct = host_out if kernel and x.is_cuda else None  # the kernel writes host_out itself
+    if not kernel:
         out = x.argmax(dim=-1)
     elif x.is_cuda and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):
-            out = _argmax_triton(x, num_splits, block, host_out if direct else None)
+            out = _argmax_triton(x, num_splits, block, direct)
     else:
-        out = _argmax_triton(x, num_splits, block, host_out if direct else None)
-    if host_out is not None and not (direct and takes and backend != "torch"):
+        out = _argmax_triton(x, num_splits, block, direct)
+    if host_out is not None and direct is None:
         host_out[:rows].copy_(out, non_blocking=x.is_cuda)
     return out
