@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.batch import ChunkItem, ForwardBatch, Mode, packed_sizes
+from shared.host_copy import reserve_pinned
 
 if TYPE_CHECKING:
     from shared.runner import ModelRunner
@@ -78,7 +79,16 @@ class DecodeGraphs:
                 # device captured first, and capturing on it would switch to that device.
                 with torch.cuda.graph(graph, pool=pool, stream=side):
                     logits = runner.forward_logits(batch)
+                # A graph's first replay uploads it to the device: ~0.3 ms more to launch and to run on
+                # an H200 (docs/benchmarks.md, "The first replay"), which would otherwise land on the
+                # first decode step at that size. The static batch is all padding: nothing is stored.
+                graph.replay()
                 self.graphs[size] = (graph, logits)
+
+        if capture and self.raw:
+            # Every decode step uploads its batch through a pinned staging block (`host_copy.to_device`):
+            # the first step at the largest size would otherwise wait for one to be allocated.
+            reserve_pinned(max(raw.numel() for raw in self.raw.values()))
 
     def size_for(self, rows: int, max_pages: int) -> int | None:
         """The smallest static batch of at least `rows` rows whose table holds `max_pages`; or None."""
@@ -98,10 +108,14 @@ class DecodeGraphs:
             into=self.static[size].buffers,
         )  # fmt: skip
 
+    def holds(self, batch: ForwardBatch) -> bool:
+        """Whether `batch` lives in a graph's static buffers (captured, or on a CPU cache, not)."""
+        static = self.static.get(batch.num_seqs)
+        return static is not None and batch.buffers is not None and batch.buffers[0] is static.buffers[0]
+
     def replay(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Replay the graph whose static buffers hold `batch`; its logits rows, or None."""
-        static = self.static.get(batch.num_seqs)
-        if static is None or batch.buffers is None or batch.buffers[0] is not static.buffers[0]:
+        if not self.holds(batch):
             return None
         if batch.num_seqs not in self.graphs:  # static buffers on a CPU cache: nothing captured
             return None

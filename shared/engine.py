@@ -77,6 +77,7 @@ class InFlightStep:
     host: torch.Tensor  # [B] pinned copy, valid once `ready` has completed
     ready: torch.cuda.Event | None
     releases: list[Request] = field(default_factory=list)  # freed once this step has completed
+    fed: torch.Tensor | None = None  # `ForwardOutput.fed`: a graph's input ids holding `tokens`
 
 
 class Engine(KVOwnership):
@@ -105,7 +106,7 @@ class Engine(KVOwnership):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._inflight: InFlightStep | None = None
-        self._forget: list[int] | None = None  # see KVOwnership._free_kv
+        self._freeing: list[Request] | None = None  # see KVOwnership._free_kv
         self.held: set[Request] = set()  # KVOwnership's: reserved for a transfer in, or held for one out
         self._sampling: SamplingBatch | None = None
         self._sampling_reqs: list[Request] = []  # the rows `_sampling` was built for
@@ -242,7 +243,7 @@ class Engine(KVOwnership):
             req.num_scheduled += count
             req.pending += emit
         host = out.host_tokens if out.host_tokens is not None else out.tokens
-        return InFlightStep(reqs, counts, plan.emits, out.tokens, host, out.ready)
+        return InFlightStep(reqs, counts, plan.emits, out.tokens, host, out.ready, fed=out.fed)
 
     def _decode_batch(self, reqs: list[Request], prev: InFlightStep | None) -> ForwardBatch:
         """One token for each request. An input the step in flight is still producing is gathered
@@ -259,8 +260,11 @@ class Engine(KVOwnership):
         steady = prev is not None and prev.reqs == reqs and all(prev.emits)
         # -1: a token still in flight, gathered on the device below
         tokens = None if steady else [r.output[-1] if r.output and not r.pending else -1 for r in reqs]
-        batch = self.decoder.build(reqs, self.runner.graphs, tokens)
-        if prev is not None:
+        # Steady greedy steps on a graph: the argmax of the step in flight writes its tokens into the
+        # graph's input ids itself, so they are neither uploaded nor copied (one op less a step).
+        fed = prev.fed if steady and prev is not None else None
+        batch = self.decoder.build(reqs, self.runner.graphs, tokens, fed=fed)
+        if prev is not None and (fed is None or batch.input_ids is not fed):
             batch.take_inputs_from(prev.tokens, None if steady else _pending_rows(reqs, prev))
         return batch
 
@@ -268,12 +272,12 @@ class Engine(KVOwnership):
         if step.ready is not None:
             step.ready.synchronize()  # the step's one wait for the device
         tokens = step.host.tolist()
-        self._forget = []
+        self._freeing = []
         try:
             return self._emit(step, tokens)
         finally:
-            slots, self._forget = self._forget, None
-            self.cache.forget_windows(slots)
+            freeing, self._freeing = self._freeing, None
+            self._free_kv_now(freeing)
 
     def _emit(self, step: InFlightStep, tokens: list[int]) -> list[tuple[Request, int]]:
         for req in step.releases:

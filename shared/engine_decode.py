@@ -36,6 +36,8 @@ from shared.request import Request
 
 __all__ = ["DecodeBatcher"]
 
+assert I64_FIELDS[0] == "input_ids", "a fed step skips the first field of its upload: the input ids"
+
 
 class _Layout:
     """Host buffers packed as `ForwardBatch.build` packs a decode batch of `size` rows with a block
@@ -89,10 +91,13 @@ class DecodeBatcher:
         self._layouts: dict[tuple[int, int], _Layout] = {}
 
     def build(
-        self, reqs: list[Request], graphs: DecodeGraphs | None, tokens: list[int] | None
-    ) -> ForwardBatch:
+        self, reqs: list[Request], graphs: DecodeGraphs | None, tokens: list[int] | None,
+        fed: torch.Tensor | None = None,
+    ) -> ForwardBatch:  # fmt: skip
         """One decode token for each of `reqs` at position `num_scheduled`, fed `tokens` (None: every
-        row's input is gathered on the device afterwards, see `ForwardBatch.take_inputs_from`)."""
+        row's input is gathered on the device afterwards, see `ForwardBatch.take_inputs_from`, or is
+        there already: `fed`, the input ids the step before wrote its tokens into, are not uploaded
+        when they are this batch's)."""
         rows = self._rows
         same = rows is not None and rows.reqs == reqs and rows.graphs is graphs
         if not same or rows.version != self.table.version:
@@ -108,7 +113,7 @@ class DecodeBatcher:
         f64["sample_positions"][:n] = starts + 1
         if rows.static is not None:
             assert graphs is not None
-            return self._upload_static(rows, graphs)
+            return self._upload_static(rows, graphs, skip_inputs=fed is rows.static.input_ids)
         dev = self.cache.device
         buf32, buf64 = _upload(lay.h32, None, dev), _upload(lay.h64, None, dev)
         width = lay.table.shape[1]
@@ -153,14 +158,16 @@ class DecodeBatcher:
             lay = self._layouts[(size, width)] = _Layout(size, width)
         return lay
 
-    def _upload_static(self, rows: _Rows, graphs: DecodeGraphs) -> ForwardBatch:
-        """One copy into the graph's static buffers (int64 fields, then int32 ones); the block table,
-        last, only when the device lacks it."""
+    def _upload_static(self, rows: _Rows, graphs: DecodeGraphs, *, skip_inputs: bool) -> ForwardBatch:
+        """One copy into the graph's static buffers (int64 fields, then int32 ones): from after the
+        input ids (the first field) when the device holds them already; the block table, last, only
+        when the device lacks it."""
         assert rows.static is not None
         raw, lay = graphs.raw[rows.size], rows.layout
         keep_table = graphs.resident_table[rows.size] is rows
+        start = 8 * rows.size if skip_inputs else 0
         end = lay.bytes64 + 4 * (lay.prefix32 if keep_table else len(lay.h32))
-        _upload(lay.raw[:end], raw[:end], raw.device)
+        _upload(lay.raw[start:end], raw[start:end], raw.device)
         graphs.resident_table[rows.size] = rows
         return rows.static
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from shared.batch import ChunkItem, ForwardBatch, Mode
 from shared.kv.allocator import OutOfCapacity
-from shared.kv.window import RequestWindow, replay_start
+from shared.kv.window import RequestWindow, free_windows, replay_start
 from shared.request import Phase, Request
 from shared.sampling import SamplingParams
 
@@ -44,7 +44,7 @@ class KVOwnership:
     model_cfg: ModelConfig
     running: list[Request]
     _inflight: InFlightStep | None
-    _forget: list[int] | None  # window slots freed during a step's completion, cleared at its end
+    _freeing: list[Request] | None  # requests freed during a step's completion, freed at its end
     idle: bool
     abort: Callable[[Request], None]
     _new_request: Callable[[list[int], SamplingParams], Request]
@@ -141,15 +141,18 @@ class KVOwnership:
             self._free_kv(req)
 
     def _free_kv(self, req: Request) -> None:
-        if req.window is not None:
-            self.page_table.clear(req.window.slot)
-        if req.pages:
-            self.cache.pages.free(req.rid, req.pages)
-            req.pages = []
-        if req.window is not None:
-            if self._forget is not None:  # a step's completion: its frees forget their rings at once
-                self._forget.append(req.window.slot)
-                req.window.free(clear=False)
-            else:
-                req.window.free()
-            req.window = None
+        if self._freeing is not None:  # a step's completion: its frees happen together at its end
+            self._freeing.append(req)
+        else:
+            self._free_kv_now([req])
+
+    def _free_kv_now(self, reqs: list[Request]) -> None:
+        """Give back what `reqs` own in one pass each over the page table, the pools and the rings: a
+        batch finishing together frees thousands of pages (`UnitAllocator.free_many`)."""
+        reqs = list(dict.fromkeys(reqs))  # a request is freed once, however often it was asked for
+        windows = [r.window for r in reqs if r.window is not None]
+        self.page_table.clear([w.slot for w in windows])
+        self.cache.pages.free_many([(r.rid, r.pages) for r in reqs])
+        free_windows(self.cache, windows)
+        for r in reqs:
+            r.pages, r.window = [], None

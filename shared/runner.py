@@ -170,6 +170,9 @@ class ForwardOutput:
     # `tokens` in pinned host memory, readable once `ready` (a greedy step's: until HOST_RING forwards
     # later, when the runner's ring hands its buffer out again)
     host_tokens: torch.Tensor | None = None
+    # The static input ids of the CUDA graph that ran, holding `tokens` already (a greedy step's
+    # argmax writes them there too): the next step on the same rows needs no copy to feed them back.
+    fed: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -224,7 +227,9 @@ class ModelRunner:
             return None
         # In the model's dtype: sampling upcasts where it needs to, a greedy argmax does not (the upcast
         # is exact, so either argmax picks the same token).
-        logits = self.model.compute_logits(hidden.index_select(0, batch.last_index), float32=False)
+        # A decode batch's rows are its last tokens already: no gather (a kernel of the graph less).
+        last = hidden if batch.mode is Mode.DECODE else hidden.index_select(0, batch.last_index)
+        logits = self.model.compute_logits(last, float32=False)
         expect(LOGITS_FINITE, lambda: predicates.finite(logits), rows=batch.slots)
         return logits
 
@@ -252,9 +257,15 @@ class ModelRunner:
         if batch.num_real < batch.num_seqs:  # rows padding a CUDA graph
             logits = logits[: batch.num_real]
         rows = logits.shape[0]
-        host = self._host_tokens(rows) if logits.is_cuda and sampling is None else None
-        if sampling is None:  # split over the vocabulary on CUDA, writing `host` too; torch.argmax on CPU
-            tokens = argmax_rows(logits, host_out=host)
+        # A greedy step (the sampler's all-greedy case, without its generality): the argmax kernel also
+        # writes the tokens to the host's pinned ring and into the graph's input ids, where the next
+        # step on the same rows reads them: no copy op follows it either way.
+        greedy = sampling is None or sampling.all_greedy
+        host = self._host_tokens(rows) if logits.is_cuda and greedy else None
+        static = self.graphs is not None and self.graphs.holds(batch)
+        fed = batch.input_ids if static and greedy else None
+        if greedy:  # split over the vocabulary on CUDA; torch.argmax on CPU
+            tokens = argmax_rows(logits, host_out=host, feed_out=fed)
         else:
             tokens = sample(logits, sampling, batch.sample_positions[: batch.num_real])
         ready = None
@@ -266,7 +277,7 @@ class ModelRunner:
             ready.record()
         else:
             host = tokens
-        return ForwardOutput(tokens, logits.float() if keep else None, ready, host[:rows])
+        return ForwardOutput(tokens, logits.float() if keep else None, ready, host[:rows], fed)
 
     def _host_tokens(self, rows: int) -> torch.Tensor:
         """The next pinned buffer of the ring, for a greedy step's tokens (grown to `rows` as needed)."""

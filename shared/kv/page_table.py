@@ -38,11 +38,12 @@ class PageTable:
         self.num_pages[slot] = n
         self.version += 1
 
-    def clear(self, slot: int) -> None:
-        """Slot `slot` owns no pages any more (its request freed them)."""
-        self.table[slot] = 0
-        self.num_pages[slot] = 0
-        self.version += 1
+    def clear(self, slots: list[int]) -> None:
+        """`slots` own no pages any more (their requests freed them): one pass for a step's frees."""
+        if slots:
+            self.table[slots] = 0
+            self.num_pages[slots] = 0
+            self.version += 1
 
     def pages(self, slot: int) -> list[int]:
         """The pages the table holds for `slot` (tests compare them with the requests')."""

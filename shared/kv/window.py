@@ -13,7 +13,7 @@ from invariants import expect, predicates
 from shared.kv.cache import KVCache
 from shared.kv.invariants import SWA_HISTORY_PRESENT
 
-__all__ = ["RequestWindow", "ring_store_index", "window_buffer"]
+__all__ = ["RequestWindow", "free_windows", "ring_store_index", "window_buffer"]
 
 
 def window_buffer(
@@ -63,15 +63,21 @@ class RequestWindow:
         """Forget the history (it must then be transferred or rebuilt by bounded replay)."""
         self.cache.forget_windows([self.slot])
 
-    def free(self, *, clear: bool = True) -> None:
-        """Give the slot back. `clear=False`: the caller forgets its history itself before anything
-        can allocate again (`KVCache.forget_windows`, for many slots at once)."""
-        if self._freed:
-            return
-        if clear:
-            self.clear()
-        self.cache.slots.free(self.owner, [self.slot])
-        self._freed = True
+    def free(self) -> None:
+        """Forget the history and give the slot back; idempotent."""
+        free_windows(self.cache, [self])
+
+
+def free_windows(cache: KVCache, windows: list[RequestWindow]) -> None:
+    """Free many windows at once (a batch that finishes together): their rings forgotten in one
+    launch, before their slots can be handed out again, and the slots freed in one pass."""
+    live = [w for w in dict.fromkeys(windows) if not w._freed]
+    if not live:
+        return
+    cache.forget_windows([w.slot for w in live])
+    cache.slots.free_many([(w.owner, [w.slot]) for w in live])
+    for w in live:
+        w._freed = True
 
 
 def replay_start(context_len: int, layer_types: tuple[str, ...], window: int) -> int:

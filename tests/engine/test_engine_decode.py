@@ -148,17 +148,29 @@ def test_a_request_handed_in_as_another_leaves_takes_its_own_input():
     eng.check_idle_integrity()
 
 
-def test_a_steady_decode_step_rebuilds_nothing_and_leaves_the_table_on_the_device():
-    eng = make()
+def test_a_steady_decode_step_rebuilds_nothing_and_leaves_the_table_on_the_device(monkeypatch):
+    eng = make(CheckedEngine)
     reqs = [eng.add_request(random_tokens(n, seed=n), greedy(12)) for n in (5, 9, 2 * W + 1)]
     while not all(r.output for r in reqs):
         eng.step()
     eng.step()
     rows, graphs = eng.decoder._rows, eng.runner.graphs
     assert rows is not None and rows.size == 4 and graphs.resident_table[4] is rows
+    copies, take_inputs_from = [], ForwardBatch.take_inputs_from
+
+    def counted(batch: ForwardBatch, *args: object) -> None:
+        if graphs.holds(batch):  # the engine's batch, not the general path's CheckedEngine builds
+            copies.append(args)
+        take_inputs_from(batch, *args)
+
+    monkeypatch.setattr(ForwardBatch, "take_inputs_from", counted)
     for _ in range(3):
+        checked = eng.checked
         eng.step()
         assert eng.decoder._rows is rows, "the same rows: laid out once"
+        assert eng.checked == checked + 1, "the inputs are those of the general path"
+    assert not copies, "a greedy step's argmax wrote the next inputs: nothing to feed back"
+    monkeypatch.undo()
     # A general build into the same static buffers: the device table is no longer known to be ours.
     graphs.prepare([ChunkItem(r.slot, r.num_scheduled, [0], r.pages) for r in reqs])
     assert graphs.resident_table[4] is None

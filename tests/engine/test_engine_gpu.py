@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+import invariants
 from invariants import levels
 from invariants.testing import no_host_sync
 from shared.batch import ForwardBatch, Mode
@@ -162,6 +163,35 @@ def test_engine_with_graphs_matches_eager_and_never_syncs_in_decode():
     assert decode.num_seqs == 4 and decode.num_real == 3, "a graph batch, padded"
     with no_host_sync():
         runner.forward(decode, None)
+
+
+def test_a_steady_greedy_decode_step_copies_nothing_but_its_inputs_up():
+    """The step's tokens reach the host and the next step's input ids from the argmax kernel itself:
+    around the graph, the only copy is the batch's one upload (docs/benchmarks.md, "The ops outside
+    the graph")."""
+    kv = KVConfig(page_size=16, num_pages=64, max_requests=8, device="cuda")
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # Production's level, and a checker of its own: one that other tests registered invariants with
+    # copies its counters home at every poll (how WARN reports without a sync), two more copies.
+    invariants.reset_checkers()
+    with levels("off"):
+        engine = Engine(tiny_model(tiny_config("SSFS")).cuda(), kv, EngineConfig(cuda_graph_sizes=(4,)))
+        reqs = [engine.add_request(random_tokens(n, seed=n), sp) for n in (5, 9, 2 * W + 1)]
+        while not all(len(r.output) >= 3 for r in reqs):
+            engine.step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            torch.cuda.synchronize()
+    gpu = torch.autograd.DeviceType.CUDA
+    copies = [e.name for e in prof.events() if e.device_type == gpu and "Memcpy" in e.name]
+    assert len(copies) == 1 and "HtoD" in copies[0], copies
+    with levels("off"):
+        while not engine.idle:
+            engine.step()
+    invariants.reset_checkers()
+    eager = Engine(tiny_model(tiny_config("SSFS")).cuda(), kv, EngineConfig(cuda_graph_sizes=()))
+    assert [r.output for r in reqs] == [r.output for r in eager.generate([r.prompt for r in reqs], sp)]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

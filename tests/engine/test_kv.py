@@ -8,7 +8,7 @@ import torch
 from invariants import InvariantViolation, levels
 from shared.kv.allocator import IntegrityError, OutOfCapacity, UnitAllocator
 from shared.kv.cache import KVCache, KVConfig
-from shared.kv.window import RequestWindow, replay_start, ring_store_index
+from shared.kv.window import RequestWindow, free_windows, replay_start, ring_store_index
 from tests.engine.engine_testutil import W, tiny_config
 
 
@@ -90,20 +90,37 @@ def test_freeing_a_window_clears_it_and_returns_the_slot():
     assert cache.slots.num_free == 1 and bool((cache.ring_pos == -1).all())
 
 
-def test_forgetting_many_windows_at_once_clears_exactly_those_slots():
+def test_freeing_many_windows_at_once_clears_exactly_those_slots():
     cache = KVCache(tiny_config("SSFS"), KVConfig(page_size=4, num_pages=16, max_requests=4))
     windows = [RequestWindow(cache, owner=i) for i in range(4)]
     cache.ring_pos.fill_(5)
-    gone = [windows[0].slot, windows[2].slot, windows[3].slot]
-    for w in (windows[0], windows[2], windows[3]):
-        w.free(clear=False)  # the caller forgets them together
-    assert bool((cache.ring_pos == 5).all())
-    cache.forget_windows(gone)
+    gone = [windows[0], windows[2], windows[3]]
+    free_windows(cache, [*gone, windows[0]])  # listed twice: freed once
     for slot in range(cache.ring_pos.shape[1]):
-        want = -1 if slot in gone else 5
+        want = -1 if slot in [w.slot for w in gone] else 5
         assert bool((cache.ring_pos[:, slot] == want).all()), slot
-    cache.forget_windows([])  # nothing to forget: nothing changes
     assert cache.slots.num_free == 3
+    free_windows(cache, gone)  # already freed: nothing changes
+    free_windows(cache, [])
+    assert cache.slots.num_free == 3 and bool((cache.ring_pos[:, windows[1].slot] == 5).all())
+    cache.slots.check_integrity()
+
+
+def test_freeing_many_owners_at_once_is_checked_whole_before_anything_changes():
+    pool = UnitAllocator(10)
+    a, b, c = pool.alloc(owner=1, n=3), pool.alloc(owner=2, n=3), pool.alloc(owner=3, n=2)
+    with pytest.raises(IntegrityError, match=f"{b[0]} freed by 1 but held by 2"):
+        pool.free_many([(1, a), (1, [b[0]])])
+    with pytest.raises(IntegrityError, match=f"{a[1]} freed twice in one call by 1"):
+        pool.free_many([(1, a), (2, b), (1, [a[1]])])
+    with pytest.raises(IntegrityError, match="10 freed by 3 but held by out of range"):
+        pool.free_many([(3, [*c, 10])])
+    assert pool.num_free == 2 and pool.owned_by(1) == sorted(a), "a refused free changes nothing"
+    pool.free_many([(1, a), (3, c), (2, [])])
+    assert pool.num_free == 7 and pool.owned_by(2) == sorted(b)
+    again = pool.alloc(owner=4, n=7)
+    assert sorted(again) == sorted(set(range(10)) - set(b)), "each freed unit is free exactly once"
+    pool.check_integrity()
 
 
 @pytest.mark.parametrize(

@@ -201,6 +201,23 @@ def test_host_out_receives_the_indices_too(backend: str) -> None:
     assert host[:5].tolist() == got.tolist() and host[5:].tolist() == [-1, -1]  # rows past B untouched
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_feed_out_receives_the_indices_too(backend: str, splits: int) -> None:
+    """`feed_out`: the next decode step's input ids, written by the same kernel (any split count)."""
+    x = rand(5, V, seed=9)
+    feed = torch.full((7,), -1, dtype=torch.int64, device=DEVICE)
+    host = torch.full((7,), -1, dtype=torch.int64, pin_memory=DEVICE == "cuda")
+    got = argmax_rows(x, backend=backend, num_splits=splits, host_out=host, feed_out=feed)  # type: ignore[arg-type]
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert feed[:5].tolist() == host[:5].tolist() == got.tolist() and feed[5:].tolist() == [-1, -1]
+    for bad in (torch.empty(4, dtype=torch.int64, device=DEVICE), torch.empty(5, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="feed_out must be a contiguous int64 tensor of at least 5"):
+            argmax_rows(x, feed_out=bad)
+
+
 def test_a_bad_host_out_is_refused_by_name() -> None:
     x = rand(3, V)
     for bad in (

@@ -68,8 +68,8 @@ def _first_max(vals, idxs):
 # (== 1) would compile a second kernel mid-traffic.
 @triton.jit(do_not_specialize=["num_splits"])
 def _argmax_kernel(
-    x_ptr, out_ptr, val_ptr, idx_ptr, ticket_ptr, host_ptr, V, stride_row, chunk, num_splits,
-    BLOCK: tl.constexpr, MAX_S: tl.constexpr, HOST: tl.constexpr,
+    x_ptr, out_ptr, val_ptr, idx_ptr, ticket_ptr, host_ptr, feed_ptr, V, stride_row, chunk, num_splits,
+    BLOCK: tl.constexpr, MAX_S: tl.constexpr, HOST: tl.constexpr, FEED: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -92,6 +92,8 @@ def _argmax_kernel(
         tl.store(out_ptr + row, index.to(tl.int64))
         if HOST:
             tl.store(host_ptr + row, index.to(tl.int64))
+        if FEED:
+            tl.store(feed_ptr + row, index.to(tl.int64))
     else:
         part = row * num_splits
         tl.store(val_ptr + part + split, value)
@@ -107,6 +109,8 @@ def _argmax_kernel(
             tl.store(out_ptr + row, index.to(tl.int64))
             if HOST:
                 tl.store(host_ptr + row, index.to(tl.int64))
+            if FEED:
+                tl.store(feed_ptr + row, index.to(tl.int64))
             tl.atomic_xchg(ticket_ptr + row, 0)  # ready for the next launch
 
 
@@ -130,7 +134,11 @@ def _sms(device: torch.device) -> int:
 
 
 def _argmax_triton(
-    x: torch.Tensor, num_splits: int | None, block: int | None, host_out: torch.Tensor | None = None
+    x: torch.Tensor,
+    num_splits: int | None,
+    block: int | None,
+    host_out: torch.Tensor | None = None,
+    feed_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     rows, size = x.shape
     device = x.device
@@ -151,8 +159,9 @@ def _argmax_triton(
         idx = ticket = out.view(torch.int32)
         val = out.view(torch.float32)
     _argmax_kernel[(rows, splits)](
-        x, out, val, idx, ticket, host_out if host_out is not None else out, size, x.stride(0), chunk, splits,
-        BLOCK=block, MAX_S=MAX_SPLITS, HOST=host_out is not None, num_warps=4,
+        x, out, val, idx, ticket, host_out if host_out is not None else out,
+        feed_out if feed_out is not None else out, size, x.stride(0), chunk, splits,
+        BLOCK=block, MAX_S=MAX_SPLITS, HOST=host_out is not None, FEED=feed_out is not None, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -170,7 +179,7 @@ def _check_tuning(num_splits: int | None, block: int | None) -> None:
 
 def argmax_rows(
     x: torch.Tensor, *, backend: Backend = "auto", num_splits: int | None = None, block: int | None = None,
-    host_out: torch.Tensor | None = None,
+    host_out: torch.Tensor | None = None, feed_out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`x.argmax(dim=-1)` of a 2-D x [B, V]: int64 [B] on x's device, the same indices bit for bit.
 
@@ -200,6 +209,13 @@ def argmax_rows(
                 f"argmax_rows: host_out must be a contiguous int64 CPU tensor of at least {rows} values "
                 f"(pinned for CUDA x), got {tuple(host_out.shape)} {host_out.dtype} on {host_out.device}"
             )
+    if feed_out is not None:
+        ok = feed_out.device == x.device and feed_out.dtype == torch.int64 and feed_out.is_contiguous()
+        if not ok or feed_out.numel() < rows:
+            raise ValueError(
+                f"argmax_rows: feed_out must be a contiguous int64 tensor of at least {rows} values on "
+                f"{x.device}, got {tuple(feed_out.shape)} {feed_out.dtype} on {feed_out.device}"
+            )
     takes = x.dtype in _FLOATS and x.stride(1) == 1 and rows > 0 and 0 < size <= _MAX_COLUMNS
     kernel = takes and (backend == "triton" or (backend == "auto" and x.is_cuda))
     direct = host_out if kernel and x.is_cuda else None  # the kernel writes host_out itself
@@ -207,9 +223,11 @@ def argmax_rows(
         out = x.argmax(dim=-1)
     elif x.is_cuda and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):
-            out = _argmax_triton(x, num_splits, block, direct)
+            out = _argmax_triton(x, num_splits, block, direct, feed_out)
     else:
-        out = _argmax_triton(x, num_splits, block, direct)
+        out = _argmax_triton(x, num_splits, block, direct, feed_out)
     if host_out is not None and direct is None:
         host_out[:rows].copy_(out, non_blocking=x.is_cuda)
+    if feed_out is not None and not kernel:
+        feed_out[:rows].copy_(out)
     return out
