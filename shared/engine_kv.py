@@ -149,6 +149,8 @@ class KVOwnership:
     def _free_kv_now(self, reqs: list[Request]) -> None:
         """Give back what `reqs` own in one pass each over the page table, the pools and the rings: a
         batch finishing together frees thousands of pages (`UnitAllocator.free_many`)."""
+        if not reqs:
+            return
         reqs = list(dict.fromkeys(reqs))  # a request is freed once, however often it was asked for
         windows = [r.window for r in reqs if r.window is not None]
         self.page_table.clear([w.slot for w in windows])

@@ -52,6 +52,8 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 
 def expected_positions(batch: ForwardBatch) -> torch.Tensor:
     """q_start[s] + (t - cu_q[s]) for every token t of sequence s, without a host sync (sizes known)."""
+    if batch.mode is Mode.DECODE:  # one token a sequence: its start (one kernel, not ten in the graph)
+        return batch.q_start.long()
     counts = batch.cu_q[1:] - batch.cu_q[:-1]
     n = batch.num_tokens
     starts = torch.repeat_interleave(batch.q_start.long(), counts, output_size=n)

@@ -13,7 +13,7 @@ from shared.batch import ChunkItem, ForwardBatch, Mode
 from shared.engine import Engine, EngineConfig
 from shared.kv.cache import KVCache, KVConfig
 from shared.kv.window import RequestWindow
-from shared.runner import ModelRunner
+from shared.runner import ModelRunner, expected_positions
 from shared.sampling import SamplingParams
 from tests.engine.engine_testutil import W, random_tokens, reference, tiny_config, tiny_model
 
@@ -175,15 +175,18 @@ def test_a_runner_folds_the_mlp_norms_on_cuda_only_and_never_undoes_a_fold():
         ModelRunner(model, cache, fold_norms=False)
 
 
-@pytest.mark.parametrize("rope_in_attention", [True, False])
-@pytest.mark.parametrize("variant", ["llama", "qwen3-qk-norm", "one-kv-head"])
+@pytest.mark.parametrize(
+    ("variant", "rope_in_attention"),
+    [("llama", True), ("qwen3-qk-norm", True), ("one-kv-head", True), ("llama", False)],
+)
 def test_decode_with_rope_storing_kv_in_one_kernel_matches_the_reference_past_the_window(
     variant, rope_in_attention
 ):
     # Triton kernels: a decode step's attention applies RoPE (and the q/k norm) and writes each layer's
     # K/V into the pages and rings itself (`BatchAttention.takes_rope`), or (False) the RoPE kernel
     # does (`store_target`), a sliding layer's before its attention, where the token's ring index
-    # still holds position L - W. Decoding on for two windows wraps every ring twice.
+    # still holds position L - W (its q/k norm and head layouts: tests/model/test_model_kernels.py).
+    # W + 2 steps wrap both rings: the first sequence's from its first step, the second's at its W-th.
     import dataclasses
 
     from shared.attention import ops_for
@@ -202,7 +205,7 @@ def test_decode_with_rope_storing_kv_in_one_kernel_matches_the_reference_past_th
     seqs = [Seq(cache, 0, random_tokens(3 * W + 1, seed=6)), Seq(cache, 1, random_tokens(3 * W + 1, seed=7))]
     wants = [reference(model, s.tokens) for s in seqs]
     run(runner, [seqs[0].chunk(W - 1), seqs[1].chunk(2)], Mode.EXTEND)
-    for _ in range(2 * W):
+    for _ in range(W + 2):
         logits = run(runner, [s.chunk(1) for s in seqs], Mode.DECODE)
         for row, s, want in zip(logits, seqs, wants, strict=True):
             torch.testing.assert_close(row, want[s.done - 1], rtol=1e-4, atol=1e-4)
@@ -226,13 +229,17 @@ def test_rows_padding_a_graph_batch_change_nothing_for_the_real_ones():
     assert bool((cache.ring_pos[:, cache.scratch_slot] == -1).all())
 
 
-def test_tokens_out_of_position_trip_positions_consecutive():
+@pytest.mark.parametrize("mode", [Mode.EXTEND, Mode.DECODE])
+def test_tokens_out_of_position_trip_positions_consecutive(mode):
     from invariants import InvariantViolation, levels
 
     _, cache, runner = make("SSFS")
-    seq = Seq(cache, 0, random_tokens(12))
-    batch = ForwardBatch.build([seq.chunk(6)], Mode.EXTEND, cache)
-    batch.positions[3] += 1  # a builder bug: a skipped position
+    seqs = [Seq(cache, i, random_tokens(12, seed=i)) for i in range(2)]
+    if mode is Mode.DECODE:  # one token a row: the expected positions are the rows' starts
+        runner.forward(ForwardBatch.build([s.chunk(5) for s in seqs], Mode.EXTEND, cache), None)
+    batch = ForwardBatch.build([s.chunk(6 if mode is Mode.EXTEND else 1) for s in seqs], mode, cache)
+    assert torch.equal(expected_positions(batch), batch.positions)
+    batch.positions[-1] += 1  # a builder bug: a skipped position
     with levels("strict"), pytest.raises(InvariantViolation, match=r"engine.positions_consecutive"):
         runner.forward(batch, None)
 
