@@ -80,7 +80,7 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool, stream=side):
                     logits = runner.forward_logits(batch)
                 # A graph's first replay uploads it to the device: ~0.3 ms more to launch and to run on
-                # an H200 (docs/benchmarks.md, "The first replay"), which would otherwise land on the
+                # an H200 (docs/benchmarks.md, "The first decode call"), which would otherwise land on the
                 # first decode step at that size. The static batch is all padding: nothing is stored.
                 graph.replay()
                 self.graphs[size] = (graph, logits)
