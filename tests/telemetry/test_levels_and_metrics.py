@@ -78,6 +78,9 @@ def test_metrics_parse_and_move_with_traffic(tmp_path: Path) -> None:
             with pytest.raises(GenerationError) as err:
                 c.complete([1, 2], max_tokens=0)
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            # The gauges read the pool state the scheduler publishes after each step, which may come a
+            # moment after a client has heard its request end.
+            wait_pool_idle(c)
         after = scrape(url)
         d = dict(service="decode")
         for h in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
