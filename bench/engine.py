@@ -6,6 +6,7 @@
     python bench/engine.py --batches 64 --no-hf --prefill-prompt 0 --kernels torch   # unfused, to compare
     python bench/engine.py --batches 64,16,1 --no-hf --gemm cublas,skinny   # the layers' GEMMs, A/B
     python bench/engine.py --batches 64,1 --no-hf --rope-in-attention on,off  # decode's RoPE, A/B
+    python bench/engine.py --batches 64 --no-hf --window tpot,synced   # the decode window, A/B
 
 Model: hidden 2048, 28 layers, 16/8 heads x 128, intermediate 6144, 3 of 4 layers sliding (W=1024),
 vocab 128256, random bf16 weights (~1.9B parameters). The roofline of a decode step is the bytes it
@@ -91,8 +92,21 @@ def engine_config(**kw: object) -> EngineConfig:
 
 
 def bench_engine(
-    model, cfg, batch: int, prompt_len: int, steps: int, bandwidth: float, rope_in_attention: bool = True
+    model,
+    cfg,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    bandwidth: float,
+    rope_in_attention: bool = True,
+    window: str = "tpot",
 ) -> dict[str, float]:
+    """One engine's prefill and decode of `batch` prompts. `window` "tpot" times the decode from the
+    call that hands every request its first token to the call that hands the last ones (a client's
+    time per output token: `decode_step_ms` is that window over the tokens after the first). "synced"
+    is the window of the bench before 2026-12-01: the device drained between prefill and decode, so
+    that the first decode call built and launched its batch while the device idled, the window over
+    the device steps it saw (calls - 1)."""
     pages = batch * ((prompt_len + steps + 16) // 16 + 1) + 16
     kv = KVConfig(page_size=16, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda")
     engine_cfg = engine_config(max_running=batch, rope_in_attention=rope_in_attention)
@@ -109,10 +123,14 @@ def bench_engine(
     t0 = time.perf_counter()
     while any(r.phase.value == "prefill" or not r.output for r in reqs):
         engine.step()
-    torch.cuda.synchronize()
-    prefill_s = time.perf_counter() - t0
-    done0 = sum(len(r.output) for r in reqs)
+    # Every request has its first token: the step() that delivered them waited for the prefill. The
+    # first decode step is already queued behind it (overlap scheduling launches before it completes).
     t1 = time.perf_counter()
+    prefill_s = t1 - t0
+    if window == "synced":
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+    done0 = sum(len(r.output) for r in reqs)
     decode_steps, marks = 0, []
     while not engine.idle:
         engine.step()
@@ -125,15 +143,18 @@ def bench_engine(
     trim = max(2, len(marks) // 8)
     mid = marks[trim : len(marks) - trim]
     steady_s = (mid[-1] - mid[0]) / (len(mid) - 1) if len(mid) > 1 else float("nan")
-    # The ends' share of the whole: the first call (a batch built while the device idles) and the last
-    # (the drain, every request finished and its KV freed), against a steady step.
+    # The ends' share of the whole: the first call (with "synced", a batch built while the device idles)
+    # and the last (the drain, every request finished and its KV freed), against a steady step.
     gaps = [b - a for a, b in zip([t1, *marks], marks, strict=False)]
     ends_ms = [round(1e3 * g, 3) for g in (*gaps[:2], *gaps[-2:])]
     tokens = sum(len(r.output) for r in reqs) - done0
     ctx = prompt_len + steps // 2
     roof_s = decode_roofline_bytes(model, batch, ctx) / bandwidth
-    step_s = decode_s / max(decode_steps - 1, 1)
-    return {"batch": batch, "prefill_s": prefill_s, "prefill_tok_s": batch * prompt_len / prefill_s,
+    # tpot: over the tokens each request received after its first (all requests alike here)
+    per = decode_steps - 1 if window == "synced" else tokens // batch
+    step_s = decode_s / max(per, 1)
+    return {"batch": batch, "window": window, "prefill_s": prefill_s,
+            "prefill_tok_s": batch * prompt_len / prefill_s,
             "decode_step_ms": 1e3 * step_s, "decode_tok_s": tokens / decode_s,
             "steady_step_ms": 1e3 * steady_s, "roofline_step_ms": 1e3 * roof_s,
             "x_roofline": step_s / roof_s, "steady_x_roofline": steady_s / roof_s,
@@ -291,6 +312,11 @@ def main() -> None:
         help="decode's RoPE + K/V store inside the attention kernels (on) or in a kernel of its own (off)",
     )
     ap.add_argument(
+        "--window", default="tpot",
+        help="decode_step_ms's window: tpot (first token to last, a client's time per output token) or "
+        "synced (the device drained after prefill; the bench's figure before 2026-12-01), or a list",
+    )  # fmt: skip
+    ap.add_argument(
         "--fold-norms", choices=["on", "off"], default="on",
         help="each layer's RMSNorm weights folded into the GEMMs after them (EngineConfig.fold_norms); "
         "one value a run: the fold changes the model",
@@ -301,6 +327,9 @@ def main() -> None:
     ropes = args.rope_in_attention.split(",")
     if not set(ropes) <= {"on", "off"}:
         ap.error(f"--rope-in-attention: on and/or off, got {args.rope_in_attention!r}")
+    windows = args.window.split(",")
+    if not set(windows) <= {"tpot", "synced"}:
+        ap.error(f"--window: tpot and/or synced, got {args.window!r}")
     gemms = args.gemm.split(",")
     if not set(gemms) <= {"auto", "cublas", "skinny"}:
         ap.error(f"--gemm: auto, cublas and/or skinny, got {args.gemm!r}")
@@ -310,12 +339,14 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters()) / 1e9
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B; kernels {args.kernels}")
     rows = []
-    for gemm, rope in ((g, r) for g in gemms for r in ropes):  # side by side: ratios hold within one run
+    variants = [(g, r, w) for g in gemms for r in ropes for w in windows]
+    for gemm, rope, window in variants:  # side by side: ratios hold within one run
         model.gemm_backend = gemm
         for batch in (int(b) for b in args.batches.split(",")):
-            measured = bench_engine(model, cfg, batch, args.prompt, args.steps, bandwidth, rope == "on")
+            on = rope == "on"
+            measured = bench_engine(model, cfg, batch, args.prompt, args.steps, bandwidth, on, window)
             row = {"gemm": gemm, "rope_in_attention": rope, **measured}
-            if hf is not None and (gemm, rope) == (gemms[0], ropes[0]):
+            if hf is not None and (gemm, rope, window) == variants[0]:
                 row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
             rows.append(row)
             print(

@@ -7,6 +7,7 @@ they come from HBM, as in a decode step (each layer's weights are read once).
 
     python bench/gemm_decode.py [--rows 64,16,1] [--quick] [--json gemm.json]   (~2 min at M=64)
     python bench/gemm_decode.py --shapes o --quick --residual-add   (+ cuBLAS with the residual add)
+    python bench/gemm_decode.py --split-n 2,4 --no-sweep   (+ cuBLAS over N/P-column blocks on P streams)
 """
 
 from __future__ import annotations
@@ -35,6 +36,20 @@ def graph_us(fn, calls: int) -> float:  # type: ignore[no-untyped-def]
     with torch.cuda.graph(graph):
         fn()
     return 1e3 * triton.testing.do_bench(graph.replay, return_mode="median") / calls
+
+
+def split_n_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, streams: list) -> None:  # type: ignore[type-arg]
+    """out = x @ w.T as len(streams) column blocks, each on its own stream: the blocks run side by
+    side when one cuBLAS launch at M=64 leaves SMs idle (88-96 CTAs of 132 under ncu)."""
+    main = torch.cuda.current_stream()
+    cols = -(-w.shape[0] // len(streams))
+    for i, side in enumerate(streams):
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            a, b = i * cols, min((i + 1) * cols, w.shape[0])
+            torch.mm(x, w[a:b].T, out=out[:, a:b])
+    for side in streams:
+        main.wait_stream(side)
 
 
 def copy_rate() -> float:
@@ -109,6 +124,8 @@ def main() -> None:
     ap.add_argument("--compile-procs", type=int, default=0, help="precompile the sweep in N processes")
     ap.add_argument("--residual-add", action="store_true",
                     help="also cuBLAS adding a residual: addmm out of place, addmm_ in place")  # fmt: skip
+    ap.add_argument("--split-n", default="", help="also cuBLAS over P column blocks on P streams, e.g. 2,4")
+    ap.add_argument("--no-sweep", action="store_true", help="cuBLAS (and --split-n) only")
     ap.add_argument("--json")
     args = ap.parse_args()
     mode = "wide" if args.wide else "deep" if args.deep else "quick" if args.quick else "full"
@@ -139,7 +156,21 @@ def main() -> None:
             for lib in ("cublaslt", "cublas"):
                 torch.backends.cuda.preferred_blas_library(lib)
                 timed[lib] = graph_us(lambda: [torch_gemm(w) for w in ws], copies)  # noqa: B023
+            for parts in (int(p) for p in args.split_n.split(",") if p):
+                streams = [torch.cuda.Stream() for _ in range(parts)]
+                outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
+                pairs_o = list(zip(ws, outs, strict=True))
+                split_n_gemm(x, ws[0], outs[0], streams)
+                torch.testing.assert_close(outs[0].float(), ref, rtol=3e-2, atol=3e-2)
+                run = lambda: [split_n_gemm(x, w, o, streams) for w, o in pairs_o]  # noqa: B023
+                timed[f"cublas/{parts} streams"] = graph_us(run, copies)
             torch.backends.cuda.preferred_blas_library("cublaslt")
+            if args.no_sweep:
+                row = {"shape": name, "M": m, "floor_us": round(floor_us, 2)} | timed
+                rows.append(row)
+                print(f"{name:8s} M={m:<3d} floor {floor_us:7.2f} us  "
+                      + "  ".join(f"{k} {v:7.2f}" for k, v in timed.items()), flush=True)  # fmt: skip
+                continue
             if args.residual_add:  # ModelKernels.linear_add: the o and down projections' residual add
                 res = [torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
                 pairs = list(zip(res, ws, strict=True))
