@@ -128,9 +128,9 @@ class Checker:
         if pred.device != self.device:
             raise InvariantError(f"{inv.name}: predicate on {pred.device}, checker on {self.device}")
         if rows is not None:
-            if rows.device != self.device or rows.dim() != 1 or rows.shape[0] != pred.num_rows:
+            if rows.device != self.device or rows.dim() != 1 or rows.shape[0] != pred.id_rows:
                 raise InvariantError(
-                    f"{inv.name}: rows must be a 1-D tensor of {pred.num_rows} row ids on {self.device}, "
+                    f"{inv.name}: rows must be a 1-D tensor of {pred.id_rows} row ids on {self.device}, "
                     f"got shape {tuple(rows.shape)} on {rows.device}"
                 )
             if rows.dtype not in (torch.int32, torch.int64):
@@ -202,6 +202,7 @@ class Checker:
         bad = ~pred.row_ok()
         self.counts[slot] += bad.sum()
         if rows is not None:
+            rows = rows.repeat(pred.layers)
             for rid in rows[bad].tolist():
                 if 0 <= rid < self.max_rows:
                     word, bit = divmod(rid, 32)

@@ -37,6 +37,10 @@ class Predicate:
     # Row r of the check reads row index[r] of `a` (a table indexed by request slot), fused into
     # the kernel instead of a gather.
     index: torch.Tensor | None = None
+    # With an index, `a` may stack `layers` such tables ([layers, table rows, ...]): check row
+    # l * len(index) + r reads table l at index[r], with b's row r and row id r. One check per
+    # batch over every layer's table instead of one per layer.
+    layers: int = 1
 
     @property
     def device(self) -> torch.device:
@@ -45,18 +49,34 @@ class Predicate:
     @property
     def num_rows(self) -> int:
         if self.index is not None:
-            return self.index.shape[0]
+            return self.index.shape[0] * self.layers
         return self.a.shape[0] if self.a.dim() else 1
+
+    @property
+    def id_rows(self) -> int:
+        """How many row ids (`expect`'s rows) the check takes: one per index entry when layered."""
+        return self.num_rows // self.layers
+
+    @property
+    def layer_rows(self) -> int:
+        """Rows of one stacked table (0 unless layered)."""
+        return self.a.shape[1] if self.layers > 1 else 0
 
     def as_2d(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[rows, cols] views (a copy only where the trailing dims cannot be flattened)."""
-        return _rows_view(self.a), None if self.b is None else _rows_view(self.b)
+        a = self.a.flatten(0, 1) if self.layers > 1 else self.a
+        return _rows_view(a), None if self.b is None else _rows_view(self.b)
 
     def row_ok(self) -> torch.Tensor:
         """The torch reference: a bool tensor [rows], True where the row holds."""
         a, b = self.as_2d()
         if self.index is not None:
-            a = a[self.index]
+            index = self.index.to(torch.int64)
+            if self.layers > 1:
+                first = torch.arange(self.layers, device=index.device) * self.layer_rows
+                index = (first[:, None] + index[None, :]).reshape(-1)
+                b = None if b is None else b.repeat(self.layers, 1)
+            a = a[index]
         if self.op is Op.EQUAL:
             ok = a == b
         elif self.op is Op.IN_RANGE:
@@ -133,24 +153,29 @@ def window_positions(
 ) -> Predicate:
     """A sliding-window ring holds exactly the last W positions of each row.
 
-    `pos[r, i]` is the absolute position whose K/V sits at ring index i (W = pos.shape[1]; -1 =
+    `pos[r, i]` is the absolute position whose K/V sits at ring index i (W = pos.shape[-1]; -1 =
     empty); a row with `seq_lens[r]` = L tokens must hold position p at index p % W for every p in
     [max(0, L - W), L) and -1 elsewhere. Missing or stale history fails its row. With `index`,
-    row r checks `pos[index[r]]` (pos is then the whole per-slot table).
+    row r checks `pos[index[r]]` (pos is then the whole per-slot table), and pos may stack one such
+    table per layer ([layers, slots, W]): every layer's ring of each row, in one check.
     """
     pos, seq_lens = _tensor(pos, "pos"), _tensor(seq_lens, "seq_lens")
     rows = pos.shape[:1] if index is None else _tensor(index, "index").shape
-    if pos.dim() != 2 or seq_lens.shape != rows or pos.device != seq_lens.device:
+    dims = (2,) if index is None else (2, 3)
+    if pos.dim() not in dims or seq_lens.shape != rows or pos.device != seq_lens.device:
         raise InvariantError(
-            f"window_positions(): pos must be [rows, W] (or a table with index [rows]) and seq_lens "
-            f"[rows] on one device, got {tuple(pos.shape)}@{pos.device} and "
+            f"window_positions(): pos must be [rows, W] (or a table, or a stack of tables, with index "
+            f"[rows]) and seq_lens [rows] on one device, got {tuple(pos.shape)}@{pos.device} and "
             f"{tuple(seq_lens.shape)}@{seq_lens.device}"
         )
     if pos.is_floating_point() or seq_lens.is_floating_point():
         raise InvariantError("window_positions(): pos and seq_lens must be integer tensors")
     if index is not None and (index.dim() != 1 or index.is_floating_point() or index.device != pos.device):
         raise InvariantError("window_positions(): index must be a 1-D integer tensor on pos's device")
-    return Predicate(Op.WINDOW, pos, seq_lens.reshape(-1, 1), index=index)
+    if pos.dim() == 3 and pos.shape[0] == 1:
+        pos = pos[0]
+    layers = pos.shape[0] if pos.dim() == 3 else 1
+    return Predicate(Op.WINDOW, pos, seq_lens.reshape(-1, 1), index=index, layers=layers)
 
 
 def window_expected(seq_lens: torch.Tensor, window: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from shared.attention.fused_rope import RopeInKernel
 from shared.batch import ChunkItem, ForwardBatch, Mode
 from shared.cuda_graph import DecodeGraphs
 from shared.kv.cache import KVCache
-from shared.kv.window import window_buffer
+from shared.kv.window import check_windows
 from shared.model.kernels import KVStore
 from shared.model.kernels.argmax import argmax_rows
 from shared.model.layers import RopeArgs
@@ -126,7 +126,7 @@ class BatchAttention:
                 q[t], kp, vp, b.block_table[r], cu, b.q_start[r], max_q=max_q, scale=self.scale, window=None,
                 **chunk,
             ))  # fmt: skip
-        k_ring, v_ring = window_buffer(c, layer, b.slots, b.ring_context)
+        k_ring, v_ring = c.k_ring_l[i], c.v_ring_l[i]  # their history checked at the block's start
         out = self._by_part(lambda r, t, cu, max_q: self.ops.ring_attention(
             q[t], k[t], v[t], k_ring, v_ring, b.slots[r], cu, b.ring_context[r],
             max_q=max_q, scale=self.scale, window=c.window, rope=inside,
@@ -223,6 +223,7 @@ class ModelRunner:
             expect(POSITIONS_CONSECUTIVE,
                    lambda: predicates.equal(batch.positions, expected_positions(batch)),
                    rows=batch.token_slots)  # fmt: skip
+            check_windows(self.cache, batch.slots, batch.ring_context)  # every sliding layer's, at once
             hidden = self.model(batch.input_ids, batch.positions, attn)
         attn.store_ring_positions()
         if batch.mode is Mode.REPLAY:

@@ -23,6 +23,8 @@ from invariants.predicates import Op, Predicate
 
 @triton.jit
 def _record(rows_ptr, counts_ptr, bits_ptr, r, rbad, slot, words_per_slot, HAS_ROWS: tl.constexpr):
+    """Count the failing rows, and set their ids' bits: check row r's id is rows[r] (the caller maps a
+    layered check's rows to their index entries first)."""
     n = tl.sum(rbad.to(tl.int32), axis=0).to(tl.int64)
     tl.atomic_add(counts_ptr + slot, n, mask=n > 0)
     if HAS_ROWS:
@@ -74,7 +76,7 @@ def _rows_bad(
 
 def _check_rows(
     a_ptr, b_ptr, index_ptr, rows_ptr, counts_ptr, bits_ptr, scratch_ptr, done_ptr,
-    R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words_per_slot, chunk,
+    R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words_per_slot, chunk, index_rows, layer_rows,
     OP: tl.constexpr, HAS_ROWS: tl.constexpr, ASSERT: tl.constexpr, MSG: tl.constexpr,
     SPLIT: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     EVICT: tl.constexpr,
@@ -83,10 +85,12 @@ def _check_rows(
     rmask = r < R
     r64 = r.to(tl.int64)
     ra = r64  # the row of `a` this check row reads
+    rb = r64  # ... of `b`, and of its row ids: a layered check's row l * index_rows + i reads entry i
     if HAS_INDEX:
-        ra = tl.load(index_ptr + r, mask=rmask, other=0).to(tl.int64)
+        rb = r64 % index_rows
+        ra = tl.load(index_ptr + rb, mask=rmask, other=0).to(tl.int64) + (r64 // index_rows) * layer_rows
     bad = _rows_bad(
-        a_ptr, b_ptr, ra, r64, rmask, C, sa_r, sa_c, sb_r, sb_c, lo, hi, tl.program_id(1) * chunk, chunk,
+        a_ptr, b_ptr, ra, rb, rmask, C, sa_r, sa_c, sb_r, sb_c, lo, hi, tl.program_id(1) * chunk, chunk,
         OP, BLOCK_R, BLOCK_C, EVICT,
     )  # fmt: skip
     if ASSERT:
@@ -100,14 +104,17 @@ def _check_rows(
                 rr = r0 + tl.arange(0, 1024)
                 flags = tl.atomic_xchg(scratch_ptr + rr, tl.zeros([1024], tl.int32), mask=rr < R)
                 rbad = (rr < R) & (flags > 0)
-                _record(rows_ptr, counts_ptr, bits_ptr, rr, rbad, slot, words_per_slot, HAS_ROWS)
+                ids = rr
+                if HAS_INDEX:
+                    ids = rr % index_rows
+                _record(rows_ptr, counts_ptr, bits_ptr, ids, rbad, slot, words_per_slot, HAS_ROWS)
             tl.atomic_xchg(done_ptr, 0)
     else:
-        _record(rows_ptr, counts_ptr, bits_ptr, r, rmask & (bad > 0), slot, words_per_slot, HAS_ROWS)
+        _record(rows_ptr, counts_ptr, bits_ptr, rb, rmask & (bad > 0), slot, words_per_slot, HAS_ROWS)
 
 
 # C stays specialized: knowing C % 16 == 0 lets the masked column loads vectorize.
-_NO_SPECIALIZE = ["R", "lo", "hi", "slot"]
+_NO_SPECIALIZE = ["R", "lo", "hi", "slot", "index_rows", "layer_rows"]
 _count_kernel = triton.jit(do_not_specialize=_NO_SPECIALIZE)(_check_rows)
 _assert_kernel = triton.jit(debug=True, do_not_specialize=_NO_SPECIALIZE)(_check_rows)
 
@@ -226,7 +233,7 @@ def launch(
     sa_r, sa_c, sb_r, sb_c, words = a.stride(0), a.stride(1), bb.stride(0), bb.stride(1), bits.shape[1]
     lo, hi = pred.lo, pred.hi
     tensors = (a, bb, ii, rr, counts, bits, scratch, ticket)
-    args = (*tensors, R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words, chunk)
+    args = (*tensors, R, C, sa_r, sa_c, sb_r, sb_c, lo, hi, slot, words, chunk, pred.id_rows, pred.layer_rows)
     # Every pointer Triton specializes on (16-byte alignment), or the cache could run a kernel
     # compiled for an aligned slot index on a misaligned one.
     ptrs = (a.data_ptr(), bb.data_ptr(), ii.data_ptr(), rr.data_ptr(), counts.data_ptr(), bits.data_ptr())

@@ -1,8 +1,11 @@
 """RequestWindow: one request's sliding-window history, the last W tokens of K/V of every SWA layer.
 
-The rings live in KVCache; a RequestWindow is the request's slot in them. Before a sliding layer
-reads its history, `window_buffer` checks `swa.history_present` through `invariants.expect`: one
-fused kernel over the batch, no host sync, attributed to the request slots.
+The rings live in KVCache; a RequestWindow is the request's slot in them. Before sliding layers read
+their history, `swa.history_present` is checked through `invariants.expect`: no host sync, attributed
+to the request slots. A batch's forward checks every sliding layer's ring at once before the first
+one is read (`check_windows`: one kernel a step where a kernel per layer ran beside attention,
+~6% of a batch-64 decode step at WARN on an H200, docs/benchmarks.md); `window_buffer` checks one
+layer's, for a caller that reads one layer.
 """
 
 from __future__ import annotations
@@ -13,7 +16,18 @@ from invariants import expect, predicates
 from shared.kv.cache import KVCache
 from shared.kv.invariants import SWA_HISTORY_PRESENT
 
-__all__ = ["RequestWindow", "free_windows", "ring_store_index", "window_buffer"]
+__all__ = ["RequestWindow", "check_windows", "free_windows", "ring_store_index", "window_buffer"]
+
+
+def check_windows(cache: KVCache, slots: torch.Tensor, context_lens: torch.Tensor) -> None:
+    """Check that every sliding layer's ring of each slot holds its last W positions (`context_lens[r]`
+    tokens of slot `slots[r]`): one check over the stacked rings of all layers, before any is read."""
+    if not cache.sliding_layers or slots.numel() == 0:
+        return
+    pos = cache.ring_pos
+    expect(
+        SWA_HISTORY_PRESENT, lambda: predicates.window_positions(pos, context_lens, index=slots), rows=slots
+    )
 
 
 def window_buffer(

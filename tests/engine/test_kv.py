@@ -138,3 +138,36 @@ def test_bounded_replay_span_depends_on_the_layout_not_the_prompt(types, ctx, ex
     # A prompt 1000 tokens longer replays no more tokens (once both exceed the span).
     longer = ctx + 1000 - replay_start(ctx + 1000, layer_types, W)
     assert ctx - replay_start(ctx, layer_types, W) == min(ctx, longer)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_a_step_checks_every_sliding_layers_history_and_contains_the_request_that_lost_one(use_triton):
+    # One check a step covers the rings of all sliding layers (layers 0, 1 and 3 here). Losing only
+    # the last layer's history of one request, mid-decode, aborts that request at WARN, by name,
+    # and leaves the other to finish. use_triton: the fused check kernel (interpreted on CPU).
+    import invariants
+    from shared.engine import Engine, EngineConfig
+    from shared.sampling import SamplingParams
+    from tests.engine.engine_testutil import tiny_model
+
+    invariants.reset_checkers()
+    invariants.checker("cpu", use_triton=use_triton)
+    try:
+        with levels("warn"):
+            eng = Engine(
+                tiny_model(tiny_config("SSFS")),
+                KVConfig(page_size=4, num_pages=32, max_requests=2),
+                EngineConfig(max_batch_tokens=32),
+            )
+            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            keep, lose = eng.add_request([1, 2, 3, 4, 5], params), eng.add_request([6, 7, 8], params)
+            while len(lose.output) < 3:
+                eng.step()
+            eng.flush()
+            eng.cache.ring_pos[2, lose.window.slot] = -1  # the third sliding layer = model layer 3
+            while not eng.idle:
+                eng.step()
+    finally:
+        invariants.reset_checkers()
+    assert lose.finish_reason == "abort" and "swa.history_present" in lose.error
+    assert keep.finish_reason == "length" and len(keep.output) == 8

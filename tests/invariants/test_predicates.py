@@ -66,6 +66,61 @@ def test_window_positions_can_read_rows_of_a_slot_table():
     assert bad_rows(predicates.window_positions(table, lens, index=torch.tensor([7, 2]))) == [0, 1]
 
 
+def stacked_rings(lens: torch.Tensor, slots: list[int], layers: int = 3) -> torch.Tensor:
+    """One [10, 4] slot table per layer, each holding `lens`' history at `slots`."""
+    table = torch.full((layers, 10, 4), -1, dtype=torch.int32)
+    table[:, slots] = window_expected(lens, 4).to(torch.int32)
+    return table
+
+
+def test_window_positions_checks_every_layers_table_of_a_stack_at_once():
+    # Check row l * 2 + r is layer l's ring of slot index[r]; row ids come one per index entry.
+    lens, slots = torch.tensor([3, 9]), [2, 7]
+    table = stacked_rings(lens, slots)
+    pred = predicates.window_positions(table, lens, index=torch.tensor(slots))
+    assert (pred.layers, pred.num_rows, pred.id_rows) == (3, 6, 2)
+    assert bad_rows(pred) == []
+    table[2, 7, 1] = 0  # the last layer's ring of slot 7 (row 1) stale
+    table[1, 2] = -1  # the middle layer's ring of slot 2 (row 0) missing
+    assert bad_rows(predicates.window_positions(table, lens, index=torch.tensor(slots))) == [2, 5]
+    one = predicates.window_positions(table[:1], lens, index=torch.tensor(slots))  # a stack of one
+    assert one.layers == 1 and bad_rows(one) == []
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_the_fused_kernel_attributes_a_stacks_failures_to_their_rows(split):
+    # A failing layer of slot 7 sets row id 107's bit, whichever layer it is; counts are per (layer,
+    # row). `split`: rings wide enough that the kernel splits their columns (a ticket's last program
+    # records the rows).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    width = 4 if not split else 8192
+    lens, slots = torch.tensor([3, 9, 5]), [2, 7, 4]
+    table = torch.full((3, 10, width), -1, dtype=torch.int32)
+    table[:, slots] = window_expected(lens, width).to(torch.int32)
+    table[2, 7, 1] = 0
+    table[0, 7, 2] = 0
+    table[1, 4, 0] = 9
+    ids = torch.tensor([100, 107, 104])
+    pred = predicates.window_positions(
+        table.to(device), lens.to(device), index=torch.tensor(slots, device=device)
+    )
+    ref = Checker("cpu", use_triton=False)
+    fused = Checker(device, use_triton=True)
+    ref.check(INV, predicates.window_positions(table, lens, index=torch.tensor(slots)), ids, crash=False)
+    fused.check(INV, pred, ids.to(device), crash=False)
+    [want], [got] = ref.poll(), fused.drain()
+    assert (want.total, list(want.rows)) == (3, [104, 107])
+    assert (got.total, got.rows) == (want.total, want.rows)
+    assert int(fused.scratch.abs().sum()) == 0 and int(fused.ticket) == 0
+
+
+def test_a_stacks_row_ids_are_one_per_index_entry():
+    table = stacked_rings(torch.tensor([3]), [2])
+    pred = predicates.window_positions(table, torch.tensor([3]), index=torch.tensor([2]))
+    with pytest.raises(InvariantError, match="1 row ids"):
+        Checker("cpu", use_triton=False).check(INV, pred, torch.tensor([0, 1, 2]), crash=False)
+
+
 def test_window_positions_flags_missing_and_stale_rows():
     lens = torch.tensor([2, 6, 6, 6])
     pos = window_expected(lens, 4)
