@@ -144,19 +144,21 @@ def test_bounded_replay_span_depends_on_the_layout_not_the_prompt(types, ctx, ex
 def test_a_step_checks_every_sliding_layers_history_and_contains_the_request_that_lost_one(use_triton):
     # One check a step covers the rings of all sliding layers (layers 0, 1 and 3 here). Losing only
     # the last layer's history of one request, mid-decode, aborts that request at WARN, by name,
-    # and leaves the other to finish. use_triton: the fused check kernel (interpreted on CPU).
+    # and leaves the other to finish. use_triton: the fused check kernel (on a GPU if there is one,
+    # else interpreted on the CPU).
     import invariants
     from shared.engine import Engine, EngineConfig
     from shared.sampling import SamplingParams
     from tests.engine.engine_testutil import tiny_model
 
+    device = "cuda" if use_triton and torch.cuda.is_available() else "cpu"
     invariants.reset_checkers()
-    invariants.checker("cpu", use_triton=use_triton)
+    invariants.checker(device, use_triton=use_triton)
     try:
         with levels("warn"):
             eng = Engine(
-                tiny_model(tiny_config("SSFS")),
-                KVConfig(page_size=4, num_pages=32, max_requests=2),
+                tiny_model(tiny_config("SSFS")).to(device),
+                KVConfig(page_size=4, num_pages=32, max_requests=2, device=device),
                 EngineConfig(max_batch_tokens=32),
             )
             params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
