@@ -22,12 +22,8 @@ __all__ = ["RequestWindow", "check_windows", "free_windows", "ring_store_index",
 def check_windows(cache: KVCache, slots: torch.Tensor, context_lens: torch.Tensor) -> None:
     """Check that every sliding layer's ring of each slot holds its last W positions (`context_lens[r]`
     tokens of slot `slots[r]`): one check over the stacked rings of all layers, before any is read."""
-    if not cache.sliding_layers or slots.numel() == 0:
-        return
-    pos = cache.ring_pos
-    expect(
-        SWA_HISTORY_PRESENT, lambda: predicates.window_positions(pos, context_lens, index=slots), rows=slots
-    )
+    if cache.sliding_layers and slots.numel():
+        _expect_history(cache.ring_pos, slots, context_lens)
 
 
 def window_buffer(
@@ -39,11 +35,15 @@ def window_buffer(
     ring (the tokens before the chunk being computed).
     """
     i = cache.kind_index[layer]
-    pos = cache.ring_pos_l[i]
+    _expect_history(cache.ring_pos_l[i], slots, context_lens)
+    return cache.k_ring_l[i], cache.v_ring_l[i]
+
+
+def _expect_history(pos: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor) -> None:
+    """`swa.history_present` over `pos` (one layer's slot table, or all layers' stacked), by slot."""
     expect(
         SWA_HISTORY_PRESENT, lambda: predicates.window_positions(pos, context_lens, index=slots), rows=slots
     )
-    return cache.k_ring_l[i], cache.v_ring_l[i]
 
 
 def ring_store_index(slot: int, start: int, count: int, window: int) -> tuple[list[int], list[int]]:
