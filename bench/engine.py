@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 
 import torch
@@ -100,6 +101,7 @@ def bench_engine(
     bandwidth: float,
     rope_in_attention: bool = True,
     window: str = "tpot",
+    tune_gemms: bool = True,
 ) -> dict[str, float]:
     """One engine's prefill and decode of `batch` prompts. `window` "tpot" times the decode from the
     call that hands every request its first token to the call that hands the last ones (a client's
@@ -109,7 +111,7 @@ def bench_engine(
     the device steps it saw (calls - 1)."""
     pages = batch * ((prompt_len + steps + 16) // 16 + 1) + 16
     kv = KVConfig(page_size=16, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda")
-    engine_cfg = engine_config(max_running=batch, rope_in_attention=rope_in_attention)
+    engine_cfg = engine_config(max_running=batch, rope_in_attention=rope_in_attention, tune_gemms=tune_gemms)
     engine = Engine(model, kv, engine_cfg)
     # As a service does before it reports ready (shared/service_runtime.py): kernels compiled, and the
     # host's pinned staging blocks allocated, before the first request (a decode step that has to
@@ -317,6 +319,11 @@ def main() -> None:
         "synced (the device drained after prefill; the bench's figure before 2026-12-01), or a list",
     )  # fmt: skip
     ap.add_argument(
+        "--tune-gemms", default="on",
+        help="EngineConfig.tune_gemms: cuBLASLt's fastest algorithm per decode GEMM (on) or torch's (off), "
+        "or a list (each choice is printed: logging at INFO)",
+    )  # fmt: skip
+    ap.add_argument(
         "--fold-norms", choices=["on", "off"], default="on",
         help="each layer's RMSNorm weights folded into the GEMMs after them (EngineConfig.fold_norms); "
         "one value a run: the fold changes the model",
@@ -330,6 +337,11 @@ def main() -> None:
     windows = args.window.split(",")
     if not set(windows) <= {"tpot", "synced"}:
         ap.error(f"--window: tpot and/or synced, got {args.window!r}")
+    tunes = args.tune_gemms.split(",")
+    if not set(tunes) <= {"on", "off"}:
+        ap.error(f"--tune-gemms: on and/or off, got {args.tune_gemms!r}")
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("shared.model.gemm_tuning").setLevel(logging.INFO)
     gemms = args.gemm.split(",")
     if not set(gemms) <= {"auto", "cublas", "skinny"}:
         ap.error(f"--gemm: auto, cublas and/or skinny, got {args.gemm!r}")
@@ -339,14 +351,16 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters()) / 1e9
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B; kernels {args.kernels}")
     rows = []
-    variants = [(g, r, w) for g in gemms for r in ropes for w in windows]
-    for gemm, rope, window in variants:  # side by side: ratios hold within one run
+    variants = [(g, r, w, t) for g in gemms for r in ropes for w in windows for t in tunes]
+    for gemm, rope, window, tune in variants:  # side by side: ratios hold within one run
         model.gemm_backend = gemm
         for batch in (int(b) for b in args.batches.split(",")):
             on = rope == "on"
-            measured = bench_engine(model, cfg, batch, args.prompt, args.steps, bandwidth, on, window)
-            row = {"gemm": gemm, "rope_in_attention": rope, **measured}
-            if hf is not None and (gemm, rope, window) == variants[0]:
+            measured = bench_engine(
+                model, cfg, batch, args.prompt, args.steps, bandwidth, on, window, tune_gemms=tune == "on"
+            )
+            row = {"gemm": gemm, "rope_in_attention": rope, "tune_gemms": tune, **measured}
+            if hf is not None and (gemm, rope, window, tune) == variants[0]:
                 row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
             rows.append(row)
             print(

@@ -64,6 +64,11 @@ class EngineConfig:
     # layer runs no norm kernel (docs/benchmarks.md, "The norms folded"). On a CPU the model is left
     # as it is.
     fold_norms: bool = True
+    # On CUDA, before the decode graphs are captured: each decode GEMM that goes to cuBLAS takes the
+    # fastest of cuBLASLt's algorithms for its shape, timed on the model's weights, where it beats
+    # torch's pick by 2% (`shared/model/gemm_tuning.py`; needs nvmath-python, the gpu extra). False
+    # forgets earlier engines' choices on the same model: torch's GEMMs.
+    tune_gemms: bool = True
 
 
 @dataclass
@@ -102,6 +107,7 @@ class Engine(KVOwnership):
         most = min(self.cfg.max_running, kv.max_requests)
         sizes = [b for b in self.cfg.cuda_graph_sizes if b <= most]
         if self.cache.device.type == "cuda" and sizes:
+            self.runner.tune_gemms(sizes if self.cfg.tune_gemms else [])
             self.runner.capture_decode_graphs(sizes, max_pages)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -23,7 +23,8 @@ from shared.batch import ChunkItem, ForwardBatch, Mode
 from shared.cuda_graph import DecodeGraphs
 from shared.kv.cache import KVCache
 from shared.kv.window import check_windows
-from shared.model.kernels import KVStore
+from shared.model import gemm_tuning
+from shared.model.kernels import KVStore, kernels_for
 from shared.model.kernels.argmax import argmax_rows
 from shared.model.layers import RopeArgs
 from shared.model.transformer import Transformer
@@ -201,6 +202,15 @@ class ModelRunner:
         self._host_ring: list[torch.Tensor] = []
         self._host_next = 0
         self._host_retired: list[torch.Tensor] = []
+
+    def tune_gemms(self, batch_sizes: list[int]) -> list[gemm_tuning.Tuned]:
+        """Time cuBLASLt's algorithms for the decode GEMMs at these batch sizes and set the fastest
+        where it beats torch's (`shared/model/gemm_tuning.py`); [] forgets every earlier choice."""
+        if not batch_sizes:
+            gemm_tuning.clear(self.model)
+            return []
+        kernels = kernels_for(self.cache.device, self.model.kernel_backend, self.model.gemm_backend)
+        return gemm_tuning.tune(self.model, batch_sizes, kernels)
 
     def capture_decode_graphs(self, batch_sizes: list[int], max_pages: int) -> None:
         """Capture the decode forward for these batch sizes (CUDA only; levels frozen at capture)."""

@@ -20,6 +20,7 @@ class CommonConfig:
     device: str = "auto"  # auto = cuda when available, else cpu
     dtype: str = "float32"
     gemm: str = "auto"  # the layers' GEMMs on CUDA at few rows (Transformer.gemm_backend)
+    tune_gemms: bool = True  # EngineConfig.tune_gemms
     page_size: int = 16
     num_pages: int = 512
     max_running: int = 32
@@ -53,6 +54,8 @@ COMMON_HELP = {
     "dtype": "model and KV dtype: float32, bfloat16 or float16",
     "gemm": "the layers' GEMMs on CUDA: auto (the Triton skinny kernel up to 16 rows, where it measured "
     "faster, cuBLAS above), cublas, or skinny (up to 64 rows)",
+    "tune_gemms": "on CUDA, time cuBLASLt's algorithms for the decode GEMMs at start and keep the fastest "
+    "where it beats torch's (needs nvmath-python, the gpu extra); --no-tune-gemms: torch's",
     "page_size": "tokens per KV page",
     "num_pages": "KV pages in the pool",
     "max_running": "requests running at once (also the number of sliding-window slots)",

@@ -79,7 +79,10 @@ def build_engine(cfg: CommonConfig, role: str, *, mixed: bool = False) -> tuple[
         dtype=kv_dtype,
         device=str(device),
     )
-    engine_cfg = EngineConfig(max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running, mixed=mixed)
+    engine_cfg = EngineConfig(
+        max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running, mixed=mixed,
+        tune_gemms=cfg.tune_gemms,
+    )  # fmt: skip
     engine = Engine(loaded.model, kv, engine_cfg)
     took = engine.warm_up()  # before ready: a first request must not wait on kernel compiles
     if took:

@@ -185,7 +185,8 @@ class Transformer(nn.Module):
         """hidden: [N, H] (rows the caller picked, e.g. each sequence's last). Returns [N, V] logits,
         float32 unless `float32=False` (then the model's dtype: a greedy argmax needs no upcast, which
         at batch 64 and a 128k vocabulary is a 48 MB pass of its own)."""
-        logits = self.lm_head(hidden)
+        kernels = kernels_for(hidden.device, self.kernel_backend, self.gemm_backend)
+        logits = kernels.head(hidden, self.lm_head)
         return logits.float() if float32 else logits
 
     # -- weights -------------------------------------------------------------------------------------------

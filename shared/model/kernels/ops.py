@@ -18,6 +18,7 @@ from torch import nn
 
 from shared.attention import reference as attention_reference
 from shared.model.kernels import reference
+from shared.model.kernels.lt_gemm import LtGemm
 
 Tensor = torch.Tensor
 Backend = Literal["auto", "torch", "triton"]
@@ -54,6 +55,15 @@ class ModelKernels(ABC):
         gives `residual` up: an implementation may write the sum into it."""
         out = torch.addmm(residual, x, layer.weight.t())
         return out if layer.bias is None else out + layer.bias
+
+    def head(self, x: Tensor, layer: nn.Linear) -> Tensor:
+        """The LM head's `layer(x)`: torch's GEMM at every batch size (never the skinny kernel)."""
+        return F.linear(x, layer.weight, layer.bias)
+
+    def takes_cublas(self, rows: int, layer: nn.Linear) -> bool:
+        """Whether `linear` hands `rows` rows through `layer` to cuBLAS, where a GEMM tuned for the
+        shape (`shared/model/gemm_tuning.py`) can take its place. The torch kernels keep torch's."""
+        return False
 
     @abstractmethod
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -150,10 +160,25 @@ class TritonKernels(ModelKernels):
             and x.dtype == w.dtype and x.stride(-1) == 1 and w.stride(-1) == 1
         )  # fmt: skip
 
+    def takes_cublas(self, rows: int, layer: nn.Linear) -> bool:
+        w = layer.weight
+        rows_ok = rows > (_DEEP_ROWS[self.gemm] if w.shape[1] >= 2 * w.shape[0] else _SKINNY_ROWS[self.gemm])
+        return rows_ok or layer.bias is not None
+
+    @staticmethod
+    def _tuned(x: Tensor, layer: nn.Linear) -> LtGemm | None:
+        """The cuBLASLt GEMM `gemm_tuning.tune` set on `layer` for x's rows, if any takes x."""
+        gemm = getattr(layer, "lt_gemms", {}).get(x.shape[0]) if x.dim() == 2 else None
+        return gemm if gemm is not None and layer.bias is None and gemm.takes(x, layer.weight) else None
+
     def linear(self, x: Tensor, layer: nn.Linear) -> Tensor:
         if self._skinny(x, layer):
             return self._skinny_gemm(x, layer.weight)
-        return super().linear(x, layer)
+        return self.head(x, layer)
+
+    def head(self, x: Tensor, layer: nn.Linear) -> Tensor:
+        gemm = self._tuned(x, layer)
+        return gemm(x, layer.weight) if gemm is not None else super().head(x, layer)
 
     def linear_add(self, x: Tensor, layer: nn.Linear, residual: Tensor) -> Tensor:
         # The GEMM `linear` would take, writing the sum into residual's storage: cuBLAS out of place
@@ -161,6 +186,9 @@ class TritonKernels(ModelKernels):
         # place as fast as the plain GEMM (docs/benchmarks.md).
         if self._skinny(x, layer) and residual.stride(-1) == 1:
             return self._skinny_gemm(x, layer.weight, add=residual)
+        gemm = self._tuned(x, layer)
+        if gemm is not None and residual.is_contiguous():
+            return gemm(x, layer.weight, residual, residual=residual)
         out = residual.addmm_(x, layer.weight.t())
         return out if layer.bias is None else out.add_(layer.bias)
 
