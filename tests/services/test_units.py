@@ -86,6 +86,14 @@ def test_disaggregation_flags_and_the_prefill_config() -> None:
     assert (pcfg.port, pcfg.page_size) == (50052, 8)
 
 
+def test_gemm_tuning_is_on_unless_a_flag_or_the_environment_turns_it_off() -> None:
+    assert parse_args([], env={}).tune_gemms is True
+    assert parse_args(["--no-tune-gemms"], env={}).tune_gemms is False
+    assert parse_args([], env={"PDSERVE_TUNE_GEMMS": "false"}).tune_gemms is False
+    with pytest.raises(ValueError, match="not a boolean: 'sometimes'"):
+        parse_args([], env={"PDSERVE_TUNE_GEMMS": "sometimes"})
+
+
 def test_gemm_flag_takes_auto_cublas_or_skinny_and_names_itself_otherwise() -> None:
     assert parse_args([], env={}).gemm == "auto"
     assert parse_args(["--gemm", "cublas"], env={}).gemm == "cublas"
