@@ -52,6 +52,16 @@ def split_n_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, streams: l
         main.wait_stream(side)
 
 
+def weight_copies(name: str, tbs: float) -> tuple[list[torch.Tensor], float]:
+    """Enough bf16 copies of shape `name`'s weight that together they exceed L2 (each GEMM of a graph
+    over them reads its weight from HBM, as a decode step does), and its floor in µs at `tbs` TB/s."""
+    n, k = SHAPES[name]
+    nbytes = n * k * 2
+    copies = max(1, -(-(256 << 20) // nbytes))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+    return ws, nbytes / tbs / 1e6
+
+
 def copy_rate() -> float:
     x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     ms = triton.testing.do_bench(lambda: x.clone(), return_mode="median")
@@ -138,10 +148,8 @@ def main() -> None:
     rows = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        nbytes = n * k * 2
-        copies = max(1, -(-(256 << 20) // nbytes))  # > L2 in all
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
-        floor_us = nbytes / tbs / 1e6
+        ws, floor_us = weight_copies(name, tbs)
+        copies = len(ws)
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ ws[0].float().T

@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from bench.gemm_decode import SHAPES, copy_rate, graph_us
+from bench.gemm_decode import SHAPES, copy_rate, graph_us, weight_copies
 from shared.model.kernels.lt_gemm import candidates
 
 
@@ -34,10 +34,8 @@ def main() -> None:
     rows = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        nbytes = n * k * 2
-        copies = max(1, -(-(256 << 20) // nbytes))  # > L2 in all
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
-        floor_us = nbytes / tbs / 1e6
+        ws, floor_us = weight_copies(name, tbs)
+        copies = len(ws)
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)

@@ -1,12 +1,12 @@
 """Pick each decode GEMM's cuBLASLt algorithm by timing it on the model's own weights.
 
-For each weight shape of the model's bias-free bf16 projections (q/k/v, o, gate/up, down, the LM head)
-and each decode batch size whose GEMM goes to cuBLAS (`ModelKernels.takes_cublas`; the LM head's
-always does, `ModelKernels.head`), every candidate of
-`lt_gemm.candidates` and torch's own GEMM run as one CUDA graph over all the layers' weights of that
-shape, each read once from HBM as in a decode step. A candidate that beats torch by `MARGIN` is set
-on those modules (`nn.Linear.lt_gemms[rows]`), where `TritonKernels.linear` finds it; else torch's
-stays. The engine tunes before it captures its decode graphs (`EngineConfig.tune_gemms`).
+For each weight shape of the model's bias-free bf16 or fp16 projections (q/k/v, o, gate/up, down,
+the LM head) and each decode batch size whose GEMM goes to cuBLAS (`ModelKernels.takes_cublas`; the
+LM head's always does, `ModelKernels.head`), every candidate of `lt_gemm.candidates` and torch's own
+GEMM run as one CUDA graph over all the layers' weights of that shape, each read once from HBM as in
+a decode step. A candidate that beats torch by `MARGIN` is set on those modules
+(`nn.Linear.lt_gemms[rows]`), where `TritonKernels.linear` finds it; else torch's stays. The engine
+tunes before it captures its decode graphs (`EngineConfig.tune_gemms`).
 """
 
 from __future__ import annotations
@@ -62,20 +62,20 @@ def tune(model: nn.Module, rows: Iterable[int], kernels: ModelKernels) -> list[T
     if not lt_gemm.available():
         log.info("GEMM tuning skipped: cuBLASLt is not available (nvmath-python, the gpu extra, and CUDA)")
         return []
-    groups: dict[tuple[int, int, torch.device], list[nn.Linear]] = {}
+    groups: dict[tuple[int, int, torch.dtype, torch.device], list[nn.Linear]] = {}
     for lin in linears(model):
         w = lin.weight
-        if lin.bias is None and w.dtype == torch.bfloat16 and w.is_cuda and w.is_contiguous():
-            groups.setdefault((w.shape[0], w.shape[1], w.device), []).append(lin)
+        if lin.bias is None and w.dtype in lt_gemm.HALF_TYPES and w.is_cuda and w.is_contiguous():
+            groups.setdefault((w.shape[0], w.shape[1], w.dtype, w.device), []).append(lin)
     head = getattr(model, "lm_head", None)  # `ModelKernels.head`: cuBLAS at every batch size
     started = time.perf_counter()
     done = []
-    for (n, k, device), mods in groups.items():
+    for (n, k, dtype, device), mods in groups.items():
         for m in sorted(set(rows)):
             cublas = kernels.takes_cublas(m, mods[0]) or any(x is head for x in mods)
             if not cublas or all(m in getattr(x, "lt_gemms", {}) for x in mods):
                 continue
-            result, gemm = _tune_one(m, n, k, device, [x.weight for x in mods])
+            result, gemm = _tune_one(m, n, k, dtype, device, [x.weight for x in mods])
             for lin in mods:
                 table = getattr(lin, "lt_gemms", None)
                 if table is None:
@@ -90,18 +90,18 @@ def tune(model: nn.Module, rows: Iterable[int], kernels: ModelKernels) -> list[T
 
 @torch.no_grad()
 def _tune_one(
-    m: int, n: int, k: int, device: torch.device, weights: list[torch.Tensor]
+    m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, weights: list[torch.Tensor]
 ) -> tuple[Tuned, lt_gemm.LtGemm | None]:
     with torch.cuda.device(device):
-        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        out = torch.empty(m, n, device=device, dtype=dtype)
         want = torch.mm(x, weights[0].t())
         calls = len(weights)
         torch_us = _graph_us(lambda: [torch.mm(x, w.t(), out=out) for w in weights], calls)
         best: tuple[float, lt_gemm.LtGemm] | None = None
-        for gemm in lt_gemm.candidates(m, n, k):
+        for gemm in lt_gemm.candidates(m, n, k, dtype, device):
             gemm(x, weights[0], out)
-            # A candidate must compute the product (bf16 rounding of a different summation order aside).
+            # A candidate must compute the product (half-precision rounding of another summation order aside).
             if not torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2):
                 log.warning("cuBLASLt's %s gave a wrong product at %s: skipped", gemm.label, (m, n, k))
                 continue

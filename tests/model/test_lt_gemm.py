@@ -23,22 +23,27 @@ pytestmark = [
 ]
 
 
-def operands(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def operands(
+    m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(m + n + k)
-    x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to("cuda", torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to("cuda", dtype)
     return x, w
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 128, 64), (24, 1000, 512), (64, 384, 2048)])
-def test_every_candidate_computes_the_product_and_the_in_place_add(m: int, n: int, k: int) -> None:
-    x, w = operands(m, n, k)
+def test_every_candidate_computes_the_product_and_the_in_place_add(m: int, n: int, k: int, dtype) -> None:
+    x, w = operands(m, n, k, dtype)
     want = x.float() @ w.float().T
-    residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    gemms = list(lt_gemm.candidates(m, n, k, vary=2))  # split-K variants too
+    residual = torch.randn(m, n, device="cuda", dtype=dtype)
+    gemms = list(lt_gemm.candidates(m, n, k, dtype, x.device, vary=2))  # split-K variants too
     assert gemms, "cuBLASLt offers no algorithm"
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
     for gemm in gemms:
-        assert gemm.takes(x, w) and not gemm.takes(x.float(), w.float()) and not gemm.takes(x[:, :-1], w)
+        assert gemm.takes(x, w) and not gemm.takes(x.to(other), w.to(other)) and not gemm.takes(x[:, :-1], w)
+        assert not gemm.takes(x.t().contiguous().t(), w) or m == 1, "x must be row-major contiguous"
         torch.testing.assert_close(gemm(x, w).float(), want, rtol=2e-2, atol=2e-2, msg=gemm.label)
         summed = residual.clone()
         assert gemm(x, w, summed, residual=summed) is summed
