@@ -43,7 +43,8 @@ class Tuned:
 
 
 def linears(model: nn.Module) -> list[nn.Linear]:
-    """The model's projections a decode step runs through `ModelKernels.linear` / `linear_add`."""
+    """The model's projections: what a decode step runs through `ModelKernels.linear`, `linear_add`
+    and (the LM head) `head`."""
     return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
 

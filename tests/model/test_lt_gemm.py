@@ -63,7 +63,7 @@ def test_a_captured_gemm_replays_its_eager_result_bit_for_bit() -> None:
     eager = gemm(x, w)
     out = torch.empty_like(eager)
     graph = torch.cuda.CUDAGraph()
-    gemm(x, w, out)  # first call outside the capture: its workspace, if any
+    gemm(x, w, out)  # a first call outside the capture, as a model's warm-up makes it
     with torch.cuda.graph(graph):
         gemm(x, w, out)
     out.zero_()

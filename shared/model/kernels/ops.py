@@ -171,14 +171,17 @@ class TritonKernels(ModelKernels):
         gemm = getattr(layer, "lt_gemms", {}).get(x.shape[0]) if x.dim() == 2 else None
         return gemm if gemm is not None and layer.bias is None and gemm.takes(x, layer.weight) else None
 
+    def _cublas(self, x: Tensor, layer: nn.Linear) -> Tensor:
+        gemm = self._tuned(x, layer)
+        return gemm(x, layer.weight) if gemm is not None else F.linear(x, layer.weight, layer.bias)
+
     def linear(self, x: Tensor, layer: nn.Linear) -> Tensor:
         if self._skinny(x, layer):
             return self._skinny_gemm(x, layer.weight)
-        return self.head(x, layer)
+        return self._cublas(x, layer)
 
     def head(self, x: Tensor, layer: nn.Linear) -> Tensor:
-        gemm = self._tuned(x, layer)
-        return gemm(x, layer.weight) if gemm is not None else super().head(x, layer)
+        return self._cublas(x, layer)
 
     def linear_add(self, x: Tensor, layer: nn.Linear, residual: Tensor) -> Tensor:
         # The GEMM `linear` would take, writing the sum into residual's storage: cuBLAS out of place
