@@ -52,14 +52,17 @@ def split_n_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, streams: l
         main.wait_stream(side)
 
 
-def weight_copies(name: str, tbs: float) -> tuple[list[torch.Tensor], float]:
-    """Enough bf16 copies of shape `name`'s weight that together they exceed L2 (each GEMM of a graph
-    over them reads its weight from HBM, as a decode step does), and its floor in µs at `tbs` TB/s."""
-    n, k = SHAPES[name]
-    nbytes = n * k * 2
-    copies = max(1, -(-(256 << 20) // nbytes))
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
-    return ws, nbytes / tbs / 1e6
+def problems(shapes: str, rows: str, tbs: float):  # type: ignore[no-untyped-def]
+    """(shape name, M, weight copies, floor µs, x) for each of the comma-separated `shapes` and `rows`:
+    enough bf16 copies of the weight that together they exceed L2 (each GEMM of a graph over them reads
+    its weight from HBM, as a decode step does), its floor at `tbs` TB/s, and a random [M, K] input."""
+    for name in shapes.split(","):
+        n, k = SHAPES[name]
+        nbytes = n * k * 2
+        copies = max(1, -(-(256 << 20) // nbytes))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        for m in (int(r) for r in rows.split(",")):
+            yield name, m, ws, nbytes / tbs / 1e6, torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
 
 def copy_rate() -> float:
@@ -146,68 +149,65 @@ def main() -> None:
     tbs = copy_rate()
     print(f"copy rate {tbs:.2f} TB/s")
     rows = []
-    for name in args.shapes.split(","):
+    for name, m, ws, floor_us, x in problems(args.shapes, args.rows, tbs):
         n, k = SHAPES[name]
-        ws, floor_us = weight_copies(name, tbs)
         copies = len(ws)
-        for m in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = x.float() @ ws[0].float().T
+        ref = x.float() @ ws[0].float().T
 
-            def torch_gemm(w: torch.Tensor) -> torch.Tensor:
-                return torch.mm(x, w.T)  # noqa: B023
+        def torch_gemm(w: torch.Tensor) -> torch.Tensor:
+            return torch.mm(x, w.T)  # noqa: B023
 
-            def ours(w: torch.Tensor, cfg: GemmConfig) -> torch.Tensor:
-                return skinny_gemm(x, w, cfg)  # noqa: B023
+        def ours(w: torch.Tensor, cfg: GemmConfig) -> torch.Tensor:
+            return skinny_gemm(x, w, cfg)  # noqa: B023
 
-            timed = {}
-            for lib in ("cublaslt", "cublas"):
-                torch.backends.cuda.preferred_blas_library(lib)
-                timed[lib] = graph_us(lambda: [torch_gemm(w) for w in ws], copies)  # noqa: B023
-            for parts in (int(p) for p in args.split_n.split(",") if p):
-                streams = [torch.cuda.Stream() for _ in range(parts)]
-                outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
-                pairs_o = list(zip(ws, outs, strict=True))
-                split_n_gemm(x, ws[0], outs[0], streams)
-                torch.testing.assert_close(outs[0].float(), ref, rtol=3e-2, atol=3e-2)
-                run = lambda: [split_n_gemm(x, w, o, streams) for w, o in pairs_o]  # noqa: B023
-                timed[f"cublas/{parts} streams"] = graph_us(run, copies)
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            if args.no_sweep:
-                row = {"shape": name, "M": m, "floor_us": round(floor_us, 2)} | timed
-                rows.append(row)
-                print(f"{name:8s} M={m:<3d} floor {floor_us:7.2f} us  "
-                      + "  ".join(f"{k} {v:7.2f}" for k, v in timed.items()), flush=True)  # fmt: skip
-                continue
-            if args.residual_add:  # ModelKernels.linear_add: the o and down projections' residual add
-                res = [torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
-                pairs = list(zip(res, ws, strict=True))
-                timed["addmm"] = graph_us(lambda: [torch.addmm(r, x, w.T) for r, w in pairs], copies)  # noqa: B023
-                timed["addmm_"] = graph_us(lambda: [r.addmm_(x, w.T) for r, w in pairs], copies)  # noqa: B023
-            default = choose_config(m, n, k)
-            torch.testing.assert_close(ours(ws[0], default).float(), ref, rtol=3e-2, atol=3e-2)
-            timed["skinny default"] = graph_us(lambda: [ours(w, default) for w in ws], copies)  # noqa: B023
-            best, ranked = None, []
-            for cfg in sweep(mode, n, k):
-                try:
-                    us = graph_us(lambda: [ours(w, cfg) for w in ws], copies)  # noqa: B023
-                except Exception as exc:  # a config Triton cannot fit (shared memory): skipped
-                    print(f"  {name} M={m} {cfg}: {type(exc).__name__}")
-                    continue
-                ranked.append((us, cfg))
-                if best is None or us < best[0]:
-                    best = (us, cfg)
-            if best is not None:
-                torch.testing.assert_close(ours(ws[0], best[1]).float(), ref, rtol=3e-2, atol=3e-2)
-                timed["skinny best"] = best[0]
-            row = {"shape": name, "M": m, "N": n, "K": k, "floor_us": round(floor_us, 2)}
-            row |= {key: round(us, 2) for key, us in timed.items()}
-            row["best_config"] = None if best is None else best[1].__dict__
+        timed = {}
+        for lib in ("cublaslt", "cublas"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            timed[lib] = graph_us(lambda: [torch_gemm(w) for w in ws], copies)  # noqa: B023
+        for parts in (int(p) for p in args.split_n.split(",") if p):
+            streams = [torch.cuda.Stream() for _ in range(parts)]
+            outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
+            pairs_o = list(zip(ws, outs, strict=True))
+            split_n_gemm(x, ws[0], outs[0], streams)
+            torch.testing.assert_close(outs[0].float(), ref, rtol=3e-2, atol=3e-2)
+            run = lambda: [split_n_gemm(x, w, o, streams) for w, o in pairs_o]  # noqa: B023
+            timed[f"cublas/{parts} streams"] = graph_us(run, copies)
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        if args.no_sweep:
+            row = {"shape": name, "M": m, "floor_us": round(floor_us, 2)} | timed
             rows.append(row)
-            shown = "  ".join(f"{key} {us:7.2f} us x{us / floor_us:4.2f}" for key, us in timed.items())
-            print(f"{name:8s} M={m:<3d} floor {floor_us:7.2f} us  {shown}", flush=True)
-            for us, cfg in sorted(ranked, key=lambda r: r[0])[:5]:
-                print(f"         {us:7.2f} us  {cfg}", flush=True)
+            print(f"{name:8s} M={m:<3d} floor {floor_us:7.2f} us  "
+                  + "  ".join(f"{k} {v:7.2f}" for k, v in timed.items()), flush=True)  # fmt: skip
+            continue
+        if args.residual_add:  # ModelKernels.linear_add: the o and down projections' residual add
+            res = [torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
+            pairs = list(zip(res, ws, strict=True))
+            timed["addmm"] = graph_us(lambda: [torch.addmm(r, x, w.T) for r, w in pairs], copies)  # noqa: B023
+            timed["addmm_"] = graph_us(lambda: [r.addmm_(x, w.T) for r, w in pairs], copies)  # noqa: B023
+        default = choose_config(m, n, k)
+        torch.testing.assert_close(ours(ws[0], default).float(), ref, rtol=3e-2, atol=3e-2)
+        timed["skinny default"] = graph_us(lambda: [ours(w, default) for w in ws], copies)  # noqa: B023
+        best, ranked = None, []
+        for cfg in sweep(mode, n, k):
+            try:
+                us = graph_us(lambda: [ours(w, cfg) for w in ws], copies)  # noqa: B023
+            except Exception as exc:  # a config Triton cannot fit (shared memory): skipped
+                print(f"  {name} M={m} {cfg}: {type(exc).__name__}")
+                continue
+            ranked.append((us, cfg))
+            if best is None or us < best[0]:
+                best = (us, cfg)
+        if best is not None:
+            torch.testing.assert_close(ours(ws[0], best[1]).float(), ref, rtol=3e-2, atol=3e-2)
+            timed["skinny best"] = best[0]
+        row = {"shape": name, "M": m, "N": n, "K": k, "floor_us": round(floor_us, 2)}
+        row |= {key: round(us, 2) for key, us in timed.items()}
+        row["best_config"] = None if best is None else best[1].__dict__
+        rows.append(row)
+        shown = "  ".join(f"{key} {us:7.2f} us x{us / floor_us:4.2f}" for key, us in timed.items())
+        print(f"{name:8s} M={m:<3d} floor {floor_us:7.2f} us  {shown}", flush=True)
+        for us, cfg in sorted(ranked, key=lambda r: r[0])[:5]:
+            print(f"         {us:7.2f} us  {cfg}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from bench.gemm_decode import SHAPES, copy_rate, graph_us, weight_copies
+from bench.gemm_decode import SHAPES, copy_rate, graph_us, problems
 from shared.model.kernels.lt_gemm import candidates
 
 
@@ -32,34 +32,31 @@ def main() -> None:
     tbs = copy_rate()
     print(f"copy rate {tbs:.2f} TB/s", flush=True)
     rows = []
-    for name in args.shapes.split(","):
+    for name, m, ws, floor_us, x in problems(args.shapes, args.rows, tbs):
         n, k = SHAPES[name]
-        ws, floor_us = weight_copies(name, tbs)
         copies = len(ws)
-        for m in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            ref = torch.mm(x, ws[0].T)
-            torch_us = graph_us(lambda: [torch.mm(x, w.T, out=out) for w in ws], copies)  # noqa: B023
-            ranked = []
-            for gemm in candidates(m, n, k, count=64, vary=args.vary):
-                gemm(x, ws[0], out)
-                if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
-                    print(f"  {name} M={m} {gemm.label}: wrong result, skipped", flush=True)
-                    continue
-                us = graph_us(lambda g=gemm: [g(x, w, out) for w in ws], copies)  # noqa: B023
-                ranked.append((us, gemm.label))
-            ranked.sort()
-            best = ranked[0] if ranked else (float("nan"), "none")
-            print(f"{name:8s} M={m:<3d} floor {floor_us:7.2f} us  torch.mm {torch_us:7.2f}  "
-                  f"best lt {best[0]:7.2f} ({len(ranked)} algos)", flush=True)  # fmt: skip
-            for us, label in ranked[: args.top]:
-                print(f"         {us:7.2f} us  {label}", flush=True)
-            ranking = [(round(us, 2), label) for us, label in ranked]
-            rows.append(
-                {"shape": name, "M": m, "floor_us": round(floor_us, 2), "torch_mm_us": round(torch_us, 2),
-                 "ranked": ranking}
-            )  # fmt: skip
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        ref = torch.mm(x, ws[0].T)
+        torch_us = graph_us(lambda: [torch.mm(x, w.T, out=out) for w in ws], copies)  # noqa: B023
+        ranked = []
+        for gemm in candidates(m, n, k, count=64, vary=args.vary):
+            gemm(x, ws[0], out)
+            if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
+                print(f"  {name} M={m} {gemm.label}: wrong result, skipped", flush=True)
+                continue
+            us = graph_us(lambda g=gemm: [g(x, w, out) for w in ws], copies)  # noqa: B023
+            ranked.append((us, gemm.label))
+        ranked.sort()
+        best = ranked[0] if ranked else (float("nan"), "none")
+        print(f"{name:8s} M={m:<3d} floor {floor_us:7.2f} us  torch.mm {torch_us:7.2f}  "
+              f"best lt {best[0]:7.2f} ({len(ranked)} algos)", flush=True)  # fmt: skip
+        for us, label in ranked[: args.top]:
+            print(f"         {us:7.2f} us  {label}", flush=True)
+        ranking = [(round(us, 2), label) for us, label in ranked]
+        rows.append(
+            {"shape": name, "M": m, "floor_us": round(floor_us, 2), "torch_mm_us": round(torch_us, 2),
+             "ranked": ranking}
+        )  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
