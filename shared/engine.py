@@ -32,6 +32,7 @@ from shared.engine_kv import KVOwnership
 from shared.engine_schedule import Plan, admit, schedule
 from shared.kv.cache import KVCache, KVConfig
 from shared.kv.page_table import PageTable
+from shared.model import gemm_tuning
 from shared.model.transformer import Transformer
 from shared.request import Phase, Request
 from shared.runner import ModelRunner, on_device
@@ -107,7 +108,10 @@ class Engine(KVOwnership):
         most = min(self.cfg.max_running, kv.max_requests)
         sizes = [b for b in self.cfg.cuda_graph_sizes if b <= most]
         if self.cache.device.type == "cuda" and sizes:
-            self.runner.tune_gemms(sizes if self.cfg.tune_gemms else [])
+            if self.cfg.tune_gemms:
+                self.runner.tune_gemms(sizes)
+            else:  # an earlier engine's choices on this model go too: torch's GEMMs
+                gemm_tuning.clear(model)
             self.runner.capture_decode_graphs(sizes, max_pages)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

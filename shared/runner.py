@@ -205,10 +205,7 @@ class ModelRunner:
 
     def tune_gemms(self, batch_sizes: list[int]) -> list[gemm_tuning.Tuned]:
         """Time cuBLASLt's algorithms for the decode GEMMs at these batch sizes and set the fastest
-        where it beats torch's (`shared/model/gemm_tuning.py`); [] forgets every earlier choice."""
-        if not batch_sizes:
-            gemm_tuning.clear(self.model)
-            return []
+        where it beats torch's (`shared/model/gemm_tuning.py`)."""
         kernels = kernels_for(self.cache.device, self.model.kernel_backend, self.model.gemm_backend)
         return gemm_tuning.tune(self.model, batch_sizes, kernels)
 

@@ -129,7 +129,7 @@ def test_a_decode_graph_through_tuned_gemms_matches_torchs_and_never_syncs() -> 
         last = list(lt_gemm.candidates(4, n, k))[-1]
         lin.lt_gemms = {4: Counted(4, n, k, last.algo, last.workspace_bytes)}
     assert tuned.tune_gemms([4]) == [], "forced choices are kept"
-    plain.tune_gemms([])
+    gemm_tuning.clear(plain_model)
     for runner in (plain, tuned):
         runner.capture_decode_graphs([4], max_pages=8)
     seqs = {r: [Seq(r.cache, i, random_tokens(40, seed=i)) for i in range(4)] for r in (plain, tuned)}
