@@ -134,11 +134,13 @@ def bench_engine(
         t1 = time.perf_counter()
     done0 = sum(len(r.output) for r in reqs)
     decode_steps, marks = 0, []
-    while not engine.idle:
+    while not all(r.finished for r in reqs):  # up to the call that hands out the last tokens
         engine.step()
         decode_steps += 1
         marks.append(time.perf_counter())
     decode_s = time.perf_counter() - t1
+    engine.flush()  # after the window: what finished gives its KV back (Engine.free_finished)
+    assert engine.idle
     # Steady state: each step() returns once the step before it is done, so in the middle of the run
     # the time between returns is the device's step. The ends hold the first batch's build and the
     # last step's drain, which a longer generation spreads thinner.
@@ -146,7 +148,7 @@ def bench_engine(
     mid = marks[trim : len(marks) - trim]
     steady_s = (mid[-1] - mid[0]) / (len(mid) - 1) if len(mid) > 1 else float("nan")
     # The ends' share of the whole: the first call (with "synced", a batch built while the device idles)
-    # and the last (the drain, every request finished and its KV freed), against a steady step.
+    # and the last (the drain: every request finished; their KV is freed after it), against a steady step.
     gaps = [b - a for a, b in zip([t1, *marks], marks, strict=False)]
     ends_ms = [round(1e3 * g, 3) for g in (*gaps[:2], *gaps[-2:])]
     tokens = sum(len(r.output) for r in reqs) - done0

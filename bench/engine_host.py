@@ -14,8 +14,8 @@ Columns (microseconds, median over the decode steps of the best of `--repeat` en
 whole `Engine.step`, `launch_us` its launch half (decode batch build and upload, the input gather,
 sampling prep; the rest is admit, schedule and postprocess), `recompose_us` the incremental build
 alone on a step whose rows changed (laid out anew, block table gathered and uploaded whole);
-`finish_us` the call that completes the last step, where the whole batch finishes and frees its KV
-(the least of the row's engines).
+`finish_us` the call that completes the last step, where the whole batch finishes, and `free_us` the
+`Engine.free_finished` after it that gives back their KV (each the least of the row's engines).
 
 `path`: `incremental` is the engine's decode path (persistent page table, per-composition host
 buffers); `general` is the path every step took before it (ChunkItems and `ForwardBatch.build`),
@@ -124,17 +124,21 @@ def measure(batch: int, prompt: int, steps: int, general: bool, profile: bool = 
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
     compose = [] if general else recompose_times(engine, reqs)
     finish = 0.0
-    while not engine.idle:  # the step whose completion finishes every request and frees its KV
+    while not all(r.finished for r in reqs):  # the step whose completion finishes every request
         t0 = time.perf_counter()
         engine.step()
         finish = max(finish, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    engine.free_finished()  # their KV, after the last tokens were returned
+    free = time.perf_counter() - t0
+    assert engine.idle
     engine.check_idle_integrity()
     p90 = sorted(times)[int(0.9 * len(times))]
     return {"batch": batch, "path": "general" if general else "incremental", "steps": len(times),
             "step_us": 1e6 * statistics.median(times), "step_p90_us": 1e6 * p90,
             "launch_us": 1e6 * statistics.median(build),
             "recompose_us": 1e6 * statistics.median(compose) if compose else None,
-            "finish_us": 1e6 * finish}  # fmt: skip
+            "finish_us": 1e6 * finish, "free_us": 1e6 * free}  # fmt: skip
 
 
 def recompose_times(engine: Engine, reqs: list, n: int = 50) -> list[float]:
@@ -165,6 +169,7 @@ def main() -> None:
                     for _ in range(args.repeat)]  # fmt: skip
             row = min(runs, key=lambda r: r["step_us"])  # shared machines: noise only ever adds
             row["finish_us"] = min(r["finish_us"] for r in runs)
+            row["free_us"] = min(r["free_us"] for r in runs)
             print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}))
 
 

@@ -6,7 +6,9 @@ against, and decode's local-prefill path.
 Overlap scheduling: the CPU builds and enqueues step N+1 while step N runs; a decode input that step
 N is still producing is gathered on the device from N's output, so the one wait per step is for N's
 tokens. A request that finishes at N may still be written by N+1: its pages and window are freed
-only once N+1 has completed, never while the device may still write them.
+only once N+1 has completed, never while the device may still write them. What a step's completion
+frees waits until after step() has returned that step's tokens (`free_finished`): a batch finishing
+together frees thousands of pages, and its last tokens should not wait for that.
 
 Who decides what runs (admission in arrival order, mixed steps of decode tokens and prompt chunks
 under a token budget): `shared/engine_schedule.py`. How a decode step's batch is built without
@@ -117,6 +119,7 @@ class Engine(KVOwnership):
         self.running: list[Request] = []
         self._inflight: InFlightStep | None = None
         self._freeing: list[Request] | None = None  # see KVOwnership._free_kv
+        self._finished_kv: list[Request] = []  # freed by a completion, after its tokens went out
         self.held: set[Request] = set()  # KVOwnership's: reserved for a transfer in, or held for one out
         self._sampling: SamplingBatch | None = None
         self._sampling_reqs: list[Request] = []  # the rows `_sampling` was built for
@@ -143,7 +146,13 @@ class Engine(KVOwnership):
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running and not self.held and self._inflight is None
+        return (
+            not self.waiting
+            and not self.running
+            and not self.held
+            and self._inflight is None
+            and not self._finished_kv
+        )
 
     def _new_request(self, prompt: list[int], params: SamplingParams) -> Request:
         limit = self.max_context()
@@ -170,6 +179,7 @@ class Engine(KVOwnership):
             return self._step()
 
     def _step(self) -> list[tuple[Request, int]]:
+        self.free_finished()
         admit(self.waiting, self.running, self.cfg.max_running, self._allocate_kv)
         launched = self._launch(schedule(self.running, self.cfg.max_batch_tokens, self.cfg.mixed))
         done, self._inflight = self._inflight, launched
@@ -182,7 +192,9 @@ class Engine(KVOwnership):
     def flush(self) -> list[tuple[Request, int]]:
         """Complete the step in flight without launching another (before a replay, at shutdown)."""
         done, self._inflight = self._inflight, None
-        return self._complete(done) if done is not None else []
+        produced = self._complete(done) if done is not None else []
+        self.free_finished()
+        return produced
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
@@ -191,6 +203,7 @@ class Engine(KVOwnership):
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         while not all(r.finished for r in reqs) or self._inflight is not None:
             self.step()
+        self.free_finished()
         return reqs
 
     def warm_up(self, *, force: bool = False) -> float:
@@ -228,6 +241,7 @@ class Engine(KVOwnership):
             self.generate([[0] * lengths[-1]], params)
             while not first.finished or self.in_flight:
                 self.step()
+        self.free_finished()
         self.check_idle_integrity()
         return time.perf_counter() - start
 
@@ -285,9 +299,9 @@ class Engine(KVOwnership):
         self._freeing = []
         try:
             return self._emit(step, tokens)
-        finally:
+        finally:  # freed after the caller has the tokens: the next step(), or free_finished()
             freeing, self._freeing = self._freeing, None
-            self._free_kv_now(freeing)
+            self._finished_kv += freeing
 
     def _emit(self, step: InFlightStep, tokens: list[int]) -> list[tuple[Request, int]]:
         for req in step.releases:

@@ -7,7 +7,8 @@ operations the services use to move a request's KV between processes.
                    -> finish frees; rebuild_window when the sliding-window history did not arrive
 
 A free never happens under a step in flight that may still write the request's KV: it waits in that
-step's `releases` until the step has completed (`_free_kv_when_safe`).
+step's `releases` until the step has completed (`_free_kv_when_safe`). What a completion frees is
+given back after step() has returned that step's tokens (`free_finished`).
 
 A mixin of Engine, not an object of its own: reserve/admit_prefilled/release move requests between
 the engine's queues and its step in flight, on the scheduler thread, and the services call them as
@@ -45,6 +46,7 @@ class KVOwnership:
     running: list[Request]
     _inflight: InFlightStep | None
     _freeing: list[Request] | None  # requests freed during a step's completion, freed at its end
+    _finished_kv: list[Request]  # what completions freed, once step() has returned their tokens
     idle: bool
     abort: Callable[[Request], None]
     _new_request: Callable[[list[int], SamplingParams], Request]
@@ -120,8 +122,17 @@ class KVOwnership:
                 f"idle engine holds {self.cache.pages.num_used} pages and {self.cache.slots.num_used} slots"
             )
 
+    def free_finished(self) -> None:
+        """Free what the completed steps finished. `step()` returns a step's tokens first and frees
+        its finished requests' KV at the start of the next call (or here, or before any allocation):
+        a batch that finishes together gives back thousands of pages, which its last tokens need not
+        wait for. A caller that hands tokens on (a service's scheduler) calls this once it has."""
+        reqs, self._finished_kv = self._finished_kv, []
+        self._free_kv_now(reqs)
+
     def _allocate_kv(self, req: Request) -> bool:
         """A window slot and pages for prompt + max_tokens, all or nothing."""
+        self.free_finished()  # capacity a completed step finished with is capacity
         need = self.cache.pages_needed(len(req.prompt) + req.params.max_tokens)
         if self.cache.slots.num_free == 0 or self.cache.pages.num_free < need:
             return False

@@ -283,6 +283,7 @@ class Scheduler:
             assert req is not None and req.finish_reason is not None
             self._on_done(entry)
             self._finish(entry, Finished(req.finish_reason, len(req.prompt), len(req.output), req.error))
+        self._engine.free_finished()  # the step's tokens and ends are out: now its frees (Engine.step)
         if done and self._engine.idle:
             self._engine.check_idle_integrity()  # host-only; every page and slot must be back
         self._publish()

@@ -60,6 +60,7 @@ def check_page_table(eng: Engine) -> None:
     owners = {r.slot: r for r in [*eng.running, *eng.held] if r.window is not None}
     if eng._inflight is not None:
         owners.update({r.slot: r for r in eng._inflight.releases if r.window is not None})
+    owners.update({r.slot: r for r in eng._finished_kv if r.window is not None})  # freed after the return
     for slot in range(eng.page_table.table.shape[0]):
         want = owners[slot].pages if slot in owners else []
         assert eng.page_table.pages(slot) == want, f"slot {slot}"

@@ -46,10 +46,41 @@ def test_a_finished_requests_pages_stay_owned_until_the_step_writing_them_comple
         eng.step()
     assert short.finish_reason == "stop" and len(short.output) == 1
     assert eng.cache.pages.owned_by(short.rid), "pages freed under a step in flight"
-    eng.step()
+    eng.step()  # completes the step that wrote them; they go back once its tokens are out
+    eng.free_finished()
     assert not eng.cache.pages.owned_by(short.rid)
     while not eng.idle:
         eng.step()
+    eng.check_idle_integrity()
+
+
+def test_a_batch_gets_its_last_tokens_before_its_kv_is_freed():
+    eng = engine(overlap=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    reqs = [eng.add_request(p, sp) for p in PROMPTS[:3]]
+    while not all(r.finished for r in reqs):
+        produced = eng.step()
+    # The call that finished them returned their last tokens with their KV still owned ...
+    assert {r for r, _ in produced} == set(reqs) and all(len(r.output) == 5 for r in reqs)
+    assert all(eng.cache.pages.owned_by(r.rid) for r in reqs)
+    assert not eng.idle and not eng.in_flight
+    # ... given back by the next call (or free_finished, or any allocation), after which it is idle.
+    assert eng.step() == []
+    assert not any(eng.cache.pages.owned_by(r.rid) for r in reqs) and eng.idle
+    eng.check_idle_integrity()
+
+
+def test_the_kv_a_finished_batch_left_behind_is_there_for_the_next_allocation():
+    eng = engine(overlap=True, max_requests=2)
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    first = [eng.add_request(p, sp) for p in PROMPTS[:2]]
+    while not all(r.finished for r in first):
+        eng.step()
+    assert eng.cache.slots.num_free == 0  # both window slots still held: their frees follow the return
+    held = eng.reserve(PROMPTS[2], sp)  # a transfer's reservation (the decode service) frees them first
+    assert held is not None and eng.cache.slots.num_free == 1
+    eng.release(held)
+    assert eng.idle
     eng.check_idle_integrity()
 
 
