@@ -12,7 +12,9 @@ walk every token and every page of every request in Python and pack them anew: a
 - the packed layout is `ForwardBatch.build`'s (`I32_FIELDS`, `I64_FIELDS`); into a CUDA graph's
   static buffers, when one fits, both go in one upload (one byte buffer, int64 fields first:
   `cuda_graph.packed_buffers`). While the rows and the page table stay the same the device already
-  holds the block table, so the upload stops before it.
+  holds the block table, so the upload stops before it;
+- after a greedy step on a graph the device holds the next step's inputs already (its argmax fed the
+  tokens and moved the positions: `shared/decode_advance.py`): a steady greedy step uploads nothing.
 
 Results do not change: the batch is value for value what `ForwardBatch.build` packs for the same
 requests (tests/engine/test_engine_decode.py compares them through admit, finish, abort and slot
@@ -76,6 +78,9 @@ class _Rows:
     version: int  # the page table's
     graphs: DecodeGraphs | None
     static: ForwardBatch | None  # the graph batch these rows are uploaded into; None: eager
+    # The positions of the rows' next step if it follows the last one built, one token further: where
+    # a fed step's argmax has moved the graph's inputs (`shared/decode_advance.py`)
+    next_starts: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -111,9 +116,12 @@ class DecodeBatcher:
         f64["full_store"][:n] = self.table.table[rows.slots, starts // ps] * ps + starts % ps
         lay.ring64[:, :n] = rows.slots * self.window + starts % self.window
         f64["sample_positions"][:n] = starts + 1
+        moved = rows.next_starts is not None and np.array_equal(starts, rows.next_starts)
+        rows.next_starts = starts + 1
         if rows.static is not None:
             assert graphs is not None
-            return self._upload_static(rows, graphs, skip_inputs=fed is rows.static.input_ids)
+            fed_here = fed is rows.static.input_ids
+            return self._upload_static(rows, graphs, skip_inputs=fed_here, advanced=fed_here and moved)
         dev = self.cache.device
         buf32, buf64 = _upload(lay.h32, None, dev), _upload(lay.h64, None, dev)
         width = lay.table.shape[1]
@@ -158,13 +166,18 @@ class DecodeBatcher:
             lay = self._layouts[(size, width)] = _Layout(size, width)
         return lay
 
-    def _upload_static(self, rows: _Rows, graphs: DecodeGraphs, *, skip_inputs: bool) -> ForwardBatch:
+    def _upload_static(
+        self, rows: _Rows, graphs: DecodeGraphs, *, skip_inputs: bool, advanced: bool
+    ) -> ForwardBatch:
         """One copy into the graph's static buffers (int64 fields, then int32 ones): from after the
         input ids (the first field) when the device holds them already; the block table, last, only
-        when the device lacks it."""
+        when the device lacks it. None at all when the step before, on the same rows and table, fed
+        the input ids and moved every row's position fields to this step's (`advanced`)."""
         assert rows.static is not None
         raw, lay = graphs.raw[rows.size], rows.layout
         keep_table = graphs.resident_table[rows.size] is rows
+        if advanced and keep_table:
+            return rows.static
         start = 8 * rows.size if skip_inputs else 0
         end = lay.bytes64 + 4 * (lay.prefix32 if keep_table else len(lay.h32))
         _upload(lay.raw[start:end], raw[start:end], raw.device)

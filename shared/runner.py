@@ -21,6 +21,7 @@ from shared.attention import AttentionOps, ops_for
 from shared.attention.fused_rope import RopeInKernel
 from shared.batch import ChunkItem, ForwardBatch, Mode
 from shared.cuda_graph import DecodeGraphs
+from shared.decode_advance import DecodeAdvance
 from shared.kv.cache import KVCache
 from shared.kv.window import check_windows
 from shared.model import gemm_tuning
@@ -174,7 +175,8 @@ class ForwardOutput:
     # later, when the runner's ring hands its buffer out again)
     host_tokens: torch.Tensor | None = None
     # The static input ids of the CUDA graph that ran, holding `tokens` already (a greedy step's
-    # argmax writes them there too): the next step on the same rows needs no copy to feed them back.
+    # argmax writes them there too, and moves the graph's position fields one token on): the next step
+    # on the same rows needs no copy to feed them back, nor an upload (`shared/decode_advance.py`).
     fed: torch.Tensor | None = None
 
 
@@ -272,10 +274,15 @@ class ModelRunner:
         # step on the same rows reads them: no copy op follows it either way.
         greedy = sampling is None or sampling.all_greedy
         host = self._host_tokens(rows) if logits.is_cuda and greedy else None
-        static = self.graphs is not None and self.graphs.holds(batch)
+        static = self.graphs is not None and self.graphs.holds(batch) and batch.mode is Mode.DECODE
         fed = batch.input_ids if static and greedy else None
+        # ... and moves the graph's other inputs one position on: the next step on the same rows then
+        # uploads nothing (`shared/decode_advance.py`; `DecodeBatcher` decides whether it may).
+        advance = None
+        if fed is not None:
+            advance = DecodeAdvance(batch, self.cache.page_size, max(self.cache.window, 1))
         if greedy:  # split over the vocabulary on CUDA; torch.argmax on CPU
-            tokens = argmax_rows(logits, host_out=host, feed_out=fed)
+            tokens = argmax_rows(logits, host_out=host, feed_out=fed, advance=advance)
         else:
             tokens = sample(logits, sampling, batch.sample_positions[: batch.num_real])
         ready = None

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from shared.attention._launch import check_triton_device, sm_count
+from shared.decode_advance import DecodeAdvance, advance_row
 from shared.model.kernels._tickets import tickets
 from shared.model.kernels.ops import Backend
 
@@ -69,7 +70,9 @@ def _first_max(vals, idxs):
 @triton.jit(do_not_specialize=["num_splits"])
 def _argmax_kernel(
     x_ptr, out_ptr, val_ptr, idx_ptr, ticket_ptr, host_ptr, feed_ptr, V, stride_row, chunk, num_splits,
-    BLOCK: tl.constexpr, MAX_S: tl.constexpr, HOST: tl.constexpr, FEED: tl.constexpr,
+    pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr, full_ptr, rs_ptr, rd_ptr, slots_ptr, table_ptr, width,
+    page_size, window,
+    BLOCK: tl.constexpr, MAX_S: tl.constexpr, HOST: tl.constexpr, FEED: tl.constexpr, ADVANCE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -94,6 +97,11 @@ def _argmax_kernel(
             tl.store(host_ptr + row, index.to(tl.int64))
         if FEED:
             tl.store(feed_ptr + row, index.to(tl.int64))
+        if ADVANCE:
+            advance_row(
+                row, pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr, full_ptr, rs_ptr, rd_ptr, slots_ptr,
+                table_ptr, width, page_size, window,
+            )  # fmt: skip
     else:
         part = row * num_splits
         tl.store(val_ptr + part + split, value)
@@ -111,7 +119,18 @@ def _argmax_kernel(
                 tl.store(host_ptr + row, index.to(tl.int64))
             if FEED:
                 tl.store(feed_ptr + row, index.to(tl.int64))
+            if ADVANCE:
+                advance_row(
+                    row, pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr, full_ptr, rs_ptr, rd_ptr, slots_ptr,
+                    table_ptr, width, page_size, window,
+                )  # fmt: skip
             tl.atomic_xchg(ticket_ptr + row, 0)  # ready for the next launch
+
+
+def _no_advance(out: torch.Tensor) -> tuple[object, ...]:
+    """`advance_row`'s arguments when nothing advances: typed stand-ins, never read."""
+    i32 = out.view(torch.int32)
+    return (out, out, i32, i32, i32, out, out, out, i32, i32, 1, 1, 1)
 
 
 def choose_block(dtype: torch.dtype) -> int:
@@ -139,6 +158,7 @@ def _argmax_triton(
     block: int | None,
     host_out: torch.Tensor | None = None,
     feed_out: torch.Tensor | None = None,
+    advance: DecodeAdvance | None = None,
 ) -> torch.Tensor:
     rows, size = x.shape
     device = x.device
@@ -161,7 +181,9 @@ def _argmax_triton(
     _argmax_kernel[(rows, splits)](
         x, out, val, idx, ticket, host_out if host_out is not None else out,
         feed_out if feed_out is not None else out, size, x.stride(0), chunk, splits,
-        BLOCK=block, MAX_S=MAX_SPLITS, HOST=host_out is not None, FEED=feed_out is not None, num_warps=4,
+        *(advance.kernel_args() if advance is not None else _no_advance(out)),
+        BLOCK=block, MAX_S=MAX_SPLITS, HOST=host_out is not None, FEED=feed_out is not None,
+        ADVANCE=advance is not None, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -180,6 +202,7 @@ def _check_tuning(num_splits: int | None, block: int | None) -> None:
 def argmax_rows(
     x: torch.Tensor, *, backend: Backend = "auto", num_splits: int | None = None, block: int | None = None,
     host_out: torch.Tensor | None = None, feed_out: torch.Tensor | None = None,
+    advance: DecodeAdvance | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`x.argmax(dim=-1)` of a 2-D x [B, V]: int64 [B] on x's device, the same indices bit for bit.
 
@@ -194,6 +217,10 @@ def argmax_rows(
     device-to-host copy follows it (in a decode step that op and the gap before it took ~7 us on an
     H200). The caller keeps it alive, unreused, until the launch has completed. Elsewhere a copy
     fills it.
+
+    `feed_out` (int64, on x's device) also gets them: the next decode step's input ids. With
+    `advance` the program that settles a row also moves that decode batch's row one position on
+    (`shared/decode_advance.py`); elsewhere torch ops do, after the argmax.
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -216,6 +243,11 @@ def argmax_rows(
                 f"argmax_rows: feed_out must be a contiguous int64 tensor of at least {rows} values on "
                 f"{x.device}, got {tuple(feed_out.shape)} {feed_out.dtype} on {feed_out.device}"
             )
+    if advance is not None and (advance.batch.positions.device != x.device or advance.batch.num_seqs < rows):
+        raise ValueError(
+            f"argmax_rows: advance must be a decode batch of at least {rows} rows on {x.device}, got "
+            f"{advance.batch.num_seqs} rows on {advance.batch.positions.device}"
+        )
     takes = x.dtype in _FLOATS and x.stride(1) == 1 and rows > 0 and 0 < size <= _MAX_COLUMNS
     kernel = takes and (backend == "triton" or (backend == "auto" and x.is_cuda))
     direct = host_out if kernel and x.is_cuda else None  # the kernel writes host_out itself
@@ -223,11 +255,13 @@ def argmax_rows(
         out = x.argmax(dim=-1)
     elif x.is_cuda and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):
-            out = _argmax_triton(x, num_splits, block, direct, feed_out)
+            out = _argmax_triton(x, num_splits, block, direct, feed_out, advance)
     else:
-        out = _argmax_triton(x, num_splits, block, direct, feed_out)
+        out = _argmax_triton(x, num_splits, block, direct, feed_out, advance)
     if host_out is not None and direct is None:
         host_out[:rows].copy_(out, non_blocking=x.is_cuda)
     if feed_out is not None and not kernel:
         feed_out[:rows].copy_(out)
+    if advance is not None and not kernel:
+        advance.apply(rows)
     return out
