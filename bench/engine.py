@@ -150,7 +150,7 @@ def bench_engine(
     # The ends' share of the whole: the first call (with "synced", a batch built while the device idles)
     # and the last (the drain: every request finished; their KV is freed after it), against a steady step.
     gaps = [b - a for a, b in zip([t1, *marks], marks, strict=False)]
-    ends_ms = [round(1e3 * g, 3) for g in (*gaps[:2], *gaps[-2:])]
+    ends_ms = [round(1e3 * g, 3) for g in (*gaps[:2], *gaps[-2:])]  # (intervals_ms: all of them)
     tokens = sum(len(r.output) for r in reqs) - done0
     ctx = prompt_len + steps // 2
     roof_s = decode_roofline_bytes(model, batch, ctx) / bandwidth
@@ -162,7 +162,8 @@ def bench_engine(
             "decode_step_ms": 1e3 * step_s, "decode_tok_s": tokens / decode_s,
             "steady_step_ms": 1e3 * steady_s, "roofline_step_ms": 1e3 * roof_s,
             "x_roofline": step_s / roof_s, "steady_x_roofline": steady_s / roof_s,
-            "decode_steps": decode_steps, "ends_ms": ends_ms}  # fmt: skip
+            "decode_steps": decode_steps, "ends_ms": ends_ms,
+            "intervals_ms": [round(1e3 * g, 3) for g in gaps]}  # fmt: skip
 
 
 def matmul_peak() -> float:
@@ -365,10 +366,9 @@ def main() -> None:
             if hf is not None and (gemm, rope, window, tune) == variants[0]:
                 row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
             rows.append(row)
-            print(
-                json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
-                flush=True,
-            )
+            shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+            shown.pop("intervals_ms", None)  # every decode interval: in --json's rows
+            print(json.dumps(shown), flush=True)
     model.gemm_backend = gemms[-1]
     if args.prefill_prompt:
         row = bench_prefill(model, cfg, args.prefill_prompt, 4, matmul_peak())
