@@ -1,7 +1,7 @@
 """The colocated Engine: add_request / step / generate. The reference the services are tested
 against, and decode's local-prefill path.
 
-    step():  admit + schedule N+1 -> launch N+1 -> wait for N -> postprocess N
+    step():  free what N-1 finished -> admit + schedule N+1 -> launch N+1 -> wait for N -> postprocess N
 
 Overlap scheduling: the CPU builds and enqueues step N+1 while step N runs; a decode input that step
 N is still producing is gathered on the device from N's output, so the one wait per step is for N's
