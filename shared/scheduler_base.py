@@ -277,13 +277,18 @@ class Scheduler:
                 entry.sent = len(req.output)
             if req.finished:
                 done.append(entry)
+        # The step's tokens are out: now the KV of what it finished (Engine.step defers those frees
+        # past its tokens), and the pool without them published before anyone hears of an end.
+        self._engine.free_finished()
         for entry in done:
             del active[entry.rid]
+            self._on_done(entry)
+        if done:
+            self._publish(leaving=len(done))
+        for entry in done:
             req = entry.req
             assert req is not None and req.finish_reason is not None
-            self._on_done(entry)
             self._finish(entry, Finished(req.finish_reason, len(req.prompt), len(req.output), req.error))
-        self._engine.free_finished()  # the step's tokens and ends are out: now its frees (Engine.step)
         if done and self._engine.idle:
             self._engine.check_idle_integrity()  # host-only; every page and slot must be back
         self._publish()
@@ -295,15 +300,16 @@ class Scheduler:
             self._cond.notify_all()
         entry.emit(event)
 
-    def _publish(self) -> None:
-        state = self._pool_state()
+    def _publish(self, leaving: int = 0) -> None:
+        """The pool state readers see; `leaving`: live requests about to end, not counted as queued."""
+        state = self._pool_state(leaving)
         with self._cond:
             self._state = state
 
-    def _pool_state(self) -> PoolState:
+    def _pool_state(self, leaving: int = 0) -> PoolState:
         cache = self._engine.cache
         with self._cond:
-            queued = len(self._live) - len(self._engine.running)
+            queued = len(self._live) - leaving - len(self._engine.running)
         return PoolState(
             pages_total=cache.pages.capacity,
             pages_free=cache.pages.num_free,
