@@ -103,7 +103,7 @@ class ForwardBatch:
 
         The general path (any mode, any chunk lengths): Python lists over every token and page. A
         steady-state decode step takes `shared/engine_decode.py` instead, which must pack the same."""
-        ps, w = cache.page_size, max(cache.window, 1)
+        ps, w = cache.page_size, cache.ring_len
         ids: list[int] = []
         pos: list[int] = []
         tok_slot: list[int] = []

@@ -38,7 +38,7 @@ class DecodeAdvance:
 
     batch: ForwardBatch
     page_size: int
-    window: int  # the ring's length (1 when the model has no sliding layers, as the host's builder)
+    window: int  # the ring's length: `KVCache.ring_len`
 
     def __post_init__(self) -> None:
         b = self.batch
@@ -61,7 +61,7 @@ class DecodeAdvance:
         )  # fmt: skip
 
     def apply(self, rows: int) -> None:
-        """The same in torch ops (a CPU batch, or rows the kernel did not settle)."""
+        """The same in torch ops, where torch takes the argmax (a CPU batch)."""
         b, n = self.batch, rows
         nxt = b.positions[:n] + 1
         b.positions[:n] = nxt

@@ -91,7 +91,7 @@ class _Rows:
 class DecodeBatcher:
     def __init__(self, cache: KVCache, table: PageTable) -> None:
         self.cache, self.table = cache, table
-        self.window = max(cache.window, 1)
+        self.window = cache.ring_len
         self._rows: _Rows | None = None
         self._layouts: dict[tuple[int, int], _Layout] = {}
 

@@ -274,13 +274,13 @@ class ModelRunner:
         # step on the same rows reads them: no copy op follows it either way.
         greedy = sampling is None or sampling.all_greedy
         host = self._host_tokens(rows) if logits.is_cuda and greedy else None
-        static = self.graphs is not None and self.graphs.holds(batch) and batch.mode is Mode.DECODE
+        static = self.graphs is not None and self.graphs.holds(batch)
         fed = batch.input_ids if static and greedy else None
         # ... and moves the graph's other inputs one position on: the next step on the same rows then
         # uploads nothing (`shared/decode_advance.py`; `DecodeBatcher` decides whether it may).
         advance = None
         if fed is not None:
-            advance = DecodeAdvance(batch, self.cache.page_size, max(self.cache.window, 1))
+            advance = DecodeAdvance(batch, self.cache.page_size, self.cache.ring_len)
         if greedy:  # split over the vocabulary on CUDA; torch.argmax on CPU
             tokens = argmax_rows(logits, host_out=host, feed_out=fed, advance=advance)
         else:

@@ -41,6 +41,9 @@ class KVCache:
         self.full_layers = tuple(i for i in range(model.num_layers) if not model.is_sliding(i))
         self.sliding_layers = tuple(i for i in range(model.num_layers) if model.is_sliding(i))
         self.window = model.sliding_window if self.sliding_layers else 0
+        # Slots per request in a ring, and the modulus of every ring index (slot * ring_len + p % ring_len):
+        # W, or 1 for a model without sliding layers (its rings are never read).
+        self.ring_len = max(self.window, 1)
         # layer -> index among its kind, so attention finds its tensors in O(1)
         self.kind_index = {layer: i for i, layer in enumerate(self.full_layers)}
         self.kind_index.update({layer: i for i, layer in enumerate(self.sliding_layers)})
@@ -49,7 +52,7 @@ class KVCache:
         # One ring more than requests: the scratch slot padded rows of a CUDA graph point at. It is
         # never handed out and stays empty (padded rows store nothing and write -1 positions).
         self.scratch_slot = cfg.max_requests
-        ring_shape = (len(self.sliding_layers), cfg.max_requests + 1, max(self.window, 1), h, d)
+        ring_shape = (len(self.sliding_layers), cfg.max_requests + 1, self.ring_len, h, d)
         self.k_pages = torch.zeros(full_shape, dtype=dt, device=dev)
         self.v_pages = torch.zeros(full_shape, dtype=dt, device=dev)
         self.k_ring = torch.zeros(ring_shape, dtype=dt, device=dev)

@@ -34,7 +34,7 @@ def batch_at(kv: KVCache, starts: list[int]) -> ForwardBatch:
 def advance(kv: KVCache, batch: ForwardBatch, how: str, splits: int = 1) -> torch.Tensor:
     """Settle a greedy step on `batch`'s real rows and move them one token on, as the runner does."""
     logits = torch.randn(batch.num_real, 300, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    step = DecodeAdvance(batch, kv.page_size, max(kv.window, 1))
+    step = DecodeAdvance(batch, kv.page_size, kv.ring_len)
     if how == "torch":
         return argmax_rows(logits, backend="torch", feed_out=batch.input_ids, advance=step)
     launch = {"num_splits": splits, "block": 64}
