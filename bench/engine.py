@@ -7,6 +7,7 @@
     python bench/engine.py --batches 64,16,1 --no-hf --gemm cublas,skinny   # the layers' GEMMs, A/B
     python bench/engine.py --batches 64,1 --no-hf --rope-in-attention on,off  # decode's RoPE, A/B
     python bench/engine.py --batches 64 --no-hf --window tpot,synced   # the decode window, A/B
+    python bench/engine.py --batches 64 --no-hf --prefill-prompt 0 --page-size 16,64   # KV page, A/B
 
 Model: hidden 2048, 28 layers, 16/8 heads x 128, intermediate 6144, 3 of 4 layers sliding (W=1024),
 vocab 128256, random bf16 weights (~1.9B parameters). The roofline of a decode step is the bytes it
@@ -110,6 +111,7 @@ def bench_engine(
     rope_in_attention: bool = True,
     window: str = "tpot",
     tune_gemms: bool = True,
+    page_size: int = 16,
 ) -> dict[str, float]:
     """One engine's prefill and decode of `batch` prompts. `window` "tpot" times the decode from the
     call that hands every request its first token to the call that hands the last ones (a client's
@@ -117,8 +119,10 @@ def bench_engine(
     is the window of the bench before 2026-12-01: the device drained between prefill and decode, so
     that the first decode call built and launched its batch while the device idled, the window over
     the device steps it saw (calls - 1)."""
-    pages = batch * ((prompt_len + steps + 16) // 16 + 1) + 16
-    kv = KVConfig(page_size=16, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda")
+    pages = batch * ((prompt_len + steps + page_size) // page_size + 1) + 16
+    kv = KVConfig(
+        page_size=page_size, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda"
+    )
     engine_cfg = engine_config(max_running=batch, rope_in_attention=rope_in_attention, tune_gemms=tune_gemms)
     engine = Engine(model, kv, engine_cfg)
     # As a service does before it reports ready (shared/service_runtime.py): kernels compiled, and the
@@ -335,6 +339,10 @@ def main() -> None:
         "or a list (each choice is printed: logging at INFO)",
     )  # fmt: skip
     ap.add_argument(
+        "--page-size", default="16",
+        help="tokens per KV page of the decode engines (the services' default is 16), or a list",
+    )  # fmt: skip
+    ap.add_argument(
         "--fold-norms", choices=["on", "off"], default="on",
         help="each layer's RMSNorm weights folded into the GEMMs after them (EngineConfig.fold_norms); "
         "one value a run: the fold changes the model",
@@ -353,6 +361,12 @@ def main() -> None:
         ap.error(f"--tune-gemms: on and/or off, got {args.tune_gemms!r}")
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("shared.model.gemm_tuning").setLevel(logging.INFO)
+    try:
+        page_sizes = [int(p) for p in args.page_size.split(",")]
+    except ValueError:
+        page_sizes = []
+    if not page_sizes or min(page_sizes) < 1:
+        ap.error(f"--page-size: positive token counts, got {args.page_size!r}")
     gemms = args.gemm.split(",")
     if not set(gemms) <= {"auto", "cublas", "skinny"}:
         ap.error(f"--gemm: auto, cublas and/or skinny, got {args.gemm!r}")
@@ -362,16 +376,27 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters()) / 1e9
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B; kernels {args.kernels}")
     rows = []
-    variants = [(g, r, w, t) for g in gemms for r in ropes for w in windows for t in tunes]
-    for gemm, rope, window, tune in variants:  # side by side: ratios hold within one run
+    variants = [
+        (g, r, w, t, p) for g in gemms for r in ropes for w in windows for t in tunes for p in page_sizes
+    ]
+    for gemm, rope, window, tune, page in variants:  # side by side: ratios hold within one run
         model.gemm_backend = gemm
         for batch in (int(b) for b in args.batches.split(",")):
             on = rope == "on"
             measured = bench_engine(
-                model, cfg, batch, args.prompt, args.steps, bandwidth, on, window, tune_gemms=tune == "on"
+                model,
+                cfg,
+                batch,
+                args.prompt,
+                args.steps,
+                bandwidth,
+                on,
+                window,
+                tune_gemms=tune == "on",
+                page_size=page,
             )
-            row = {"gemm": gemm, "rope_in_attention": rope, "tune_gemms": tune, **measured}
-            if hf is not None and (gemm, rope, window, tune) == variants[0]:
+            row = {"gemm": gemm, "rope_in_attention": rope, "tune_gemms": tune, "page_size": page, **measured}
+            if hf is not None and (gemm, rope, window, tune, page) == variants[0]:
                 row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
             rows.append(row)
             shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
