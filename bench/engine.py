@@ -8,6 +8,7 @@
     python bench/engine.py --batches 64,1 --no-hf --rope-in-attention on,off  # decode's RoPE, A/B
     python bench/engine.py --batches 64 --no-hf --window tpot,synced   # the decode window, A/B
     python bench/engine.py --batches 64 --no-hf --prefill-prompt 0 --page-size 16,64   # KV page, A/B
+    python bench/engine.py --batches 64 --no-hf --prefill-prompt 0 --window synced --settle 0,0.5
 
 Model: hidden 2048, 28 layers, 16/8 heads x 128, intermediate 6144, 3 of 4 layers sliding (W=1024),
 vocab 128256, random bf16 weights (~1.9B parameters). The roofline of a decode step is the bytes it
@@ -112,6 +113,7 @@ def bench_engine(
     window: str = "tpot",
     tune_gemms: bool = True,
     page_size: int = 16,
+    settle: float = 0.0,
 ) -> dict[str, float]:
     """One engine's prefill and decode of `batch` prompts. `window` "tpot" times the decode from the
     call that hands every request its first token to the call that hands the last ones (a client's
@@ -143,6 +145,9 @@ def bench_engine(
     prefill_s = t1 - t0
     if window == "synced":
         torch.cuda.synchronize()
+        # A decode service's GPU does not prefill: give the clocks the power cap lowered during the
+        # prefill (docs/benchmarks.md, "the power cap") `settle` seconds to come back first.
+        time.sleep(settle)
         t1 = time.perf_counter()
     done0 = sum(len(r.output) for r in reqs)
     decode_steps, marks = 0, []
@@ -169,7 +174,7 @@ def bench_engine(
     # tpot: over the tokens each request received after its first (all requests alike here)
     per = decode_steps - 1 if window == "synced" else tokens // batch
     step_s = decode_s / max(per, 1)
-    return {"batch": batch, "window": window, "prefill_s": prefill_s,
+    return {"batch": batch, "window": window, "settle_s": settle, "prefill_s": prefill_s,
             "prefill_tok_s": batch * prompt_len / prefill_s,
             "decode_step_ms": 1e3 * step_s, "decode_tok_s": tokens / decode_s,
             "steady_step_ms": 1e3 * steady_s, "roofline_step_ms": 1e3 * roof_s,
@@ -343,6 +348,11 @@ def main() -> None:
         help="tokens per KV page of the decode engines (the services' default is 16), or a list",
     )  # fmt: skip
     ap.add_argument(
+        "--settle", default="0",
+        help="with --window synced: seconds the device idles between the prefill and the decode (the "
+        "clocks recover from the prefill's power cap), or a list",
+    )  # fmt: skip
+    ap.add_argument(
         "--fold-norms", choices=["on", "off"], default="on",
         help="each layer's RMSNorm weights folded into the GEMMs after them (EngineConfig.fold_norms); "
         "one value a run: the fold changes the model",
@@ -367,6 +377,12 @@ def main() -> None:
         page_sizes = []
     if not page_sizes or min(page_sizes) < 1:
         ap.error(f"--page-size: positive token counts, got {args.page_size!r}")
+    try:
+        settles = [float(x) for x in args.settle.split(",")]
+    except ValueError:
+        settles = []
+    if not settles or min(settles) < 0 or (max(settles) > 0 and windows != ["synced"]):
+        ap.error(f"--settle: seconds >= 0, and more than 0 only with --window synced, got {args.settle!r}")
     gemms = args.gemm.split(",")
     if not set(gemms) <= {"auto", "cublas", "skinny"}:
         ap.error(f"--gemm: auto, cublas and/or skinny, got {args.gemm!r}")
@@ -377,9 +393,10 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B; kernels {args.kernels}")
     rows = []
     variants = [
-        (g, r, w, t, p) for g in gemms for r in ropes for w in windows for t in tunes for p in page_sizes
-    ]
-    for gemm, rope, window, tune, page in variants:  # side by side: ratios hold within one run
+        (g, r, w, t, p, z)
+        for g in gemms for r in ropes for w in windows for t in tunes for p in page_sizes for z in settles
+    ]  # fmt: skip
+    for gemm, rope, window, tune, page, settle in variants:  # side by side: ratios hold within one run
         model.gemm_backend = gemm
         for batch in (int(b) for b in args.batches.split(",")):
             on = rope == "on"
@@ -394,9 +411,10 @@ def main() -> None:
                 window,
                 tune_gemms=tune == "on",
                 page_size=page,
+                settle=settle,
             )
             row = {"gemm": gemm, "rope_in_attention": rope, "tune_gemms": tune, "page_size": page, **measured}
-            if hf is not None and (gemm, rope, window, tune, page) == variants[0]:
+            if hf is not None and (gemm, rope, window, tune, page, settle) == variants[0]:
                 row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
             rows.append(row)
             shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
