@@ -312,6 +312,36 @@ def bench_hf(hf, cfg, batch: int, prompt_len: int, steps: int) -> dict[str, floa
     return {"batch": batch, "hf_decode_step_ms": 1e3 * step_s, "hf_decode_tok_s": batch / step_s}
 
 
+def one_of(*allowed: str):  # type: ignore[no-untyped-def]
+    def parse(value: str) -> str:
+        if value not in allowed:
+            raise ValueError(" or ".join(allowed))
+        return value
+
+    return parse
+
+
+def at_least(kind: type, low: float):  # type: ignore[no-untyped-def]
+    def parse(value: str):  # type: ignore[no-untyped-def]
+        try:
+            number = kind(value)
+        except ValueError:
+            number = None
+        if number is None or number < low:
+            raise ValueError(f"{'an' if kind is int else 'a'} {kind.__name__} of at least {low}")
+        return number
+
+    return parse
+
+
+def listed(ap: argparse.ArgumentParser, flag: str, value: str, parse) -> list:  # type: ignore[no-untyped-def,type-arg]
+    """A comma-separated option's values (each a variant of the run), or the parser's error naming it."""
+    try:
+        return [parse(v) for v in value.split(",")]
+    except ValueError as e:
+        ap.error(f"{flag}: each value must be {e}, got {value!r}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,16,64")
@@ -360,32 +390,16 @@ def main() -> None:
     args = ap.parse_args()
     global FOLD_NORMS
     FOLD_NORMS = args.fold_norms == "on"
-    ropes = args.rope_in_attention.split(",")
-    if not set(ropes) <= {"on", "off"}:
-        ap.error(f"--rope-in-attention: on and/or off, got {args.rope_in_attention!r}")
-    windows = args.window.split(",")
-    if not set(windows) <= {"tpot", "synced"}:
-        ap.error(f"--window: tpot and/or synced, got {args.window!r}")
-    tunes = args.tune_gemms.split(",")
-    if not set(tunes) <= {"on", "off"}:
-        ap.error(f"--tune-gemms: on and/or off, got {args.tune_gemms!r}")
+    ropes = listed(ap, "--rope-in-attention", args.rope_in_attention, one_of("on", "off"))
+    windows = listed(ap, "--window", args.window, one_of("tpot", "synced"))
+    tunes = listed(ap, "--tune-gemms", args.tune_gemms, one_of("on", "off"))
+    gemms = listed(ap, "--gemm", args.gemm, one_of("auto", "cublas", "skinny"))
+    page_sizes = listed(ap, "--page-size", args.page_size, at_least(int, 1))
+    settles = listed(ap, "--settle", args.settle, at_least(float, 0.0))
+    if max(settles) > 0 and windows != ["synced"]:
+        ap.error(f"--settle: more than 0 only with --window synced, got {args.settle!r}")
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("shared.model.gemm_tuning").setLevel(logging.INFO)
-    try:
-        page_sizes = [int(p) for p in args.page_size.split(",")]
-    except ValueError:
-        page_sizes = []
-    if not page_sizes or min(page_sizes) < 1:
-        ap.error(f"--page-size: positive token counts, got {args.page_size!r}")
-    try:
-        settles = [float(x) for x in args.settle.split(",")]
-    except ValueError:
-        settles = []
-    if not settles or min(settles) < 0 or (max(settles) > 0 and windows != ["synced"]):
-        ap.error(f"--settle: seconds >= 0, and more than 0 only with --window synced, got {args.settle!r}")
-    gemms = args.gemm.split(",")
-    if not set(gemms) <= {"auto", "cublas", "skinny"}:
-        ap.error(f"--gemm: auto, cublas and/or skinny, got {args.gemm!r}")
     bandwidth = copy_bandwidth()
     cfg, model, hf = make_models(not args.no_hf)
     model.kernel_backend = args.kernels
