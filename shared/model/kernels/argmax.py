@@ -65,6 +65,26 @@ def _first_max(vals, idxs):
     return tl.where(has_nan, float("nan"), top), index
 
 
+@triton.jit
+def _settle(
+    row, index, out_ptr, host_ptr, feed_ptr, pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr, full_ptr, rs_ptr,
+    rd_ptr, slots_ptr, table_ptr, width, page_size, window,
+    HOST: tl.constexpr, FEED: tl.constexpr, ADVANCE: tl.constexpr,
+):  # fmt: skip
+    """A row's token is known: to the output, the pinned host copy and the graph's input ids, and the
+    row's position fields one token on (`shared/decode_advance.py`), as the launch asked."""
+    tl.store(out_ptr + row, index.to(tl.int64))
+    if HOST:
+        tl.store(host_ptr + row, index.to(tl.int64))
+    if FEED:
+        tl.store(feed_ptr + row, index.to(tl.int64))
+    if ADVANCE:
+        advance_row(
+            row, pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr, full_ptr, rs_ptr, rd_ptr, slots_ptr,
+            table_ptr, width, page_size, window,
+        )  # fmt: skip
+
+
 # num_splits changes with the batch size: only loop bounds and masks read it, and specializing on it
 # (== 1) would compile a second kernel mid-traffic.
 @triton.jit(do_not_specialize=["num_splits"])
@@ -92,16 +112,10 @@ def _argmax_kernel(
         best_i = tl.where(take, c, best_i)
     value, index = _first_max(best, best_i)
     if num_splits == 1:
-        tl.store(out_ptr + row, index.to(tl.int64))
-        if HOST:
-            tl.store(host_ptr + row, index.to(tl.int64))
-        if FEED:
-            tl.store(feed_ptr + row, index.to(tl.int64))
-        if ADVANCE:
-            advance_row(
-                row, pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr, full_ptr, rs_ptr, rd_ptr, slots_ptr,
-                table_ptr, width, page_size, window,
-            )  # fmt: skip
+        _settle(
+            row, index, out_ptr, host_ptr, feed_ptr, pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr, full_ptr,
+            rs_ptr, rd_ptr, slots_ptr, table_ptr, width, page_size, window, HOST, FEED, ADVANCE,
+        )  # fmt: skip
     else:
         part = row * num_splits
         tl.store(val_ptr + part + split, value)
@@ -114,16 +128,10 @@ def _argmax_kernel(
             vals = tl.load(val_ptr + part + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
             idxs = tl.load(idx_ptr + part + s, mask=ok, other=0, cache_modifier=".cg")
             _, index = _first_max(vals, tl.where(ok, idxs, 2147483647))
-            tl.store(out_ptr + row, index.to(tl.int64))
-            if HOST:
-                tl.store(host_ptr + row, index.to(tl.int64))
-            if FEED:
-                tl.store(feed_ptr + row, index.to(tl.int64))
-            if ADVANCE:
-                advance_row(
-                    row, pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr, full_ptr, rs_ptr, rd_ptr, slots_ptr,
-                    table_ptr, width, page_size, window,
-                )  # fmt: skip
+            _settle(
+                row, index, out_ptr, host_ptr, feed_ptr, pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr,
+                full_ptr, rs_ptr, rd_ptr, slots_ptr, table_ptr, width, page_size, window, HOST, FEED, ADVANCE,
+            )  # fmt: skip
             tl.atomic_xchg(ticket_ptr + row, 0)  # ready for the next launch
 
 
