@@ -44,6 +44,7 @@ from shared.pb.pdserve.v1 import generation_pb2 as pb
 from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from shared.request_trace import RequestTrace, transfer_attrs
 from shared.sampling import SamplingParams
+from shared.service_runtime import ready
 from shared.telemetry import Telemetry
 from shared.transfer.cuda_ipc import IpcTarget, PoolExport
 from shared.transfer.nixl import NixlPool, NixlTarget
@@ -112,16 +113,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.serving: Serving | None = None  # set by the server once the model is loaded
         self.telemetry = telemetry or Telemetry("decode")  # no tracer, no metrics unless given
 
-    async def _ready(self, context: grpc.aio.ServicerContext) -> Serving:
-        if self.serving is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        assert self.serving is not None
-        return self.serving
-
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        s = await self._ready(context)
+        s = await ready(context, self.serving)
         tok = s.loaded.tokenizer
         try:
             prompt, params = validate_generate(request, s.limits, tok.encode if tok is not None else None)
@@ -254,13 +249,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return route
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        s = await self._ready(context)
+        s = await ready(context, self.serving)
         return pb.AbortResponse(found=s.scheduler.abort(request.request_id))
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        s = await self._ready(context)
+        s = await ready(context, self.serving)
         pool = s.scheduler.pool_state()
         return model_info(s.loaded, s.limits.max_context, s.page_size, s.kv_dtype, pool)
 

@@ -35,6 +35,7 @@ from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.request_trace import RequestTrace, transfer_attrs
 from shared.scheduler_base import AlreadyExists, Finished, NotAccepting, QueueFull, SubmitError
+from shared.service_runtime import ready
 from shared.telemetry import Telemetry
 from shared.transfer.base import KVLayout, mismatches
 from shared.transfer.cuda_ipc import IpcTarget, IpcUnavailable, PoolExport
@@ -73,16 +74,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.serving: PrefillServing | None = None  # set by the server once the model is loaded
         self.telemetry = telemetry or Telemetry("prefill")  # no tracer, no metrics unless given
 
-    async def _ready(self, context: grpc.aio.ServicerContext) -> PrefillServing:
-        if self.serving is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        assert self.serving is not None
-        return self.serving
-
     async def Handshake(
         self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext
     ) -> pb.HandshakeResponse:
-        s = await self._ready(context)
+        s = await ready(context, self.serving)
         problems = mismatches(KVLayout.from_pb(request.layout), s.layout)
         if request.backend and request.backend not in BACKENDS:
             problems.append(f"backend: {request.backend!r} not in {list(BACKENDS)}")
@@ -98,7 +93,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     async def Prefill(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PrefillResponse]:
-        s = await self._ready(context)
+        s = await ready(context, self.serving)
         if request.HasField("layout"):
             await _refuse_mismatch(context, mismatches(KVLayout.from_pb(request.layout), s.layout))
         else:
@@ -272,6 +267,6 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     async def GetModelInfo(
         self, request: gen_pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb.ModelInfo:
-        s = await self._ready(context)
+        s = await ready(context, self.serving)
         lay = s.layout
         return model_info(s.loaded, s.limits.max_context, lay.page_size, lay.dtype, s.scheduler.pool_state())

@@ -95,6 +95,15 @@ def service_telemetry(role: str, cfg: CommonConfig) -> Telemetry:
     return Telemetry.from_env(role, Metrics(role) if cfg.metrics else None)
 
 
+async def ready(context: grpc.aio.ServicerContext, serving: T | None) -> T:
+    """What a servicer serves with once the model has loaded; before that the call ends UNAVAILABLE
+    (which clients retry), the process healthy."""
+    if serving is None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+    assert serving is not None
+    return serving
+
+
 def add_health(server: grpc.aio.Server, service_name: str) -> health.aio.HealthServicer:
     """grpc.health.v1 and server reflection (for `service_name`, health and reflection itself)."""
     health_servicer = health.aio.HealthServicer()
