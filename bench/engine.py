@@ -19,6 +19,7 @@ at most W on sliding ones) over the measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import time
@@ -406,10 +407,7 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters()) / 1e9
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B; kernels {args.kernels}")
     rows = []
-    variants = [
-        (g, r, w, t, p, z)
-        for g in gemms for r in ropes for w in windows for t in tunes for p in page_sizes for z in settles
-    ]  # fmt: skip
+    variants = list(itertools.product(gemms, ropes, windows, tunes, page_sizes, settles))
     for gemm, rope, window, tune, page, settle in variants:  # side by side: ratios hold within one run
         model.gemm_backend = gemm
         for batch in (int(b) for b in args.batches.split(",")):
