@@ -335,12 +335,16 @@ def at_least(kind: type, low: float):  # type: ignore[no-untyped-def]
     return parse
 
 
-def listed(ap: argparse.ArgumentParser, flag: str, value: str, parse) -> list:  # type: ignore[no-untyped-def,type-arg]
-    """A comma-separated option's values (each a variant of the run), or the parser's error naming it."""
-    try:
-        return [parse(v) for v in value.split(",")]
-    except ValueError as e:
-        ap.error(f"{flag}: each value must be {e}, got {value!r}")
+def comma_list(parse):  # type: ignore[no-untyped-def]
+    """An argparse `type` for an option whose comma-separated values are each a variant of the run."""
+
+    def convert(value: str) -> list:  # type: ignore[type-arg]
+        try:
+            return [parse(v) for v in value.split(",")]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"each value must be {e}, got {value!r}") from None
+
+    return convert
 
 
 def main() -> None:
@@ -357,29 +361,31 @@ def main() -> None:
     ap.add_argument(
         "--gemm",
         default="auto",
+        type=comma_list(one_of("auto", "cublas", "skinny")),
         help="GEMMs at <= 64 rows: auto (skinny to 16 rows), cublas, skinny, or a list",
     )
     ap.add_argument(
         "--rope-in-attention",
         default="on",
+        type=comma_list(one_of("on", "off")),
         help="decode's RoPE + K/V store inside the attention kernels (on) or in a kernel of its own (off)",
     )
     ap.add_argument(
-        "--window", default="tpot",
+        "--window", default="tpot", type=comma_list(one_of("tpot", "synced")),
         help="decode_step_ms's window: tpot (first token to last, a client's time per output token) or "
         "synced (the device drained after prefill; the bench's figure before 2026-12-01), or a list",
     )  # fmt: skip
     ap.add_argument(
-        "--tune-gemms", default="on",
+        "--tune-gemms", default="on", type=comma_list(one_of("on", "off")),
         help="EngineConfig.tune_gemms: cuBLASLt's fastest algorithm per decode GEMM (on) or torch's (off), "
         "or a list (each choice is printed: logging at INFO)",
     )  # fmt: skip
     ap.add_argument(
-        "--page-size", default="16",
+        "--page-size", default="16", type=comma_list(at_least(int, 1)),
         help="tokens per KV page of the decode engines (the services' default is 16), or a list",
     )  # fmt: skip
     ap.add_argument(
-        "--settle", default="0",
+        "--settle", default="0", type=comma_list(at_least(float, 0.0)),
         help="with --window synced: seconds the device idles between the prefill and the decode (the "
         "clocks recover from the prefill's power cap), or a list",
     )  # fmt: skip
@@ -391,14 +397,10 @@ def main() -> None:
     args = ap.parse_args()
     global FOLD_NORMS
     FOLD_NORMS = args.fold_norms == "on"
-    ropes = listed(ap, "--rope-in-attention", args.rope_in_attention, one_of("on", "off"))
-    windows = listed(ap, "--window", args.window, one_of("tpot", "synced"))
-    tunes = listed(ap, "--tune-gemms", args.tune_gemms, one_of("on", "off"))
-    gemms = listed(ap, "--gemm", args.gemm, one_of("auto", "cublas", "skinny"))
-    page_sizes = listed(ap, "--page-size", args.page_size, at_least(int, 1))
-    settles = listed(ap, "--settle", args.settle, at_least(float, 0.0))
+    ropes, windows, tunes, gemms = args.rope_in_attention, args.window, args.tune_gemms, args.gemm
+    page_sizes, settles = args.page_size, args.settle
     if max(settles) > 0 and windows != ["synced"]:
-        ap.error(f"--settle: more than 0 only with --window synced, got {args.settle!r}")
+        ap.error(f"--settle: more than 0 only with --window synced, got {','.join(map(str, settles))!r}")
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("shared.model.gemm_tuning").setLevel(logging.INFO)
     bandwidth = copy_bandwidth()
