@@ -15,6 +15,10 @@ Variants:
 - `kernels`: one launch per phase (5 x layers kernels in one CUDA graph);
 - `persistent`: one launch; every program streams its slice of a phase, then waits at a grid-wide
   barrier (a release-add on a counter, then an acquire-poll until every program has arrived);
+- `kernels_pdl`: one launch per phase, each a programmatic dependent launch that releases the next
+  at its start and loads its first tiles before it waits for the one before (Hopper);
+- `persistent_prefetch`: the persistent launch, each program loading the next phase's first tiles
+  before it arrives at the barrier (what weights allow: they depend on no earlier phase);
 - `persistent_free`: the same launch without the barriers (its phases overlap: the lower bound).
 The persistent grid is `--ctas` programs per SM, all resident at once (a barrier over programs that
 are not resident would never open: a poll limit turns that into a reported failure, not a hang).
@@ -78,6 +82,20 @@ def _head(src, n, pid, nprog, BLOCK: tl.constexpr):
 def _phase_kernel(src, n, out, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     acc = _stream(src, n, pid, tl.num_programs(0), tl.zeros([BLOCK], tl.float32), BLOCK)
+    tl.store(out + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _phase_kernel_pdl(src, n, out, BLOCK: tl.constexpr):
+    """`_phase_kernel` as a programmatic dependent launch: it releases the next phase's launch at
+    once, loads its first tiles (data no earlier kernel writes), and only then waits for the kernel
+    before it to finish."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    tl.extra.cuda.gdc_launch_dependents()
+    x, y = _head(src, n, pid, nprog, BLOCK)
+    tl.extra.cuda.gdc_wait()
+    acc = _stream(src, n, pid, nprog, x.to(tl.float32) + y.to(tl.float32), BLOCK, 1)
     tl.store(out + pid, tl.sum(acc, axis=0))
 
 
@@ -191,6 +209,15 @@ def main() -> None:
                 off += n
 
     rows.append({"variant": f"kernels ({grid} programs each)", "step_us": graph_us(kernels)})
+
+    def kernels_pdl() -> None:
+        for layer in range(args.layers):
+            off = layer * layer_elems
+            for n in sizes:
+                _phase_kernel_pdl[(grid,)](mem[off:], n, out, BLOCK=BLOCK, num_warps=8, launch_pdl=True)
+                off += n
+
+    rows.append({"variant": f"kernels_pdl ({grid} programs each)", "step_us": graph_us(kernels_pdl)})
     counter = torch.zeros(1, device="cuda", dtype=torch.int32)
     failed = torch.zeros(1, device="cuda", dtype=torch.int32)
     for ctas in (int(c) for c in args.ctas.split(",")):
