@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
@@ -82,3 +83,33 @@ def test_the_engine_trace_bench_runs_two_passes_on_cpu() -> None:
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r["pass"] for r in rows] == [0, 1]
     assert all(r["requests"] == 6 and 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] for r in rows), rows
+
+
+def test_the_boundary_bench_reads_every_byte_once_in_each_schedule() -> None:
+    # bench/decode_layer_persistent.py prices phase boundaries by streaming the same bytes under
+    # several schedules; its comparisons mean something only if each schedule sums every element of
+    # every phase exactly once (uneven shares, a slice shorter than the prefetched head).
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import decode_layer_persistent as bench
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    sizes, layers, programs, block = [64, 256, 32, 128, 96], 3, 3, 8
+    mem = torch.randn(layers * sum(sizes), dtype=torch.float32)
+    expected = mem.sum().item()
+    for prefetch in (False, True):  # the barriers themselves need every program resident: GPU only
+        out = torch.zeros(programs)
+        counter, failed = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        bench._persistent_kernel[(programs,)](
+            mem, sum(sizes), *sizes, layers, out, counter, failed,
+            BARRIERS=False, PREFETCH=prefetch, BLOCK=block, POLL_LIMIT=4,
+        )  # fmt: skip
+        assert out.sum().item() == pytest.approx(expected, rel=1e-5, abs=1e-4)
+    total, off = 0.0, 0
+    for _ in range(layers):
+        for n in sizes:
+            out = torch.zeros(programs)
+            bench._phase_kernel[(programs,)](mem[off:], n, out, BLOCK=block)
+            total += out.sum().item()
+            off += n
+    assert total == pytest.approx(expected, rel=1e-5, abs=1e-4)
