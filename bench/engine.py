@@ -361,8 +361,8 @@ def main() -> None:
     ap.add_argument(
         "--gemm",
         default="auto",
-        type=comma_list(one_of("auto", "cublas", "skinny")),
-        help="GEMMs at <= 64 rows: auto (skinny to 16 rows), cublas, skinny, or a list",
+        type=comma_list(one_of("auto", "cublas", "skinny", "cute")),
+        help="GEMMs at <= 64 rows: auto (skinny to 16 rows), cublas, skinny, cute (CuTe DSL), or a list",
     )
     ap.add_argument(
         "--rope-in-attention",

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from shared.attention._launch import MAX_SPLITS, next_pow2
+from shared.model.kernels._pdl import release_dependents, release_flag
 
 
 # num_tokens and num_splits change with the batch: one compiled kernel for them all (SPLITS_P2 is
@@ -19,8 +20,9 @@ from shared.attention._launch import MAX_SPLITS, next_pow2
 @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _merge_splits_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, num_tokens, num_heads, stride_ot, stride_oh, num_splits,
-    SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, RELEASE: tl.constexpr,
 ):  # fmt: skip
+    release_dependents(RELEASE)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
@@ -54,5 +56,5 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
     _merge_splits_kernel[(tokens, heads)](
         part_o, part_lse, out, tokens, heads, out.stride(0), out.stride(1), splits,
         SPLITS_P2=max(next_pow2(splits), MAX_SPLITS), HEAD_DIM=head_dim,
-        BLOCK_D=max(16, next_pow2(head_dim)),
+        BLOCK_D=max(16, next_pow2(head_dim)), RELEASE=release_flag(out.device),
     )  # fmt: skip

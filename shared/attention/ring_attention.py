@@ -35,6 +35,7 @@ from shared.attention.fused_rope import (
     kernel_args,
     rms_constexprs,
 )
+from shared.model.kernels._pdl import release_dependents, release_flag
 from shared.model.kernels._round import rounding_options
 
 
@@ -56,8 +57,9 @@ def _ring_attention_kernel(
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
     ROPE: tl.constexpr, NORM: tl.constexpr,
-    RMS: tl.constexpr, BLOCK_H: tl.constexpr,
+    RMS: tl.constexpr, BLOCK_H: tl.constexpr, RELEASE: tl.constexpr,
 ):  # fmt: skip
+    release_dependents(RELEASE)
     qb = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     b = tl.program_id(1)
@@ -163,7 +165,7 @@ def ring_attention(
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim,
         F32_DOT=f32_dot(q.dtype), ROPE=rope is not None, NORM=rope is not None and rope.norm,
-        **rms_constexprs(rope),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **rounding_options(q.dtype),
+        **rms_constexprs(rope), RELEASE=release_flag(q.device), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **rounding_options(q.dtype),
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

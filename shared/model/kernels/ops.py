@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +27,10 @@ Backend = Literal["auto", "torch", "triton"]
 # down projection), where cuBLAS splits K and reduces in a kernel of its own. Decode steps of 1 and 16
 # rows measured 1-4% faster with it on the H200, from the gate/up and down projections; q/k/v and o
 # alone are a little slower (docs/benchmarks.md).
-Gemm = Literal["auto", "cublas", "skinny"]
-_SKINNY_ROWS = {"auto": 16, "skinny": 64, "cublas": 0}
-_DEEP_ROWS = {"auto": 64, "skinny": 64, "cublas": 0}  # for K >= 2N
+# "cute": `cute_gemm` (CuTe DSL, Hopper, bf16) at up to 64 rows, as programmatic dependent launches.
+Gemm = Literal["auto", "cublas", "skinny", "cute"]
+_SKINNY_ROWS = {"auto": 16, "skinny": 64, "cublas": 0, "cute": 0}
+_DEEP_ROWS = {"auto": 64, "skinny": 64, "cublas": 0, "cute": 0}  # for K >= 2N
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,18 @@ class TritonKernels(ModelKernels):
             and x.dtype == w.dtype and x.stride(-1) == 1 and w.stride(-1) == 1
         )  # fmt: skip
 
+    def _cute(self, x: Tensor, layer: nn.Linear) -> Any:
+        """cute_gemm's config for x through layer, when the "cute" backend takes it; else None."""
+        if self.gemm != "cute" or layer.bias is not None or x.dim() != 2 or not 0 < x.shape[0] <= 64:
+            return None
+        from shared.model.kernels import cute_gemm
+
+        return cute_gemm.config_for(x, layer.weight)
+
     def takes_cublas(self, rows: int, layer: nn.Linear) -> bool:
         w = layer.weight
+        if self.gemm == "cute" and rows <= 64 and layer.bias is None:
+            return False
         rows_ok = rows > (_DEEP_ROWS[self.gemm] if w.shape[1] >= 2 * w.shape[0] else _SKINNY_ROWS[self.gemm])
         return rows_ok or layer.bias is not None
 
@@ -176,6 +187,10 @@ class TritonKernels(ModelKernels):
         return gemm(x, layer.weight) if gemm is not None else F.linear(x, layer.weight, layer.bias)
 
     def linear(self, x: Tensor, layer: nn.Linear) -> Tensor:
+        if (cfg := self._cute(x, layer)) is not None:
+            from shared.model.kernels.cute_gemm import cute_linear
+
+            return cute_linear(x, layer.weight, cfg)
         if self._skinny(x, layer):
             return self._skinny_gemm(x, layer.weight)
         return self._cublas(x, layer)
@@ -187,6 +202,10 @@ class TritonKernels(ModelKernels):
         # The GEMM `linear` would take, writing the sum into residual's storage: cuBLAS out of place
         # (C read as a separate input) took 7.7 us against 6.3 at 64 x 2048 x 2048 on an H200, in
         # place as fast as the plain GEMM (docs/benchmarks.md).
+        if (cfg := self._cute(x, layer)) is not None:
+            from shared.model.kernels.cute_gemm import cute_linear
+
+            return cute_linear(x, layer.weight, cfg, residual=residual, out=residual)
         if self._skinny(x, layer) and residual.stride(-1) == 1:
             return self._skinny_gemm(x, layer.weight, add=residual)
         gemm = self._tuned(x, layer)
@@ -233,7 +252,7 @@ def kernels_for(device: torch.device | str, backend: Backend = "auto", gemm: Gem
     (the torch path always uses torch's). Instances are shared (they hold no state)."""
     device = torch.device(device)
     if gemm not in _SKINNY_ROWS:
-        raise ValueError(f"kernels_for: gemm must be 'auto', 'cublas' or 'skinny', got {gemm!r}")
+        raise ValueError(f"kernels_for: gemm must be 'auto', 'cublas', 'skinny' or 'cute', got {gemm!r}")
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     if backend == "torch":

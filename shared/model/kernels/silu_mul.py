@@ -18,6 +18,7 @@ import triton.language as tl
 
 from shared.attention._launch import next_pow2
 from shared.model.kernels._checks import check_activation, check_norm_input, check_triton_device, fail
+from shared.model.kernels._pdl import release_dependents, release_flag
 from shared.model.kernels._round import round_to
 from shared.model.kernels._rows import row_rstd
 
@@ -25,8 +26,9 @@ from shared.model.kernels._rows import row_rstd
 @triton.jit
 def _silu_mul_kernel(
     x_ptr, out_ptr, h_ptr, stride_x, stride_out, stride_h, size, hidden, eps,
-    BLOCK: tl.constexpr, RMS: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK: tl.constexpr, RMS: tl.constexpr, BLOCK_H: tl.constexpr, RELEASE: tl.constexpr,
 ):  # fmt: skip
+    release_dependents(RELEASE)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
@@ -58,7 +60,8 @@ def _launch(op: str, gate_up: torch.Tensor, h: torch.Tensor | None, eps: float) 
     _silu_mul_kernel[(rows, triton.cdiv(size, block))](
         gate_up, out, h if h is not None else gate_up, gate_up.stride(0), out.stride(0),
         h.stride(0) if h is not None else 0, size, hidden, float(eps),
-        BLOCK=block, RMS=h is not None, BLOCK_H=next_pow2(hidden), num_warps=4,
+        BLOCK=block, RMS=h is not None, BLOCK_H=next_pow2(hidden), RELEASE=release_flag(gate_up.device),
+        num_warps=4,
     )  # fmt: skip
     return out
 

@@ -1,0 +1,365 @@
+"""The decode step's GEMMs in CUTLASS's CuTe DSL: y = x @ w.T (+ residual), a dependent launch.
+
+x is the batch's rows [M <= 64, K], w a layer's weight [N, K], both bf16 and K-contiguous; each
+program owns BLOCK_N of y's columns and all of its (at most 64) rows: one warpgroup's wgmma tile
+(64 x BLOCK_N), fed by TMA through a `stages`-deep shared-memory ring.
+
+Why a kernel of our own when cuBLAS is faster at every shape on its own (docs/benchmarks.md): a
+decode layer's small GEMMs lose their time at the boundaries, in the ramp and the tail of each
+weight stream, not in their bytes. Launched as a programmatic dependent launch (`pdl=True`), this
+kernel releases its successor at its start and loads its first `stages` weight tiles *before*
+`griddepcontrol.wait`: the weights never depend on the kernel before, so their loads overlap that
+kernel's tail; the rows of x (and the residual) are read only after the wait. cuBLAS's kernels can
+do neither (one of them does not even wait, docs/benchmarks.md).
+
+`cutlass` (`nvidia-cutlass-dsl`, the `cute` extra) is imported on first use: CPU machines and
+installs without it never reach this file.
+"""
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+
+BLOCK_M = 64  # one warpgroup's wgmma rows: the decode batch, padded by TMA's zero fill
+
+
+@dataclass(frozen=True)
+class CuteGemmConfig:
+    block_n: int  # y's columns per program: a multiple of 8 up to 256 (wgmma's N)
+    split_k: int = 1  # programs of one cluster sharing a tile's K, summed through shared memory
+    multicast: int = 1  # programs of one cluster (along N) loading x's tiles once for all (TMA multicast)
+    block_k: int = 64  # 64: one 128-byte swizzle row of bf16
+    stages: int = 4
+    pdl: bool = True  # a programmatic dependent launch: weights before the wait
+
+    def __post_init__(self) -> None:
+        if self.block_n % 8 or not 8 <= self.block_n <= 256:
+            raise ValueError(f"block_n must be a multiple of 8 in [8, 256], got {self.block_n}")
+        if self.split_k not in (1, 2, 4, 8):
+            raise ValueError(f"split_k must be 1, 2, 4 or 8 (a portable cluster), got {self.split_k}")
+        if self.multicast not in (1, 2, 4) or (self.multicast > 1 and self.split_k > 1):
+            raise ValueError(f"multicast must be 1, 2 or 4, and 1 with split_k, got {self.multicast}")
+        if self.block_k % 64:
+            raise ValueError(f"block_k must be a multiple of 64, got {self.block_k}")
+        if self.stages < 2:
+            raise ValueError(f"stages must be at least 2, got {self.stages}")
+
+
+def available() -> bool:
+    """Whether CuTe DSL imports here (the `cute` extra) and a Hopper GPU is present."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    try:
+        import cutlass  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def config_for(x: torch.Tensor, w: torch.Tensor) -> CuteGemmConfig | None:
+    """The config for x @ w.T on the GPU, or None where the kernel does not take it: not bf16, not
+    CUDA, rows not contiguous along K or not 16-byte aligned (TMA), or a shape `shape_config` declines."""
+    ok = (
+        x.dtype == w.dtype == torch.bfloat16 and x.is_cuda and w.is_cuda and x.dim() == w.dim() == 2
+        and x.shape[1] == w.shape[1] and x.stride(1) == 1 and w.stride(1) == 1
+        and x.stride(0) % 8 == 0 and w.stride(0) % 8 == 0
+        and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+    )  # fmt: skip
+    return shape_config(w.shape[0], w.shape[1]) if ok else None
+
+
+def shape_config(n: int, k: int) -> CuteGemmConfig | None:
+    """The config for a weight [n, k], or None when no column block divides n or K does not split.
+
+    About one program per SM (132 on an H200): N / 128 columns a program where that is a multiple of
+    8 above 32 (64-wide K tiles, 9 stages), else 32 columns (128-wide K tiles, 6 stages) with K split
+    two ways when the column blocks are 64 or fewer. The best of a sweep at the decode layer's four
+    shapes (`bench/gemm_cute.py`, docs/benchmarks.md); x's tiles multicast across a cluster lost.
+    """
+    wide = n // 128
+    if wide % 8 == 0 and 32 < wide <= 256:
+        cfg = CuteGemmConfig(block_n=wide, block_k=64, stages=9)
+    elif n % 32 == 0:
+        cfg = CuteGemmConfig(block_n=32, split_k=2 if n // 32 <= 64 else 1, block_k=128, stages=6)
+    else:
+        return None
+    return cfg if k % (cfg.block_k * cfg.split_k) == 0 else None
+
+
+def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
+    """The kernel class for one config, defined here so that `cutlass` is imported only when used."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.pipeline as pipeline
+    import cutlass.utils as utils
+    import cutlass.utils.hopper_helpers as sm90
+
+    tile_mnk = (BLOCK_M, cfg.block_n, cfg.block_k)
+    stages, split, mc = cfg.stages, cfg.split_k, cfg.multicast
+    rows_per_split = BLOCK_M // split
+    sums_per_thread = rows_per_split * cfg.block_n // 128
+
+    class DecodeGemm:
+        @cute.jit
+        def __call__(
+            self, x: cute.Tensor, w: cute.Tensor, y: cute.Tensor, r: cute.Tensor, stream: cuda.CUstream
+        ):
+            dtype = x.element_type
+            tiled_mma = sm90.make_trivial_tiled_mma(
+                dtype, dtype,
+                utils.LayoutEnum.from_tensor(x).sm90_mma_major_mode(),
+                utils.LayoutEnum.from_tensor(w).sm90_mma_major_mode(),
+                cutlass.Float32, (1, 1, 1), tiler_mn=(BLOCK_M, cfg.block_n),
+            )  # fmt: skip
+            x_smem = sm90.make_smem_layout_a(utils.LayoutEnum.from_tensor(x), tile_mnk, dtype, stages)
+            w_smem = sm90.make_smem_layout_b(utils.LayoutEnum.from_tensor(w), tile_mnk, dtype, stages)
+            op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+            op_x = cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp() if mc > 1 else op
+            tma_x, tma_x_tensor = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                op_x, x, cute.slice_(x_smem, (None, None, 0)), (BLOCK_M, cfg.block_k), num_multicast=mc
+            )
+            tma_w, tma_w_tensor = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                op, w, cute.slice_(w_smem, (None, None, 0)), (cfg.block_n, cfg.block_k)
+            )
+
+            @cute.struct
+            class Storage:
+                barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
+                sx: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(x_smem)], 1024]
+                sw: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(w_smem)], 1024]
+                red: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK_M * cfg.block_n], 16]
+
+            self.storage = Storage
+            grid_n = cute.ceil_div(cute.size(w, mode=[0]), cfg.block_n)
+            self.kernel(tma_x, tma_x_tensor, tma_w, tma_w_tensor, y, r, tiled_mma, x_smem, w_smem).launch(
+                grid=[split, grid_n, 1],
+                block=[128, 1, 1],
+                cluster=[split, mc, 1],
+                stream=stream,
+                use_pdl=cfg.pdl,
+            )
+
+        @cute.kernel
+        def kernel(
+            self,
+            tma_x: cute.CopyAtom,
+            mx: cute.Tensor,
+            tma_w: cute.CopyAtom,
+            mw: cute.Tensor,
+            my: cute.Tensor,
+            mr: cute.Tensor,
+            tiled_mma: cute.TiledMma,
+            x_smem: cute.ComposedLayout,
+            w_smem: cute.ComposedLayout,
+        ):
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            tidx, _, _ = cute.arch.thread_idx()
+            part, pid_n, _ = cute.arch.block_idx()  # part: this program's share of K (its cluster rank)
+            if warp == 0:
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
+
+            storage = cutlass.utils.SmemAllocator().allocate(self.storage)
+            x_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(x_smem, (None, None, 0)))
+            w_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(w_smem, (None, None, 0)))
+            # With multicast, a stage of this program is filled by every program of the cluster (a
+            # slice of x's tile each) and freed only when all of them have read theirs.
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            ring = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.barriers.data_ptr(),
+                num_stages=stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 if mc > 1 else 4),
+                tx_count=x_bytes + w_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, mc, 1)),
+                mcast_mode_mn=(1, 0),
+                enable_multicast_signaling=mc > 1,
+                defer_sync=True,
+            )
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, mc), is_relaxed=True)
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, mc))
+            sx = storage.sx.get_tensor(x_smem.outer, swizzle=x_smem.inner)
+            sw = storage.sw.get_tensor(w_smem.outer, swizzle=w_smem.inner)
+
+            coord = (0, pid_n, None)
+            gx = cute.local_tile(mx, tile_mnk, coord, proj=(1, None, 1))  # (BM, BK, k tiles)
+            gw = cute.local_tile(mw, tile_mnk, coord, proj=(None, 1, 1))  # (BN, BK, k tiles)
+            tx_s, tx_g = cute.nvgpu.cpasync.tma_partition(
+                tma_x, rank if mc > 1 else 0, cute.make_layout(mc), cute.group_modes(sx, 0, 2),
+                cute.group_modes(gx, 0, 2),
+            )  # fmt: skip
+            x_mask = None
+            if cutlass.const_expr(mc > 1):
+                cta_layout = cute.make_layout((1, mc, 1))
+                x_mask = cute.make_layout_image_mask(cta_layout, cta_layout.get_flat_coord(rank), mode=1)
+            tw_s, tw_g = cute.nvgpu.cpasync.tma_partition(
+                tma_w, 0, cute.make_layout(1), cute.group_modes(sw, 0, 2), cute.group_modes(gw, 0, 2)
+            )
+            k_tiles = cute.size(gx, mode=[2]) // split
+            k0 = part * k_tiles
+            head = cutlass.min(stages, k_tiles)
+
+            # The weights' first tiles, before the wait: nothing upstream writes them.
+            w_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+            if warp == 0:
+                for _ in cutlass.range(head, unroll=1):
+                    ring.producer_acquire(w_state)
+                    bar = ring.producer_get_barrier(w_state)
+                    cute.copy(
+                        tma_w, tw_g[(None, k0 + w_state.count)], tw_s[(None, w_state.index)], tma_bar_ptr=bar
+                    )
+                    w_state.advance()
+            if cutlass.const_expr(cfg.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+                cute.arch.griddepcontrol_wait()
+            # The rows, into the same stages: each stage's barrier expects both tiles' bytes.
+            x_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+            if warp == 0:
+                for _ in cutlass.range(head, unroll=1):
+                    bar = ring.producer_get_barrier(x_state)
+                    cute.copy(
+                        tma_x,
+                        tx_g[(None, k0 + x_state.count)],
+                        tx_s[(None, x_state.index)],
+                        tma_bar_ptr=bar,
+                        mcast_mask=x_mask,
+                    )
+                    x_state.advance()
+
+            thr_mma = tiled_mma.get_slice(tidx)
+            frag_x = tiled_mma.make_fragment_A(thr_mma.partition_A(sx))
+            frag_w = tiled_mma.make_fragment_B(thr_mma.partition_B(sw))
+            gy = cute.local_tile(my, (BLOCK_M, cfg.block_n), (0, pid_n))
+            ty = thr_mma.partition_C(gy)
+            acc = cute.make_rmem_tensor(ty.shape, cutlass.Float32)
+            acc.fill(0.0)
+
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            k_blocks = cute.size(frag_x, mode=[2])
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            for k in cutlass.range(k_tiles, unroll=1):
+                ring.consumer_wait(read)
+                cute.nvgpu.warpgroup.fence()
+                for kb in cutlass.range(k_blocks, unroll_full=True):
+                    cute.gemm(
+                        tiled_mma, acc, frag_x[(None, None, kb, read.index)],
+                        frag_w[(None, None, kb, read.index)], acc,
+                    )  # fmt: skip
+                cute.nvgpu.warpgroup.commit_group()
+                # The stage before this one is read once this tile's MMAs are the only ones left.
+                cute.nvgpu.warpgroup.wait_group(1)
+                read.advance()
+                if k > 0:
+                    ring.consumer_release(release)
+                    release.advance()
+                    # Refill the stage just released (tile k - 1's) with tile k - 1 + stages.
+                    if warp == 0 and w_state.count < k_tiles:
+                        ring.producer_acquire(w_state)
+                        bar = ring.producer_get_barrier(w_state)
+                        cute.copy(
+                            tma_w,
+                            tw_g[(None, k0 + w_state.count)],
+                            tw_s[(None, w_state.index)],
+                            tma_bar_ptr=bar,
+                        )
+                        cute.copy(
+                            tma_x,
+                            tx_g[(None, k0 + w_state.count)],
+                            tx_s[(None, w_state.index)],
+                            tma_bar_ptr=bar,
+                            mcast_mask=x_mask,
+                        )
+                        w_state.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+
+            # Epilogue: each program's partial tile into shared memory, then program p of the cluster
+            # sums rows [p * 64 / split, (p + 1) * 64 / split) over every program's partial, adds the
+            # residual (rounding once) and stores; rows past M (TMA's zero fill) are never stored.
+            red_layout = cute.make_layout((BLOCK_M, cfg.block_n), stride=(cfg.block_n, 1))
+            sred = storage.red.get_tensor(red_layout)
+            tred = thr_mma.partition_C(sred)
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                tred[i] = acc[i]
+            if cutlass.const_expr(split > 1):
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+            else:
+                cute.arch.sync_threads()
+            rows = cute.size(my, mode=[0])
+            n0 = pid_n * cfg.block_n
+            for j in cutlass.range(sums_per_thread, unroll_full=True):
+                e = tidx + j * 128
+                row = part * rows_per_split + e // cfg.block_n
+                col = e % cfg.block_n
+                v = sred[row, col]
+                if cutlass.const_expr(split > 1):
+                    v = cutlass.Float32(0.0)
+                    here = sred.iterator + row * cfg.block_n + col
+                    for p in cutlass.range_constexpr(split):
+                        addr = cutlass.Int32(cute.arch.map_dsmem_ptr(here, p).toint())
+                        v = v + cute.arch.inline_ptx(
+                            "ld.shared::cluster.f32 {$w0}, [{$r0}];",
+                            write_only_types=[cutlass.Float32], read_only_args=[addr],
+                        )  # fmt: skip
+                if row < rows:
+                    if cutlass.const_expr(residual):
+                        v = v + mr[row, n0 + col].to(cutlass.Float32)
+                    my[row, n0 + col] = v.to(my.element_type)
+            if cutlass.const_expr(split > 1 or mc > 1):
+                # No program leaves while another still reads its partial.
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+
+    return DecodeGemm()
+
+
+def _cute_tensor(t: torch.Tensor) -> Any:
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t.detach(), assumed_align=16).mark_layout_dynamic(leading_dim=1)
+
+
+@cache
+def _compiled(cfg: CuteGemmConfig, residual: bool, n: int, k: int) -> Any:
+    """One compile per config and epilogue: M, N, K and the strides are dynamic (the first call's
+    shapes only stand in for them)."""
+    rows = BLOCK_M
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+
+    x = torch.empty(rows, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    t = [_cute_tensor(v) for v in (x, w, y, y)]
+    return cute.compile(_build(cfg, residual), *t, stream)
+
+
+def cute_linear(
+    x: torch.Tensor, w: torch.Tensor, cfg: CuteGemmConfig, residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x @ w.T, or residual + it rounded once (into `out`, which may be `residual` itself)."""
+    rows, k = x.shape
+    n = w.shape[0]
+    if rows > BLOCK_M:
+        raise ValueError(f"cute_linear takes at most {BLOCK_M} rows, got {rows}")
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise ValueError(f"cute_linear takes bf16, got x {x.dtype}, w {w.dtype}")
+    if k % (cfg.block_k * cfg.split_k) or n % cfg.block_n:
+        raise ValueError(
+            f"K {k} must be a multiple of block_k * split_k ({cfg.block_k} * {cfg.split_k}) "
+            f"and N {n} of block_n {cfg.block_n}"
+        )
+    import cuda.bindings.driver as cuda
+
+    y = out if out is not None else torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    r = residual if residual is not None else y
+    fn = _compiled(cfg, residual is not None, n, k)
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    fn(*(_cute_tensor(v) for v in (x, w, y, r)), stream)
+    return y
