@@ -33,6 +33,7 @@ class CuteGemmConfig:
     block_k: int = 64  # 64: one 128-byte swizzle row of bf16
     stages: int = 4
     pdl: bool = True  # a programmatic dependent launch: weights before the wait
+    release_early: bool = True  # release the next launch at the start (else after the main loop)
 
     def __post_init__(self) -> None:
         if self.block_n % 8 or not 8 <= self.block_n <= 256:
@@ -130,7 +131,9 @@ def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
                 barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
                 sx: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(x_smem)], 1024]
                 sw: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(w_smem)], 1024]
-                red: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK_M * cfg.block_n], 16]
+                red: cute.struct.Align[
+                    cute.struct.MemRange[cutlass.Float32, BLOCK_M * cfg.block_n if split > 1 else 4], 16
+                ]
 
             self.storage = Storage
             grid_n = cute.ceil_div(cute.size(w, mode=[0]), cfg.block_n)
@@ -212,8 +215,9 @@ def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
                         tma_w, tw_g[(None, k0 + w_state.count)], tw_s[(None, w_state.index)], tma_bar_ptr=bar
                     )
                     w_state.advance()
-            if cutlass.const_expr(cfg.pdl):
+            if cutlass.const_expr(cfg.release_early):
                 cute.arch.griddepcontrol_launch_dependents()
+            if cutlass.const_expr(cfg.pdl):
                 cute.arch.griddepcontrol_wait()
             # The rows, into the same stages: each stage's barrier expects both tiles' bytes.
             x_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
@@ -275,40 +279,52 @@ def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
                         )
                         w_state.advance()
             cute.nvgpu.warpgroup.wait_group(0)
+            if cutlass.const_expr(not cfg.release_early):
+                cute.arch.griddepcontrol_launch_dependents()
 
-            # Epilogue: each program's partial tile into shared memory, then program p of the cluster
-            # sums rows [p * 64 / split, (p + 1) * 64 / split) over every program's partial, adds the
-            # residual (rounding once) and stores; rows past M (TMA's zero fill) are never stored.
-            red_layout = cute.make_layout((BLOCK_M, cfg.block_n), stride=(cfg.block_n, 1))
-            sred = storage.red.get_tensor(red_layout)
-            tred = thr_mma.partition_C(sred)
-            for i in cutlass.range(cute.size(acc), unroll_full=True):
-                tred[i] = acc[i]
-            if cutlass.const_expr(split > 1):
+            rows = cute.size(my, mode=[0])
+            if cutlass.const_expr(split == 1):
+                # Epilogue: straight from the accumulators; rows past M (TMA's zero fill) are never
+                # stored, and the residual add rounds once.
+                cy = cute.local_tile(cute.make_identity_tensor(my.shape), (BLOCK_M, cfg.block_n), (0, pid_n))
+                tc = thr_mma.partition_C(cy)
+                if cutlass.const_expr(residual):
+                    tr = thr_mma.partition_C(cute.local_tile(mr, (BLOCK_M, cfg.block_n), (0, pid_n)))
+                    for i in cutlass.range(cute.size(acc), unroll_full=True):
+                        if tc[i][0] < rows:
+                            ty[i] = (acc[i] + tr[i].to(cutlass.Float32)).to(my.element_type)
+                else:
+                    for i in cutlass.range(cute.size(acc), unroll_full=True):
+                        if tc[i][0] < rows:
+                            ty[i] = acc[i].to(my.element_type)
+            else:
+                # Epilogue: each program's partial tile into shared memory, then program p of the
+                # cluster sums rows [p * 64 / split, (p + 1) * 64 / split) over every program's partial
+                # (read through distributed shared memory), adds the residual and stores.
+                red_layout = cute.make_layout((BLOCK_M, cfg.block_n), stride=(cfg.block_n, 1))
+                sred = storage.red.get_tensor(red_layout)
+                tred = thr_mma.partition_C(sred)
+                for i in cutlass.range(cute.size(acc), unroll_full=True):
+                    tred[i] = acc[i]
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
-            else:
-                cute.arch.sync_threads()
-            rows = cute.size(my, mode=[0])
-            n0 = pid_n * cfg.block_n
-            for j in cutlass.range(sums_per_thread, unroll_full=True):
-                e = tidx + j * 128
-                row = part * rows_per_split + e // cfg.block_n
-                col = e % cfg.block_n
-                v = sred[row, col]
-                if cutlass.const_expr(split > 1):
-                    v = cutlass.Float32(0.0)
+                n0 = pid_n * cfg.block_n
+                for j in cutlass.range(sums_per_thread, unroll_full=True):
+                    e = tidx + j * 128
+                    row = part * rows_per_split + e // cfg.block_n
+                    col = e % cfg.block_n
                     here = sred.iterator + row * cfg.block_n + col
+                    v = cutlass.Float32(0.0)
                     for p in cutlass.range_constexpr(split):
                         addr = cutlass.Int32(cute.arch.map_dsmem_ptr(here, p).toint())
                         v = v + cute.arch.inline_ptx(
                             "ld.shared::cluster.f32 {$w0}, [{$r0}];",
                             write_only_types=[cutlass.Float32], read_only_args=[addr],
                         )  # fmt: skip
-                if row < rows:
-                    if cutlass.const_expr(residual):
-                        v = v + mr[row, n0 + col].to(cutlass.Float32)
-                    my[row, n0 + col] = v.to(my.element_type)
+                    if row < rows:
+                        if cutlass.const_expr(residual):
+                            v = v + mr[row, n0 + col].to(cutlass.Float32)
+                        my[row, n0 + col] = v.to(my.element_type)
             if cutlass.const_expr(split > 1 or mc > 1):
                 # No program leaves while another still reads its partial.
                 cute.arch.cluster_arrive()
