@@ -2,10 +2,12 @@
 
 x is the batch's rows [M <= 64, K], w a layer's weight [N, K], both bf16 and K-contiguous; each
 program owns BLOCK_N of y's columns and all of its (at most 64) rows: one warpgroup's wgmma tile
-(64 x BLOCK_N), fed by TMA through a `stages`-deep shared-memory ring.
+(64 x BLOCK_N), fed by TMA through a `stages`-deep shared-memory ring; K may be split across a
+cluster (partials summed through distributed shared memory) and x's tiles multicast across one.
+`cute_swiglu` is gate/up with `silu_mul_rms` in its epilogue.
 
-Why a kernel of our own when cuBLAS is faster at every shape on its own (docs/benchmarks.md): a
-decode layer's small GEMMs lose their time at the boundaries, in the ramp and the tail of each
+Why a kernel of our own when cuBLAS beats it at every shape launched plainly (docs/benchmarks.md):
+a decode layer's small GEMMs lose their time at the boundaries, in the ramp and the tail of each
 weight stream, not in their bytes. Launched as a programmatic dependent launch (`pdl=True`), this
 kernel releases its successor at its start and loads its first `stages` weight tiles *before*
 `griddepcontrol.wait`: the weights never depend on the kernel before, so their loads overlap that
@@ -16,6 +18,7 @@ do neither (one of them does not even wait, docs/benchmarks.md).
 installs without it never reach this file.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -89,7 +92,16 @@ def shape_config(n: int, k: int) -> CuteGemmConfig | None:
     return cfg if k % (cfg.block_k * cfg.split_k) == 0 else None
 
 
-def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
+def swiglu_config_for(x: torch.Tensor, w: torch.Tensor) -> CuteGemmConfig | None:
+    """`cute_swiglu`'s config for gate_up's weight w [2I, K]: `config_for`'s for w, each program's
+    columns split into a gate tile and the up tile of the same columns; None where it declines."""
+    cfg = config_for(x, w)
+    if cfg is None or cfg.split_k > 1 or cfg.multicast > 1 or cfg.block_n % 16 or w.shape[0] % 2:
+        return None
+    return dataclasses.replace(cfg, block_n=cfg.block_n // 2)
+
+
+def _build(cfg: CuteGemmConfig, epilogue: str, eps: float = 0.0) -> Any:
     """The kernel class for one config, defined here so that `cutlass` is imported only when used."""
     import cuda.bindings.driver as cuda
     import cutlass
@@ -98,6 +110,10 @@ def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
     import cutlass.utils as utils
     import cutlass.utils.hopper_helpers as sm90
 
+    residual, swiglu = epilogue == "residual", epilogue == "swiglu"
+    if swiglu and (cfg.split_k > 1 or cfg.multicast > 1):
+        raise ValueError("the SwiGLU epilogue takes neither a K split nor multicast")
+    halves = 2 if swiglu else 1  # SwiGLU: a gate tile and an up tile of the same columns a stage
     tile_mnk = (BLOCK_M, cfg.block_n, cfg.block_k)
     stages, split, mc = cfg.stages, cfg.split_k, cfg.multicast
     rows_per_split = BLOCK_M // split
@@ -125,19 +141,29 @@ def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
             tma_w, tma_w_tensor = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 op, w, cute.slice_(w_smem, (None, None, 0)), (cfg.block_n, cfg.block_k)
             )
+            # SwiGLU: r is the up half of the weight (w the gate half), loaded beside it.
+            tma_u, tma_u_tensor = tma_w, tma_w_tensor
+            if cutlass.const_expr(swiglu):
+                tma_u, tma_u_tensor = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    op, r, cute.slice_(w_smem, (None, None, 0)), (cfg.block_n, cfg.block_k)
+                )
 
             @cute.struct
             class Storage:
                 barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
                 sx: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(x_smem)], 1024]
                 sw: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(w_smem)], 1024]
+                su: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(w_smem) if swiglu else 8], 1024]
+                rstd: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK_M], 16]
                 red: cute.struct.Align[
                     cute.struct.MemRange[cutlass.Float32, BLOCK_M * cfg.block_n if split > 1 else 4], 16
                 ]
 
             self.storage = Storage
             grid_n = cute.ceil_div(cute.size(w, mode=[0]), cfg.block_n)
-            self.kernel(tma_x, tma_x_tensor, tma_w, tma_w_tensor, y, r, tiled_mma, x_smem, w_smem).launch(
+            self.kernel(
+                tma_x, tma_x_tensor, tma_w, tma_w_tensor, y, r, tma_u, tma_u_tensor, tiled_mma, x_smem, w_smem
+            ).launch(
                 grid=[split, grid_n, 1],
                 block=[128, 1, 1],
                 cluster=[split, mc, 1],
@@ -154,6 +180,8 @@ def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
             mw: cute.Tensor,
             my: cute.Tensor,
             mr: cute.Tensor,
+            tma_u: cute.CopyAtom,
+            mu: cute.Tensor,
             tiled_mma: cute.TiledMma,
             x_smem: cute.ComposedLayout,
             w_smem: cute.ComposedLayout,
@@ -164,6 +192,8 @@ def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
             if warp == 0:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
+                if cutlass.const_expr(swiglu):
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_u)
 
             storage = cutlass.utils.SmemAllocator().allocate(self.storage)
             x_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(x_smem, (None, None, 0)))
@@ -176,7 +206,7 @@ def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
                 num_stages=stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 if mc > 1 else 4),
-                tx_count=x_bytes + w_bytes,
+                tx_count=x_bytes + halves * w_bytes,
                 cta_layout_vmnk=cute.make_layout((1, 1, mc, 1)),
                 mcast_mode_mn=(1, 0),
                 enable_multicast_signaling=mc > 1,
@@ -201,6 +231,13 @@ def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
             tw_s, tw_g = cute.nvgpu.cpasync.tma_partition(
                 tma_w, 0, cute.make_layout(1), cute.group_modes(sw, 0, 2), cute.group_modes(gw, 0, 2)
             )
+            su = storage.su.get_tensor(w_smem.outer, swizzle=w_smem.inner) if swiglu else sw
+            gu = cute.local_tile(mu, tile_mnk, coord, proj=(None, 1, 1)) if swiglu else gw
+            tu_s, tu_g = tw_s, tw_g
+            if cutlass.const_expr(swiglu):
+                tu_s, tu_g = cute.nvgpu.cpasync.tma_partition(
+                    tma_u, 0, cute.make_layout(1), cute.group_modes(su, 0, 2), cute.group_modes(gu, 0, 2)
+                )
             k_tiles = cute.size(gx, mode=[2]) // split
             k0 = part * k_tiles
             head = cutlass.min(stages, k_tiles)
@@ -214,6 +251,11 @@ def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
                     cute.copy(
                         tma_w, tw_g[(None, k0 + w_state.count)], tw_s[(None, w_state.index)], tma_bar_ptr=bar
                     )
+                    if cutlass.const_expr(swiglu):
+                        cute.copy(
+                            tma_u, tu_g[(None, k0 + w_state.count)], tu_s[(None, w_state.index)],
+                            tma_bar_ptr=bar,
+                        )  # fmt: skip
                     w_state.advance()
             if cutlass.const_expr(cfg.release_early):
                 cute.arch.griddepcontrol_launch_dependents()
@@ -236,10 +278,18 @@ def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
             thr_mma = tiled_mma.get_slice(tidx)
             frag_x = tiled_mma.make_fragment_A(thr_mma.partition_A(sx))
             frag_w = tiled_mma.make_fragment_B(thr_mma.partition_B(sw))
+            frag_u = tiled_mma.make_fragment_B(thr_mma.partition_B(su))
             gy = cute.local_tile(my, (BLOCK_M, cfg.block_n), (0, pid_n))
             ty = thr_mma.partition_C(gy)
             acc = cute.make_rmem_tensor(ty.shape, cutlass.Float32)
             acc.fill(0.0)
+            acc_u = cute.make_rmem_tensor(ty.shape, cutlass.Float32)
+            acc_u.fill(0.0)
+            # SwiGLU's row scale: x's rows pass through shared memory; two threads a row sum their
+            # squares, half a K tile each, while the tile's MMAs run.
+            sq_row = tidx // 2
+            sq_half = cfg.block_k // 2
+            sq = cutlass.Float32(0.0)
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -253,7 +303,16 @@ def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
                         tiled_mma, acc, frag_x[(None, None, kb, read.index)],
                         frag_w[(None, None, kb, read.index)], acc,
                     )  # fmt: skip
+                    if cutlass.const_expr(swiglu):
+                        cute.gemm(
+                            tiled_mma, acc_u, frag_x[(None, None, kb, read.index)],
+                            frag_u[(None, None, kb, read.index)], acc_u,
+                        )  # fmt: skip
                 cute.nvgpu.warpgroup.commit_group()
+                if cutlass.const_expr(swiglu):
+                    for c in cutlass.range(sq_half, unroll_full=True):
+                        v = sx[sq_row, (tidx % 2) * sq_half + c, read.index].to(cutlass.Float32)
+                        sq = sq + v * v
                 # The stage before this one is read once this tile's MMAs are the only ones left.
                 cute.nvgpu.warpgroup.wait_group(1)
                 read.advance()
@@ -270,6 +329,11 @@ def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
                             tw_s[(None, w_state.index)],
                             tma_bar_ptr=bar,
                         )
+                        if cutlass.const_expr(swiglu):
+                            cute.copy(
+                                tma_u, tu_g[(None, k0 + w_state.count)], tu_s[(None, w_state.index)],
+                                tma_bar_ptr=bar,
+                            )  # fmt: skip
                         cute.copy(
                             tma_x,
                             tx_g[(None, k0 + w_state.count)],
@@ -283,7 +347,27 @@ def _build(cfg: CuteGemmConfig, residual: bool) -> Any:
                 cute.arch.griddepcontrol_launch_dependents()
 
             rows = cute.size(my, mode=[0])
-            if cutlass.const_expr(split == 1):
+            if cutlass.const_expr(swiglu):
+                # y = silu(g) * u with g, u = the gate and up columns rounded to bf16 (a GEMM's output)
+                # and scaled by the row's rsqrt(mean(x^2) + eps), each product rounded as
+                # `silu_mul_rms` rounds it.
+                sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=1)
+                srstd = storage.rstd.get_tensor(cute.make_layout(BLOCK_M))
+                if tidx % 2 == 0:
+                    srstd[sq_row] = cute.math.rsqrt(sq / cutlass.Float32(cute.size(mx, mode=[1])) + eps)
+                cute.arch.sync_threads()
+                cy = cute.local_tile(cute.make_identity_tensor(my.shape), (BLOCK_M, cfg.block_n), (0, pid_n))
+                tc = thr_mma.partition_C(cy)
+                bf16, f32 = my.element_type, cutlass.Float32
+                for i in cutlass.range(cute.size(acc), unroll_full=True):
+                    row = tc[i][0]
+                    if row < rows:
+                        rs = srstd[row]
+                        g = (acc[i].to(bf16).to(f32) * rs).to(bf16).to(f32)
+                        u = (acc_u[i].to(bf16).to(f32) * rs).to(bf16).to(f32)
+                        a = (g / (1.0 + cute.arch.exp(-g))).to(bf16).to(f32)
+                        ty[i] = (a * u).to(bf16)
+            elif cutlass.const_expr(split == 1):
                 # Epilogue: straight from the accumulators; rows past M (TMA's zero fill) are never
                 # stored, and the residual add rounds once.
                 cy = cute.local_tile(cute.make_identity_tensor(my.shape), (BLOCK_M, cfg.block_n), (0, pid_n))
@@ -340,7 +424,7 @@ def _cute_tensor(t: torch.Tensor) -> Any:
 
 
 @cache
-def _compiled(cfg: CuteGemmConfig, residual: bool, n: int, k: int) -> Any:
+def _compiled(cfg: CuteGemmConfig, epilogue: str, n: int, k: int, eps: float = 0.0) -> Any:
     """One compile per config and epilogue: M, N, K and the strides are dynamic (the first call's
     shapes only stand in for them)."""
     rows = BLOCK_M
@@ -351,8 +435,8 @@ def _compiled(cfg: CuteGemmConfig, residual: bool, n: int, k: int) -> Any:
     w = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
     y = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    t = [_cute_tensor(v) for v in (x, w, y, y)]
-    return cute.compile(_build(cfg, residual), *t, stream)
+    t = [_cute_tensor(v) for v in (x, w, y, w if epilogue == "swiglu" else y)]
+    return cute.compile(_build(cfg, epilogue, eps), *t, stream)
 
 
 def cute_linear(
@@ -375,7 +459,30 @@ def cute_linear(
 
     y = out if out is not None else torch.empty(rows, n, dtype=x.dtype, device=x.device)
     r = residual if residual is not None else y
-    fn = _compiled(cfg, residual is not None, n, k)
+    fn = _compiled(cfg, "residual" if residual is not None else "store", n, k)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     fn(*(_cute_tensor(v) for v in (x, w, y, r)), stream)
+    return y
+
+
+def cute_swiglu(x: torch.Tensor, w: torch.Tensor, cfg: CuteGemmConfig, eps: float) -> torch.Tensor:
+    """`silu_mul_rms(x @ w.T, x, eps)` in one launch: w is gate_up's weight [2I, K] (gate rows, then
+    up rows), the result [M, I]. A program loads a gate tile and the up tile of the same columns, so
+    a thread's accumulators hold both; x's row scale is summed from x's tiles in shared memory."""
+    rows, k = x.shape
+    inter = w.shape[0] // 2
+    if rows > BLOCK_M or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.shape[0] % 2:
+        raise ValueError(
+            f"cute_swiglu takes at most {BLOCK_M} bf16 rows and an even weight, got {x.shape} {w.dtype}"
+        )
+    if k % cfg.block_k or inter % cfg.block_n:
+        raise ValueError(
+            f"K {k} / I {inter} must be multiples of block_k {cfg.block_k} / block_n {cfg.block_n}"
+        )
+    import cuda.bindings.driver as cuda
+
+    y = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    fn = _compiled(cfg, "swiglu", inter, k, float(eps))
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    fn(*(_cute_tensor(v) for v in (x, w[:inter], y, w[inter:])), stream)
     return y
