@@ -80,6 +80,51 @@ def test_rejects_bad_operands_by_name() -> None:
         )
 
 
+# Every kind of kernel the module builds, compiled for sm_90a in a process of its own (the target
+# architecture is read from the environment): the compiler's front end and CuTe's layout algebra
+# check what a GPU run would, without one. (block_n, split_k, multicast, block_k, stages, pdl,
+# release_early, epilogue)
+_KINDS = [
+    (32, 1, 1, 128, 6, True, True, "store"),
+    (32, 2, 1, 128, 6, True, True, "residual"),
+    (64, 4, 1, 64, 8, True, True, "store"),
+    (16, 1, 2, 128, 8, True, True, "residual"),
+    (16, 1, 4, 128, 4, True, True, "store"),
+    (96, 1, 1, 64, 9, False, True, "residual"),
+    (32, 1, 1, 128, 6, True, False, "store"),
+    (48, 1, 1, 64, 9, True, True, "swiglu"),
+]
+_COMPILE = """
+import sys, torch, cuda.bindings.driver as cuda, cutlass.cute as cute
+from cutlass.cute.runtime import from_dlpack
+from shared.model.kernels.cute_gemm import CuteGemmConfig, _build
+def t(v):
+    return from_dlpack(v, assumed_align=16).mark_layout_dynamic(leading_dim=1)
+x, w, y = (torch.empty(*s, dtype=torch.bfloat16) for s in ((64, 2048), (4096, 2048), (64, 4096)))
+for bn, split, mc, bk, stages, pdl, early, epilogue in KINDS:
+    cfg = CuteGemmConfig(bn, split_k=split, multicast=mc, block_k=bk, stages=stages, pdl=pdl,
+                         release_early=early)
+    aux = w if epilogue == "swiglu" else y  # SwiGLU's is the up half of the weight
+    cute.compile(_build(cfg, epilogue, 1e-5), t(x), t(w), t(y), t(aux), cuda.CUstream(0))
+    print("compiled", bn, split, mc, epilogue, flush=True)
+"""
+
+
+def test_every_kernel_kind_compiles_for_the_h200_without_one() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("cutlass", reason="the cute extra (nvidia-cutlass-dsl) is not installed")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)}
+    code = f"KINDS = {_KINDS!r}\n" + _COMPILE
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("compiled") == len(_KINDS), out.stdout
+
+
 needs_cute = pytest.mark.skipif(not cute_gemm.available(), reason="needs a Hopper GPU and the cute extra")
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048), "down": (2048, 6144)}
 KINDS = {
