@@ -67,6 +67,19 @@ def test_backend_falls_back_off_the_gpu() -> None:
     assert not release_flag(torch.device("cpu")), "the interpreter never sees griddepcontrol"
 
 
+def test_backend_leaves_cublas_tuning_only_what_it_declines() -> None:
+    """gemm_tuning times cuBLASLt for what cuBLAS will run: not a GEMM cute_gemm takes."""
+    kernels = kernels_for("cpu", "triton", "cute")
+
+    def layer(n: int, k: int, bias: bool = False) -> torch.nn.Linear:
+        return torch.nn.Linear(k, n, bias=bias, device="meta")
+
+    assert not kernels.takes_cublas(64, layer(4096, 2048))
+    assert kernels.takes_cublas(64, layer(100, 2048)), "no column block divides N"
+    assert kernels.takes_cublas(64, layer(4096, 2048, bias=True))
+    assert kernels.takes_cublas(65, layer(4096, 2048)), "more rows than one wgmma tile"
+
+
 def test_rejects_bad_operands_by_name() -> None:
     cfg = CuteGemmConfig(block_n=32)
     w = torch.zeros(64, 128, dtype=torch.bfloat16)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,9 @@ from torch import nn
 from shared.attention import reference as attention_reference
 from shared.model.kernels import reference
 from shared.model.kernels.lt_gemm import LtGemm
+
+if TYPE_CHECKING:
+    from shared.model.kernels.cute_gemm import CuteGemmConfig
 
 Tensor = torch.Tensor
 Backend = Literal["auto", "torch", "triton"]
@@ -161,7 +164,7 @@ class TritonKernels(ModelKernels):
             and x.dtype == w.dtype and x.stride(-1) == 1 and w.stride(-1) == 1
         )  # fmt: skip
 
-    def _cute(self, x: Tensor, layer: nn.Linear) -> Any:
+    def _cute(self, x: Tensor, layer: nn.Linear) -> CuteGemmConfig | None:
         """cute_gemm's config for x through layer, when the "cute" backend takes it; else None."""
         if self.gemm != "cute" or layer.bias is not None or x.dim() != 2 or not 0 < x.shape[0] <= 64:
             return None
@@ -172,7 +175,10 @@ class TritonKernels(ModelKernels):
     def takes_cublas(self, rows: int, layer: nn.Linear) -> bool:
         w = layer.weight
         if self.gemm == "cute" and rows <= 64 and layer.bias is None:
-            return False
+            from shared.model.kernels.cute_gemm import shape_config
+
+            if shape_config(*w.shape) is not None:
+                return False  # cute_gemm's (unless x is misaligned: then torch's, untuned)
         rows_ok = rows > (_DEEP_ROWS[self.gemm] if w.shape[1] >= 2 * w.shape[0] else _SKINNY_ROWS[self.gemm])
         return rows_ok or layer.bias is not None
 
