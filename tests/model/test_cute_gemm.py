@@ -17,6 +17,7 @@ from shared.model.kernels.cute_gemm import (
     config_for,
     cute_linear,
     cute_swiglu,
+    refusal,
     shape_config,
     swiglu_config_for,
 )
@@ -81,16 +82,25 @@ def test_backend_leaves_cublas_tuning_only_what_it_declines() -> None:
 
 
 def test_rejects_bad_operands_by_name() -> None:
+    """What TMA and one wgmma tile cannot take is refused with the operand named, before a launch."""
     cfg = CuteGemmConfig(block_n=32)
-    w = torch.zeros(64, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="rows"):
-        cute_linear(torch.zeros(65, 128, dtype=torch.bfloat16), w, cfg)
-    with pytest.raises(ValueError, match="bf16"):
-        cute_linear(torch.zeros(4, 128), w, cfg)
-    with pytest.raises(ValueError, match="block_n"):
-        cute_linear(
-            torch.zeros(4, 128, dtype=torch.bfloat16), torch.zeros(40, 128, dtype=torch.bfloat16), cfg
-        )
+    bf = torch.bfloat16
+    w = torch.zeros(64, 128, dtype=bf)
+    x = torch.zeros(4, 128, dtype=bf)
+    cases = [
+        (torch.zeros(65, 128, dtype=bf), w, "1 to 64 rows, got 65"),
+        (torch.zeros(4, 128), w, "x must be a 2-D bf16 tensor"),
+        (x, w.float(), "w must be a 2-D bf16 tensor"),
+        (torch.zeros(4, 256, dtype=bf)[:, 1:129], w, "x's rows must be contiguous and 16-byte aligned"),
+        (torch.zeros(4, 256, dtype=bf)[:, :127], w[:, 1:], "w's rows must be contiguous and 16-byte aligned"),
+        (torch.zeros(4, 120, dtype=bf), w, "x has 120 columns, w 128"),
+        (x, w, "must be on a CUDA device"),
+    ]
+    for a, b, why in cases:
+        got = refusal(a, b)
+        assert got is not None and why in got, (why, got)
+        with pytest.raises(ValueError, match="cute_linear: "):
+            cute_linear(a, b, cfg)
 
 
 # Every kind of kernel the module builds, compiled for sm_90a in a process of its own (the target

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 BLOCK_M = 64  # one warpgroup's wgmma rows: the decode batch, padded by TMA's zero fill
+_RING_BYTES = 200 << 10  # shared memory for the ring (227 KB a program at most on an H200)
 
 
 @dataclass(frozen=True)
@@ -62,29 +63,42 @@ def available() -> bool:
     return True
 
 
+def refusal(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why the kernel cannot take x @ w.T as given (naming the operand), or None: TMA needs CUDA bf16
+    rows contiguous along K and 16-byte aligned, and a wgmma tile holds at most 64 rows."""
+    for name, t in (("x", x), ("w", w)):
+        if t.dim() != 2 or t.dtype != torch.bfloat16:
+            return f"{name} must be a 2-D bf16 tensor, got {t.dim()}-D {t.dtype}"
+        if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
+            return f"{name}'s rows must be contiguous and 16-byte aligned, got strides {t.stride()}"
+    if not 0 < x.shape[0] <= BLOCK_M:
+        return f"x must have 1 to {BLOCK_M} rows, got {x.shape[0]}"
+    if x.shape[1] != w.shape[1]:
+        return f"x has {x.shape[1]} columns, w {w.shape[1]}"
+    if not (x.is_cuda and w.is_cuda):
+        return f"x and w must be on a CUDA device, got {x.device} and {w.device}"
+    return None
+
+
 def config_for(x: torch.Tensor, w: torch.Tensor) -> CuteGemmConfig | None:
-    """The config for x @ w.T on the GPU, or None where the kernel does not take it: not bf16, not
-    CUDA, rows not contiguous along K or not 16-byte aligned (TMA), or a shape `shape_config` declines."""
-    ok = (
-        x.dtype == w.dtype == torch.bfloat16 and x.is_cuda and w.is_cuda and x.dim() == w.dim() == 2
-        and x.shape[1] == w.shape[1] and x.stride(1) == 1 and w.stride(1) == 1
-        and x.stride(0) % 8 == 0 and w.stride(0) % 8 == 0
-        and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-    )  # fmt: skip
-    return shape_config(w.shape[0], w.shape[1]) if ok else None
+    """The config for x @ w.T, or None where the kernel does not take it (`refusal`, or a shape
+    `shape_config` declines): the caller then keeps torch's GEMM."""
+    return None if refusal(x, w) is not None else shape_config(w.shape[0], w.shape[1])
 
 
 def shape_config(n: int, k: int) -> CuteGemmConfig | None:
     """The config for a weight [n, k], or None when no column block divides n or K does not split.
 
     About one program per SM (132 on an H200): N / 128 columns a program where that is a multiple of
-    8 above 32 (64-wide K tiles, 9 stages), else 32 columns (128-wide K tiles, 6 stages) with K split
-    two ways when the column blocks are 64 or fewer. The best of a sweep at the decode layer's four
-    shapes (`bench/gemm_cute.py`, docs/benchmarks.md); x's tiles multicast across a cluster lost.
+    8 above 32 (64-wide K tiles, up to 9 stages in ~200 KB of shared memory), else 32 columns
+    (128-wide K tiles, 6 stages) with K split two ways when the column blocks are 64 or fewer. The
+    best of a sweep at the decode layer's four shapes (`bench/gemm_cute.py`, docs/benchmarks.md);
+    x's tiles multicast across a cluster lost.
     """
     wide = n // 128
-    if wide % 8 == 0 and 32 < wide <= 256:
-        cfg = CuteGemmConfig(block_n=wide, block_k=64, stages=9)
+    if n % 128 == 0 and wide % 8 == 0 and 32 < wide <= 256:
+        stages = min(9, _RING_BYTES // ((BLOCK_M + wide) * 64 * 2))
+        cfg = CuteGemmConfig(block_n=wide, block_k=64, stages=stages)
     elif n % 32 == 0:
         cfg = CuteGemmConfig(block_n=32, split_k=2 if n // 32 <= 64 else 1, block_k=128, stages=6)
     else:
@@ -444,12 +458,10 @@ def cute_linear(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x @ w.T, or residual + it rounded once (into `out`, which may be `residual` itself)."""
+    if (why := refusal(x, w)) is not None:
+        raise ValueError(f"cute_linear: {why}")
     rows, k = x.shape
     n = w.shape[0]
-    if rows > BLOCK_M:
-        raise ValueError(f"cute_linear takes at most {BLOCK_M} rows, got {rows}")
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        raise ValueError(f"cute_linear takes bf16, got x {x.dtype}, w {w.dtype}")
     if k % (cfg.block_k * cfg.split_k) or n % cfg.block_n:
         raise ValueError(
             f"K {k} must be a multiple of block_k * split_k ({cfg.block_k} * {cfg.split_k}) "
@@ -469,12 +481,12 @@ def cute_swiglu(x: torch.Tensor, w: torch.Tensor, cfg: CuteGemmConfig, eps: floa
     """`silu_mul_rms(x @ w.T, x, eps)` in one launch: w is gate_up's weight [2I, K] (gate rows, then
     up rows), the result [M, I]. A program loads a gate tile and the up tile of the same columns, so
     a thread's accumulators hold both; x's row scale is summed from x's tiles in shared memory."""
+    if (why := refusal(x, w)) is not None:
+        raise ValueError(f"cute_swiglu: {why}")
+    if w.shape[0] % 2:
+        raise ValueError(f"cute_swiglu: w must stack gate and up rows (an even count), got {w.shape[0]}")
     rows, k = x.shape
     inter = w.shape[0] // 2
-    if rows > BLOCK_M or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.shape[0] % 2:
-        raise ValueError(
-            f"cute_swiglu takes at most {BLOCK_M} bf16 rows and an even weight, got {x.shape} {w.dtype}"
-        )
     if k % cfg.block_k or inter % cfg.block_n:
         raise ValueError(
             f"K {k} / I {inter} must be multiples of block_k {cfg.block_k} / block_n {cfg.block_n}"
