@@ -439,8 +439,8 @@ def _cute_tensor(t: torch.Tensor) -> Any:
 
 @cache
 def _compiled(cfg: CuteGemmConfig, epilogue: str, n: int, k: int, eps: float = 0.0) -> Any:
-    """One compile per config and epilogue: M, N, K and the strides are dynamic (the first call's
-    shapes only stand in for them)."""
+    """One compile per config, epilogue and weight shape (M and the strides are dynamic: a batch of
+    any size up to 64, from any row stride, runs the same kernel)."""
     rows = BLOCK_M
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
