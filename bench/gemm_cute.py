@@ -18,11 +18,12 @@ import dataclasses
 import json
 
 import torch
-import triton
 
+from bench.gemm_decode import SHAPES as DECODE_SHAPES
+from bench.gemm_decode import copy_rate, graph_us
 from shared.model.kernels.cute_gemm import CuteGemmConfig, available, config_for, cute_linear
 
-SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048), "down": (2048, 6144)}
+SHAPES = {name: nk for name, nk in DECODE_SHAPES.items() if name != "lm_head"}  # a layer's four
 LAYERS = 28
 # (block_n, split_k, block_k, stages, multicast): around one program per SM, and config_for's pick.
 SWEEP = {
@@ -34,21 +35,6 @@ SWEEP = {
     "down": [(32, 2, 64, 8, 1), (32, 2, 128, 4, 1), (32, 2, 128, 6, 1), (16, 1, 128, 8, 4),
              (64, 4, 128, 4, 1)],
 }  # fmt: skip
-
-
-def graph_us(fn, calls: int) -> float:  # type: ignore[no-untyped-def]
-    fn()  # compile, allocate
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return 1e3 * triton.testing.do_bench(graph.replay, return_mode="median") / calls
-
-
-def copy_rate() -> float:
-    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    ms = triton.testing.do_bench(lambda: x.clone(), return_mode="median")
-    return 2 * x.numel() / ms / 1e9  # TB/s, read + write
 
 
 def weights(name: str) -> list[torch.Tensor]:
