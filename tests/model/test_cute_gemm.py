@@ -237,7 +237,7 @@ def test_graph_chain_behind_an_early_release_without_host_sync() -> None:
 @pytest.mark.parametrize("rows", [1, 17, 64])
 def test_swiglu_in_the_epilogue_matches_gemm_then_silu_mul_rms(rows: int) -> None:
     """gate/up with the activation and the row scale in its epilogue: `silu_mul_rms(x @ w.T, x)`.
-    Correct, and measured 12% slower on the engine's step than the two launches (docs/benchmarks.md):
+    Correct, and measured 5-6% slower on the engine's step than the two launches (docs/benchmarks.md):
     not wired into the model."""
     from shared.model.kernels.silu_mul import silu_mul_rms
 

@@ -300,10 +300,16 @@ def _build(cfg: CuteGemmConfig, epilogue: str, eps: float = 0.0) -> Any:
             acc_u = cute.make_rmem_tensor(ty.shape, cutlass.Float32)
             acc_u.fill(0.0)
             # SwiGLU's row scale: x's rows pass through shared memory; two threads a row sum their
-            # squares, half a K tile each, while the tile's MMAs run.
+            # squares, 16-byte vectors of half a K tile each, while the tile's MMAs run.
             sq_row = tidx // 2
-            sq_half = cfg.block_k // 2
             sq = cutlass.Float32(0.0)
+            vec_copy = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16, num_bits_per_copy=128),
+                cute.make_layout((BLOCK_M, 2), stride=(2, 1)),
+                cute.make_layout((1, 8)),
+            )
+            t_sq = vec_copy.get_slice(tidx).partition_S(sx)  # (vector, M, K vectors, stages)
+            r_sq = cute.make_rmem_tensor_like(t_sq[(None, None, None, 0)])
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -324,9 +330,9 @@ def _build(cfg: CuteGemmConfig, epilogue: str, eps: float = 0.0) -> Any:
                         )  # fmt: skip
                 cute.nvgpu.warpgroup.commit_group()
                 if cutlass.const_expr(swiglu):
-                    for c in cutlass.range(sq_half, unroll_full=True):
-                        v = sx[sq_row, (tidx % 2) * sq_half + c, read.index].to(cutlass.Float32)
-                        sq = sq + v * v
+                    cute.copy(vec_copy, t_sq[(None, None, None, read.index)], r_sq)
+                    v = r_sq.load().to(cutlass.Float32)
+                    sq = sq + (v * v).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
                 # The stage before this one is read once this tile's MMAs are the only ones left.
                 cute.nvgpu.warpgroup.wait_group(1)
                 read.advance()
