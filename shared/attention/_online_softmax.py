@@ -41,21 +41,6 @@ def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexp
 
 
 @triton.jit
-def fold_key(acc, m_i, l_i, q, k_row, v_row, seen, qk_scale):
-    """Fold one key held in registers (k_row, v_row: fp32 [D]; attended where `seen`) into the running
-    softmax, as `attend_block` would fold a block holding only it: its p rounded to q's dtype first."""
-    s = tl.sum(q.to(tl.float32) * k_row[None, :], axis=1) * qk_scale
-    s = tl.where(seen, s, float("-inf"))
-    m_new = tl.maximum(m_i, s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe).to(q.dtype).to(tl.float32)
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + p
-    acc = acc * alpha[:, None] + p[:, None] * v_row[None, :]
-    return acc, m_new, l_i
-
-
-@triton.jit
 def chunk_of(cu_q_ptr, q_start_ptr, b):
     """Sequence b's chunk: its first token, its length and its start (the tokens before it)."""
     tok0 = tl.load(cu_q_ptr + b)
@@ -97,9 +82,9 @@ def tile_queries(
     """A program's query tile (`query_rows`), and with ROPE (decode-shaped calls) its prologue first:
     `fused_rope.decode_rope` rotates the token's query heads into the output rows, where the tile is
     then loaded from, and where `has_key` rotates and stores the token's key. Returns query_rows'
-    values and decode_rope's key (zeros, unseen, without ROPE)."""
+    values."""
     if ROPE:
-        key_k, key_v, key_seen = decode_rope(
+        decode_rope(
             q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, kvh, q_off < qlen, has_key, stride_qt, stride_qh,
             stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr, stride_cs,
             num_positions, qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh, stride_vds,
@@ -108,11 +93,7 @@ def tile_queries(
         )  # fmt: skip
         rows_ptr, stride_t, stride_h = out_ptr, stride_ot, stride_oh
     else:
-        key_k = tl.zeros([BLOCK_D], tl.float32)
-        key_v = tl.zeros([BLOCK_D], tl.float32)
-        key_seen = qlen < 0  # never
         rows_ptr, stride_t, stride_h = q_ptr, stride_qt, stride_qh
-    q, tok, head, qi, row_ok = query_rows(
+    return query_rows(
         rows_ptr, tok0, qlen, kvh, q_off, stride_t, stride_h, GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM
     )  # fmt: skip
-    return q, tok, head, qi, row_ok, key_k, key_v, key_seen

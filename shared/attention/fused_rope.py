@@ -15,13 +15,13 @@ rows go to the program's own output rows and, after a barrier, the kernel loads 
 plain kernel loads its tile. Each column's rotation partner is loaded from memory a second time, in
 the tile's own layout (`decode_rope`).
 
-The token's key is rotated and stored for the steps after (its v too) before the loop. Ring attention
-then attends to it from registers (`_online_softmax.fold_key`) where it used to read it back after
-pass 1 in a one-key block of its own, a chain of dependent loads at the end of every program (ring
-40.1 us against 41.5 on an H200, docs/benchmarks.md). Paged attention reads it back from its page
-after the prologue's barrier, with the other keys: folding it from registers measured slower there
-(44.0 us against 43.2 at the start of the loop; 44.1 at its end, where holding it through the loop
-also took the ring kernel from 88 to 138 registers and 51.6 us).
+The token's key is rotated and stored (its v too) before the loop, and the loop reads it back with
+the other keys: paged attention from its page, ring attention from its ring entry (the ring then
+holds the token's position too). Ring attention used to fold it into the online softmax from
+registers first (`fold_key`, gone): 40.1 us against 41.5 for reading it back after the ring in a block
+of its own, but the fold's reductions and layout changes were 440 of the prologue's ~1,300
+instructions a warp and 20 of its 26 barriers, where the loop reads the key at no cost beside the
+others (docs/benchmarks.md).
 
 All of it is one prologue (`decode_rope`) that issues every load needing only the token at once, then
 the position's cos/sin, then the math and the stores, under one barrier: before, the input's norm,
@@ -188,9 +188,6 @@ def decode_rope(
     (a negative index: neither stored nor attended). Ends with a barrier: every thread's stores land
     before any thread reads the query rows or the key back.
 
-    Returns the rotated key and its v as fp32 [BLOCK_D] rows and whether the key is attended, for
-    kernels that fold it from registers (`_online_softmax.fold_key`).
-
     Every load that needs only the token is issued first, the position's cos/sin next, then the math:
     a program's prologue is a chain of dependent loads that no K/V traffic hides (in a batch-64
     decode all programs start together, in one wave), so its length is the kernel's fixed cost. Each
@@ -221,29 +218,39 @@ def decode_rope(
     v = tl.load(v_rows[:, None] + d[None, :], mask=k_mask, other=0.0)
     dst = tl.load(idx_ptr + tok + jr, mask=k_ok, other=-1).to(tl.int64)
     pos = tl.load(pos_ptr + tok, mask=has_tok, other=0).to(tl.int64)
+    # What every row shares (cos/sin, the norm weights) is loaded once per row, in the rows' own
+    # shape: loaded once, a [D] or [1, D] row gets a layout of its own, and moving it into the rows'
+    # took a trip through shared memory behind a barrier for each of them.
+    zq = tl.zeros([GROUP_P2, 1], tl.int32)
+    zk = tl.zeros([2, 1], tl.int32)
+    q_cols = (zq == 0) & d_ok[None, :]
+    k_cols = (zk == 0) & d_ok[None, :]
     qw, qwp, kw, kwp = 1.0, 1.0, 1.0, 1.0
     if NORM:
-        qw = tl.load(qw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        qwp = tl.load(qw_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        kw = tl.load(kw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        kwp = tl.load(kw_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        qw = tl.load(qw_ptr + zq + d[None, :], mask=q_cols, other=0.0).to(tl.float32)
+        qwp = tl.load(qw_ptr + zq + partner[None, :], mask=q_cols, other=0.0).to(tl.float32)
+        kw = tl.load(kw_ptr + zk + d[None, :], mask=k_cols, other=0.0).to(tl.float32)
+        kwp = tl.load(kw_ptr + zk + partner[None, :], mask=k_cols, other=0.0).to(tl.float32)
     if RMS:
         x_row = load_row(rms_ptr, tok, stride_rms, rms_size, BLOCK_H)
     # 2. Its position's cos and sin. As the RoPE kernel: a negative position wraps (graph padding rows
     # carry -1), the rest is clamped.
     pos = tl.where(pos < 0, pos + num_positions, pos)
     pos = tl.minimum(tl.maximum(pos, 0), num_positions - 1)
-    j = tl.where(first, d, partner)  # d mod D/2: cos_sin holds one half of each
-    c = tl.load(cs_ptr + pos * stride_cs + j, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(cs_ptr + pos * stride_cs + HALF + j, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    j = tl.where(first, d, partner)[None, :]  # d mod D/2: cos_sin holds one half of each
+    cs_row = cs_ptr + pos * stride_cs
+    cq = tl.load(cs_row + zq + j, mask=q_cols, other=0.0).to(tl.float32)
+    sq = tl.load(cs_row + HALF + zq + j, mask=q_cols, other=0.0).to(tl.float32)
+    ck = tl.load(cs_row + zk + j, mask=k_cols, other=0.0).to(tl.float32)
+    sk = tl.load(cs_row + HALF + zk + j, mask=k_cols, other=0.0).to(tl.float32)
     # 3. The math, and the stores.
     scale = 1.0
     if RMS:  # a decode's chunk is one token: one scale for its query heads, key and value
         scale = rstd_of(x_row, rms_size, rms_eps)
-    q_rot = rotate(xq, xqp, c, s, qw, qwp, eps, scale, first, q_ptr.dtype.element_ty, HALF, NORM, RMS)
+    q_rot = rotate(xq, xqp, cq, sq, qw, qwp, eps, scale, first, q_ptr.dtype.element_ty, HALF, NORM, RMS)
     out = out_ptr + (tok * stride_ot + (kvh * GROUP + g) * stride_oh)[:, None] + d[None, :]
     tl.store(out, q_rot, mask=q_mask)
-    k = rotate(xk, xkp, c, s, kw, kwp, eps, scale, first, kn_ptr.dtype.element_ty, HALF, NORM, RMS)
+    k = rotate(xk, xkp, ck, sk, kw, kwp, eps, scale, first, kn_ptr.dtype.element_ty, HALF, NORM, RMS)
     if RMS:
         v = round_to(v.to(tl.float32) * scale, kd_ptr.dtype.element_ty).to(v.dtype)
     stored = k_ok & (dst >= 0)
@@ -252,6 +259,3 @@ def decode_rope(
     tl.store(kd_ptr + (row * stride_kds + kvh * stride_kdh)[:, None] + d[None, :], k, mask=keep)
     tl.store(vd_ptr + (row * stride_vds + kvh * stride_vdh)[:, None] + d[None, :], v, mask=keep)
     tl.debug_barrier()  # every thread's rows are stored before any thread loads them back
-    k_row = tl.sum(tl.where(stored[:, None], k.to(tl.float32), 0.0), axis=0)
-    v_row = tl.sum(tl.where(stored[:, None], v.to(tl.float32), 0.0), axis=0)
-    return k_row, v_row, tl.sum(stored.to(tl.int32), axis=0) > 0

@@ -68,9 +68,9 @@ def _paged_attention_kernel(
     live = q_off < qlen
     tl.static_assert(not ROPE or BLOCK_Q == 1)  # decode-shaped calls only (check_rope_in_kernel)
     # With ROPE the chunk's key (a decode's one: max_q == 1) is not in the pages yet: the last split,
-    # whose keys end with it, rotates and stores it there first (the returned k and v go unused: the
-    # loop reads them back after the prologue's barrier, as any other key).
-    q, tok, head, qi, row_ok, _, _, _ = tile_queries(
+    # whose keys end with it, rotates and stores it there first; the loop reads it back after the
+    # prologue's barrier, as any other key.
+    q, tok, head, qi, row_ok = tile_queries(
         q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, qlen, kvh, q_off, live & (split == num_splits - 1), stride_qt,
         stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr,
         stride_cs, num_positions, qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh,

@@ -27,7 +27,7 @@ from shared.attention._launch import (
     fills_gpu,
     resolve_tiles,
 )
-from shared.attention._online_softmax import attend_block, chunk_of, fold_key, tile_queries
+from shared.attention._online_softmax import attend_block, chunk_of, tile_queries
 from shared.attention._split_k import merge, outputs, split_range, store_result
 from shared.attention.fused_rope import (
     RopeInKernel,
@@ -69,9 +69,26 @@ def _ring_attention_kernel(
     slot = tl.load(slots_ptr + b).to(tl.int64)
     live = q_off < qlen  # a tile past the chunk's end reads nothing and stores nothing
     tl.static_assert(not ROPE or BLOCK_Q == 1)  # decode-shaped calls only (check_rope_in_kernel)
-    # With ROPE a decode's one key is rotated and stored (the last split's), then attended from registers.
-    q, tok, head, qi, row_ok, key_k, key_v, key_seen = tile_queries(
-        q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, qlen, kvh, q_off, live & (split == num_splits - 1), stride_qt,
+    # Pass 1, the ring: entry i holds the newest position p < held with p % W == i, for i below
+    # min(W, held). The newest (held-1) is visible to the tile's first query only while q_off < W - 1,
+    # so later tiles of a long chunk skip it. With ROPE the decode's own key is stored into its entry
+    # (start % W) by the prologue, so the ring holds it too (held = start + 1) and the loop reads it
+    # back with the rest, as paged attention reads it from its page; a padding row (a negative store
+    # index) stores nothing and the ring holds what it held.
+    held = start
+    if ROPE:
+        stored = tl.load(idx_ptr + tok0.to(tl.int64), mask=live, other=-1) >= 0
+        held = start + stored.to(tl.int32)
+        ring_hi = tl.where(live, tl.minimum(window, held), 0)
+    else:
+        ring_hi = tl.where(live & (q_off < window - 1), tl.minimum(window, held), 0)
+    # This split's share of the entries is [r_lo, r_hi); with ROPE the split whose share holds the
+    # key's entry stores it, so that it is stored before the program that reads it looks.
+    r_lo, r_hi = split_range(0, ring_hi, split, num_splits, BLOCK_N)
+    own = start % window
+    has_key = live & (r_lo <= own) & (own < r_hi)
+    q, tok, head, qi, row_ok = tile_queries(
+        q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, qlen, kvh, q_off, has_key, stride_qt,
         stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr,
         stride_cs, num_positions, qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh,
         stride_vds, stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, GROUP, GROUP_P2, BLOCK_M, BLOCK_D,
@@ -84,21 +101,13 @@ def _ring_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if ROPE:
-        acc, m_i, l_i = fold_key(acc, m_i, l_i, q, key_k, key_v, row_ok & key_seen, qk_scale)
-
-    # Pass 1, the ring. Only entries 0..min(W, L0)-1 hold a position; the newest (L0-1) is visible
-    # to the tile's first query only while q_off < W - 1, so later tiles of a long chunk skip it.
-    # This split's share of them is [r_lo, r_hi).
-    ring_hi = tl.where(live & (q_off < window - 1), tl.minimum(window, start), 0)
-    r_lo, r_hi = split_range(0, ring_hi, split, num_splits, BLOCK_N)
     kr_base = kr_ptr + slot * stride_krs + kvh * stride_krh
     vr_base = vr_ptr + slot * stride_vrs + kvh * stride_vrh
     for i0 in range(r_lo, r_hi, BLOCK_N):
         i = i0 + tl.arange(0, BLOCK_N)
         i_ok = i < r_hi
-        # (L0-1-i) mod W with a non-negative dividend (C's % truncates toward zero).
-        pos = start - 1 - ((start - 1 - i + window) % window)
+        # (held-1-i) mod W with a non-negative dividend (C's % truncates toward zero).
+        pos = held - 1 - ((held - 1 - i + window) % window)
         kv_mask = i_ok[:, None] & d_ok
         k = tl.load(kr_base + i[:, None] * stride_kri + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(vr_base + i[:, None] * stride_vri + d[None, :], mask=kv_mask, other=0.0)
@@ -107,7 +116,7 @@ def _ring_attention_kernel(
 
     # Pass 2, the chunk: key offsets j with qi - W < j <= qi for some row of the tile. Only the last
     # split reads them (a decode's one key, or a short chunk: not worth a split of their own). With
-    # ROPE the chunk is a decode's one key, attended before pass 1.
+    # ROPE the chunk is a decode's one key, read in pass 1.
     if not ROPE:
         j_lo = tl.maximum(q_off - window + 1, 0)
         j_hi = tl.where(live & (split == num_splits - 1), tl.minimum(q_off + BLOCK_Q, qlen), j_lo)

@@ -80,12 +80,47 @@ def test_ring_rotates_stores_and_attends_like_rope_first(backend, dtype, norm, n
     )
     got = call(b.q, b.k_new, b.v_new, k_ring2, v_ring2, b.slots, b.cu_q, b.q_start, max_q=1, scale=b.scale,
                window=W, rope=rope, **split)  # fmt: skip
-    # The chunk's key joins the online softmax first and from registers, not in the plain kernel's
-    # last key block: the same up to float sum order. The rotated keys are exact where each product is
+    # The chunk's key is read back from its ring entry with the history, not in the plain kernel's
+    # block of chunk keys: the same up to float sum order. The rotated keys are exact where each product is
     # rounded to the dtype (bf16 and fp16, `rounding_options`; fp32 on CPU: a GPU may fuse fp32
     # products and sums), the norm's float32 sum aside.
     assert_same(got, want, exact=False)
     assert_same(k_ring2, k_ring, exact=not norm and (dtype != torch.float32 or DEVICE == "cpu"))
+    assert torch.equal(v_ring2.nan_to_num(7.0), v_ring.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_ring_reads_the_token_back_from_its_entry_in_whichever_split_holds_it(num_splits) -> None:
+    """With a window of four key tiles split four ways, the token's ring entry (L0 % W) falls in the
+    first, a middle or the last split's share, or past the filled entries of a ring not yet full: the
+    program whose share holds it stores it and reads it back; the others never see the entry's old
+    position. A padding row (negative store index) stores nothing."""
+    window = 64
+    specs = [(70, 1), (100, 1), (127, 1), (40, 1), (63, 1), (5, 1), (64, 1)]
+    ops = ops_for(DEVICE, backend="triton")
+    b = make_batch(
+        specs, hq=4, hkv=2, d=D, page_size=PAGE, window=window, dtype=torch.bfloat16, device=DEVICE, seed=9
+    )
+    positions, cos_sin = b.q_start.long(), rope_table(160)
+    ring_dst = (b.slots.long() * window + b.q_start.long() % window).to(DEVICE)
+    qr, kr = model_reference.rope(b.q, b.k_new, positions, cos_sin, None, None, 1e-6)
+    k_ring, v_ring = b.k_ring.clone(), b.v_ring.clone()
+    want = ops._ring(qr, kr, b.v_new, k_ring, v_ring, b.slots, b.cu_q, b.q_start, max_q=1, scale=b.scale,
+                     window=window, num_splits=num_splits)  # fmt: skip
+    ops.store_kv(kr, b.v_new, k_ring.view(-1, 2, D), v_ring.view(-1, 2, D), ring_dst)
+
+    padded = ring_dst.clone()
+    padded[-1] = -1  # the last row is a graph's padding row
+    k_ring2, v_ring2 = b.k_ring.clone(), b.v_ring.clone()
+    rope = RopeInKernel(positions, cos_sin, k_ring2.view(-1, 2, D), v_ring2.view(-1, 2, D), padded)
+    got = ops._ring(b.q, b.k_new, b.v_new, k_ring2, v_ring2, b.slots, b.cu_q, b.q_start, max_q=1,
+                    scale=b.scale, window=window, rope=rope, num_splits=num_splits)  # fmt: skip
+    assert_same(got[:-1], want[:-1], exact=False)
+    assert torch.isfinite(got[-1]).all()
+    last = int(b.slots[-1]) * window + specs[-1][0] % window
+    k_ring[:, :].view(-1, 2, D)[last] = b.k_ring.view(-1, 2, D)[last]  # the padding row's entry: untouched
+    v_ring[:, :].view(-1, 2, D)[last] = b.v_ring.view(-1, 2, D)[last]
+    assert torch.equal(k_ring2.nan_to_num(7.0), k_ring.nan_to_num(7.0))
     assert torch.equal(v_ring2.nan_to_num(7.0), v_ring.nan_to_num(7.0))
 
 
