@@ -70,23 +70,28 @@ def _ring_attention_kernel(
     live = q_off < qlen  # a tile past the chunk's end reads nothing and stores nothing
     tl.static_assert(not ROPE or BLOCK_Q == 1)  # decode-shaped calls only (check_rope_in_kernel)
     # Pass 1, the ring: entry i holds the newest position p < held with p % W == i, for i below
-    # min(W, held). The newest (held-1) is visible to the tile's first query only while q_off < W - 1,
-    # so later tiles of a long chunk skip it. With ROPE the decode's own key is stored into its entry
-    # (start % W) by the prologue, so the ring holds it too (held = start + 1) and the loop reads it
-    # back with the rest, as paged attention reads it from its page; a padding row (a negative store
-    # index) stores nothing and the ring holds what it held.
+    # min(W, held). It is read oldest first: the n entries at logical index t = 0..n-1 hold positions
+    # held-n+t, entry (held-n+t) % W. The newest (held-1) is visible to the tile's first query only
+    # while q_off < W - 1, so later tiles of a long chunk skip it. With ROPE the decode's own key is
+    # stored into its entry (start % W) by the prologue, so the ring holds it too (held = start + 1)
+    # and the loop reads it back last, as paged attention reads it from its page; a padding row (a
+    # negative store index) stores nothing and the ring holds what it held.
     held = start
     if ROPE:
         stored = tl.load(idx_ptr + tok0.to(tl.int64), mask=live, other=-1) >= 0
         held = start + stored.to(tl.int32)
-        ring_hi = tl.where(live, tl.minimum(window, held), 0)
+        n = tl.where(live, tl.minimum(window, held), 0)
     else:
-        ring_hi = tl.where(live & (q_off < window - 1), tl.minimum(window, held), 0)
-    # This split's share of the entries is [r_lo, r_hi); with ROPE the split whose share holds the
-    # key's entry stores it, so that it is stored before the program that reads it looks.
-    r_lo, r_hi = split_range(0, ring_hi, split, num_splits, BLOCK_N)
-    own = start % window
-    has_key = live & (r_lo <= own) & (own < r_hi)
+        n = tl.where(live & (q_off < window - 1), tl.minimum(window, held), 0)
+    oldest = (held - n) % window  # the entry of logical index 0
+    # This split's share is [t_lo, t_hi). The key's entry is the last (t = n - 1): the last split
+    # stores it, before it reads it.
+    t_lo, t_hi = split_range(0, n, split, num_splits, BLOCK_N)
+    has_key = live & (split == num_splits - 1)
+    kr_base = kr_ptr + slot * stride_krs + kvh * stride_krh
+    vr_base = vr_ptr + slot * stride_vrs + kvh * stride_vrh
+    d = tl.arange(0, BLOCK_D)
+    d_ok = (d < HEAD_DIM)[None, :]
     q, tok, head, qi, row_ok = tile_queries(
         q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, qlen, kvh, q_off, has_key, stride_qt,
         stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr,
@@ -96,22 +101,19 @@ def _ring_attention_kernel(
     )  # fmt: skip
     qpos = start + qi
 
-    d = tl.arange(0, BLOCK_D)
-    d_ok = (d < HEAD_DIM)[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    kr_base = kr_ptr + slot * stride_krs + kvh * stride_krh
-    vr_base = vr_ptr + slot * stride_vrs + kvh * stride_vrh
-    for i0 in range(r_lo, r_hi, BLOCK_N):
-        i = i0 + tl.arange(0, BLOCK_N)
-        i_ok = i < r_hi
-        # (held-1-i) mod W with a non-negative dividend (C's % truncates toward zero).
-        pos = held - 1 - ((held - 1 - i + window) % window)
-        kv_mask = i_ok[:, None] & d_ok
+    first = held - n  # the position at logical index 0
+    for t0 in range(t_lo, t_hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = t < t_hi
+        i = oldest + t
+        i = tl.where(i >= window, i - window, i)
+        kv_mask = t_ok[:, None] & d_ok
         k = tl.load(kr_base + i[:, None] * stride_kri + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(vr_base + i[:, None] * stride_vri + d[None, :], mask=kv_mask, other=0.0)
-        visible = i_ok[None, :] & (pos[None, :] > qpos[:, None] - window)
+        visible = t_ok[None, :] & ((first + t)[None, :] > qpos[:, None] - window)
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
 
     # Pass 2, the chunk: key offsets j with qi - W < j <= qi for some row of the tile. Only the last

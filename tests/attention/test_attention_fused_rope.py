@@ -90,11 +90,12 @@ def test_ring_rotates_stores_and_attends_like_rope_first(backend, dtype, norm, n
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_ring_reads_the_token_back_from_its_entry_in_whichever_split_holds_it(num_splits) -> None:
-    """With a window of four key tiles split four ways, the token's ring entry (L0 % W) falls in the
-    first, a middle or the last split's share, or past the filled entries of a ring not yet full: the
-    program whose share holds it stores it and reads it back; the others never see the entry's old
-    position. A padding row (negative store index) stores nothing."""
+def test_ring_reads_the_token_back_from_its_entry_wherever_the_ring_wraps(num_splits) -> None:
+    """A window of four key tiles, split four ways or not, and rings wrapped at every point: the
+    token's entry (L0 % W) sits at the start, the middle or the end of the ring's storage, or past the
+    filled entries of a ring not yet full. The ring is read oldest first, so the token is the last key
+    of the last split, which stores it before it reads it; no program sees the entry's old position.
+    A padding row (negative store index) stores nothing."""
     window = 64
     specs = [(70, 1), (100, 1), (127, 1), (40, 1), (63, 1), (5, 1), (64, 1)]
     ops = ops_for(DEVICE, backend="triton")
