@@ -3,8 +3,8 @@
 In a decode step a layer's RoPE kernel does little work for one graph node of its own: rotate one
 token's heads and write its K/V into the cache. The attention kernels can do that work themselves:
 each program already loads its query rows, and the program that reads the chunk's key (the last
-split of a (sequence, kv head)) rotates it, stores it and its v, and attends to it from registers.
-One node fewer per layer. The rotated values match the RoPE kernel (`shared/model/kernels/rope.py`):
+split of a (sequence, kv head)) rotates it, stores it and its v, then reads it back with the other
+keys. One node fewer per layer. The rotated values match the RoPE kernel (`shared/model/kernels/rope.py`):
 the same roundings in the same order.
 
 The attention loop stays the plain kernel's. Only the rows that hold data are rotated, as a small tile
@@ -16,12 +16,14 @@ plain kernel loads its tile. Each column's rotation partner is loaded from memor
 the tile's own layout (`decode_rope`).
 
 The token's key is rotated and stored (its v too) before the loop, and the loop reads it back with
-the other keys: paged attention from its page, ring attention from its ring entry (the ring then
-holds the token's position too). Ring attention used to fold it into the online softmax from
-registers first (`fold_key`, gone): 40.1 us against 41.5 for reading it back after the ring in a block
-of its own, but the fold's reductions and layout changes were 440 of the prologue's ~1,300
-instructions a warp and 20 of its 26 barriers, where the loop reads the key at no cost beside the
-others (docs/benchmarks.md).
+the other keys: paged attention from its page, ring attention from its ring entry as its newest key
+(the ring, read oldest first, then holds the token's position too). So the store index must name
+that row: the token's own row of the pages, or its ring entry (slot * W + position % W), as the
+engine's stores do. Ring attention used to fold the key into the online softmax from registers
+first (`fold_key`, gone): 40.1 us against 41.5 for reading it back after the ring in a block of its
+own, but the fold's reductions and layout changes were 440 of the prologue's ~1,300 instructions a
+warp and 20 of its 26 barriers (sm_90 SASS at the engine's shape), where the loop reads the key at
+no cost beside the others (docs/benchmarks.md).
 
 All of it is one prologue (`decode_rope`) that issues every load needing only the token at once, then
 the position's cos/sin, then the math and the stores, under one barrier: before, the input's norm,
@@ -52,9 +54,10 @@ class RopeInKernel:
     positions [T] int (a token's position; negative ones wrap, as in the RoPE kernel), cos_sin [P, D]
     float (cos half | sin half), optional per-head norm weights [D] with eps, and the store: k_dst /
     v_dst [S, Hkv, D] (a cache viewed flat) at store_index [T] int64 (negative: not stored, and
-    not attended either: a graph's padding row). Paged attention's later steps read it through the
-    block table, so there store_index must name the token's own row of the pages, as the engine's
-    store does.
+    not attended either: a graph's padding row). The kernels read the key back from where it was
+    stored, so store_index must name the token's own row: of the pages (paged attention's later steps
+    read it through the block table), or of the ring, slot * W + position % W; as the engine's stores
+    do.
     """
 
     positions: torch.Tensor

@@ -55,8 +55,9 @@ class AttentionOps(ABC):
         """Sliding-window attention over a ring of the history before the chunk plus the chunk itself.
 
         With `rope` (decode-shaped calls) q and k_new arrive before RoPE; RoPE is applied and the
-        rotated k_new and v_new are stored into the ring where `rope` says (a decode token's ring
-        entry holds a position its query no longer sees, so storing it first changes nothing)."""
+        rotated k_new and v_new are stored into the ring where `rope` says: the token's own entry,
+        slot * W + position % W (it holds a position the query no longer sees, so storing first
+        changes nothing; the Triton kernel reads the key back from there)."""
 
 
 class TorchOps(AttentionOps):
