@@ -1,13 +1,17 @@
-"""Registers, spills and shared memory of the decode attention kernels, compiled for an H200 (sm_90)
-on a machine without a GPU: a check before spending device time on a kernel variant.
+"""Registers, shared memory and instruction counts of the decode attention kernels, compiled for an
+H200 (sm_90) on a machine without a GPU: a check before spending device time on a kernel variant.
 
 Each kernel is compiled by `triton.compile` for `GPUTarget("cuda", 90, 32)` at the engine's decode
 shape and tiles at batch 64 (GQA 2, head dim 128, bf16; ring 16-key tiles on 2 warps in 3 stages,
 paged 64 keys on 4 warps in 2: `_launch.choose_tiles`), with RoPE inside attention off and on, with
-Qwen3's q/k norm and with the input norm's row scale (`RopeInKernel.rms_x`); `cuobjdump` (shipped
-with Triton) reads the cubin's resource use. The local Triton may not be the device's: compare
-variants within one run, not against the device's numbers (`CompiledKernel.n_regs` /
-`.metadata.shared` there).
+Qwen3's q/k norm and with the input norm's row scale (`RopeInKernel.rms_x`), and with the hints a
+launch gives it (every pointer and int divisible by 16 but those the kernel keeps from specializing:
+without them its loads compile to 16-bit ones, and nothing here would say what the GPU runs).
+`cuobjdump` and `nvdisasm` (shipped with Triton) read the cubin: its registers, and of its SASS the
+instructions a warp runs before the key loop's first asynchronous copy (the prologue, which every
+program of a batch-64 step runs at once: a decode call's fixed cost, docs/benchmarks.md), the
+barriers among them, and the instructions of one pass of the key loop. The local Triton may not be
+the device's: compare variants within one run, not against the device's numbers.
 
     python bench/kernel_resources.py
 """
@@ -20,19 +24,21 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from shared.attention.paged_attention import _paged_attention_kernel
 from shared.attention.ring_attention import _ring_attention_kernel
+from shared.model.kernels._round import rounding_options
 
 POINTERS = {
     "pos_ptr": "*i64", "cs_ptr": "*fp32", "idx_ptr": "*i64", "slots_ptr": "*i32", "cu_q_ptr": "*i32",
     "q_start_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "bt_ptr": "*i32",
 }  # fmt: skip
 DECODE = {"GROUP": 2, "GROUP_P2": 2, "BLOCK_Q": 1, "BLOCK_M": 16, "BLOCK_D": 128, "HEAD_DIM": 128,
-          "F32_DOT": False, "BLOCK_H": 2048}  # fmt: skip
+          "F32_DOT": False, "BLOCK_H": 2048, "RELEASE": True}  # fmt: skip
 
 
 def signature(fn, consts: dict) -> dict[str, str]:
@@ -47,20 +53,59 @@ def signature(fn, consts: dict) -> dict[str, str]:
     return sig
 
 
+def launch_hints(fn, sig: dict[str, str]) -> dict[tuple[int], list]:
+    """Divisibility by 16 for every pointer and int argument the kernel lets the launch specialize."""
+    keep = {fn.arg_names[a] if isinstance(a, int) else a for a in fn.do_not_specialize}
+    keep |= {fn.arg_names[a] if isinstance(a, int) else a for a in fn.do_not_specialize_on_alignment}
+    return {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if sig[name] not in ("constexpr", "fp32") and name not in keep
+    }
+
+
+def tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass_counts(cubin: bytes) -> str:
+    """Instructions before the first cp.async (LDGSTS), barriers among them, and the largest loop's
+    instructions (a backward branch's span)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+    code, labels = [], {}
+    for line in text.splitlines():
+        if re.match(r"\.L_x_\d+:", line.strip()):
+            labels[line.strip()[:-1]] = len(code)
+        elif re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+\S", line):
+            code.append(line)
+    first_copy = next((i for i, line in enumerate(code) if "LDGSTS" in line), len(code))
+    barriers = sum("BAR.SYNC" in line for line in code[:first_copy])
+    loop = 0
+    for i, line in enumerate(code):
+        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if target and labels.get(target.group(1), i + 1) <= i:
+            loop = max(loop, i - labels[target.group(1)] + 1)
+    return f"prologue {first_copy:>5} instr  {barriers:>3} barriers  loop {loop:>4} instr"
+
+
 def resources(fn, consts: dict, warps: int, stages: int) -> str:
-    src = ASTSource(fn=fn, signature=signature(fn, consts), constexprs=consts)
-    options = {"num_warps": warps, "num_stages": stages}
+    sig = signature(fn, consts)
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=launch_hints(fn, sig))
+    options = {"num_warps": warps, "num_stages": stages, **rounding_options(torch.bfloat16)}
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         out = subprocess.run(
-            [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True
+            [tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True
         ).stdout
     used = re.search(r"REG:(\d+) STACK:(\d+)", out)
     regs, stack = used.groups() if used else ("?", "?")
-    return f"registers {regs:>4}  stack {stack:>4} B  shared {kernel.metadata.shared:>6} B"
+    resources = f"registers {regs:>4}  stack {stack:>4} B  shared {kernel.metadata.shared:>6} B"
+    return f"{resources}  {sass_counts(kernel.asm['cubin'])}"
 
 
 def main() -> None:
