@@ -3,8 +3,10 @@
 The ring still holds the history before the chunk (entry i holds the newest position p < L0 with
 p % W == i), and the chunk's own K/V come from k_new/v_new. One program owns one tile of (query,
 head) rows of one sequence and one kv head and makes two passes with one online softmax: the ring
-entries (at most min(W, L0) of them), then the chunk's keys it can see causally. Everything a
-program reads is bounded by W + BLOCK_Q keys, whatever the context length.
+entries (at most min(W, L0) of them, oldest first), then the chunk's keys it can see causally.
+Everything a program reads is bounded by W + BLOCK_Q keys, whatever the context length. With RoPE
+inside (`fused_rope.py`, decode calls) the kernel stores a decode's key into its ring entry first and
+the ring holds it too, as its newest entry: pass 1 reads it last, and there is no pass 2.
 
 Decode-shaped calls (see `_launch.choose_splits`) split pass 1 over num_splits programs per query
 tile, each taking a run of whole key tiles of the filled entries; pass 2 belongs to the last split,
@@ -90,8 +92,6 @@ def _ring_attention_kernel(
     has_key = live & (split == num_splits - 1)
     kr_base = kr_ptr + slot * stride_krs + kvh * stride_krh
     vr_base = vr_ptr + slot * stride_vrs + kvh * stride_vrh
-    d = tl.arange(0, BLOCK_D)
-    d_ok = (d < HEAD_DIM)[None, :]
     q, tok, head, qi, row_ok = tile_queries(
         q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, qlen, kvh, q_off, has_key, stride_qt,
         stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr,
@@ -101,6 +101,8 @@ def _ring_attention_kernel(
     )  # fmt: skip
     qpos = start + qi
 
+    d = tl.arange(0, BLOCK_D)
+    d_ok = (d < HEAD_DIM)[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
