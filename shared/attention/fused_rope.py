@@ -226,14 +226,13 @@ def decode_rope(
     # took a trip through shared memory behind a barrier for each of them.
     zq = tl.zeros([GROUP_P2, 1], tl.int32)
     zk = tl.zeros([2, 1], tl.int32)
-    q_cols = (zq == 0) & d_ok[None, :]
-    k_cols = (zk == 0) & d_ok[None, :]
+    cols = d_ok[None, :]
     qw, qwp, kw, kwp = 1.0, 1.0, 1.0, 1.0
     if NORM:
-        qw = tl.load(qw_ptr + zq + d[None, :], mask=q_cols, other=0.0).to(tl.float32)
-        qwp = tl.load(qw_ptr + zq + partner[None, :], mask=q_cols, other=0.0).to(tl.float32)
-        kw = tl.load(kw_ptr + zk + d[None, :], mask=k_cols, other=0.0).to(tl.float32)
-        kwp = tl.load(kw_ptr + zk + partner[None, :], mask=k_cols, other=0.0).to(tl.float32)
+        qw = tl.load(qw_ptr + zq + d[None, :], mask=cols, other=0.0).to(tl.float32)
+        qwp = tl.load(qw_ptr + zq + partner[None, :], mask=cols, other=0.0).to(tl.float32)
+        kw = tl.load(kw_ptr + zk + d[None, :], mask=cols, other=0.0).to(tl.float32)
+        kwp = tl.load(kw_ptr + zk + partner[None, :], mask=cols, other=0.0).to(tl.float32)
     if RMS:
         x_row = load_row(rms_ptr, tok, stride_rms, rms_size, BLOCK_H)
     # 2. Its position's cos and sin. As the RoPE kernel: a negative position wraps (graph padding rows
@@ -242,10 +241,10 @@ def decode_rope(
     pos = tl.minimum(tl.maximum(pos, 0), num_positions - 1)
     j = tl.where(first, d, partner)[None, :]  # d mod D/2: cos_sin holds one half of each
     cs_row = cs_ptr + pos * stride_cs
-    cq = tl.load(cs_row + zq + j, mask=q_cols, other=0.0).to(tl.float32)
-    sq = tl.load(cs_row + HALF + zq + j, mask=q_cols, other=0.0).to(tl.float32)
-    ck = tl.load(cs_row + zk + j, mask=k_cols, other=0.0).to(tl.float32)
-    sk = tl.load(cs_row + HALF + zk + j, mask=k_cols, other=0.0).to(tl.float32)
+    cq = tl.load(cs_row + zq + j, mask=cols, other=0.0).to(tl.float32)
+    sq = tl.load(cs_row + HALF + zq + j, mask=cols, other=0.0).to(tl.float32)
+    ck = tl.load(cs_row + zk + j, mask=cols, other=0.0).to(tl.float32)
+    sk = tl.load(cs_row + HALF + zk + j, mask=cols, other=0.0).to(tl.float32)
     # 3. The math, and the stores.
     scale = 1.0
     if RMS:  # a decode's chunk is one token: one scale for its query heads, key and value

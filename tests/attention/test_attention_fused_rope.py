@@ -119,8 +119,8 @@ def test_ring_reads_the_token_back_from_its_entry_wherever_the_ring_wraps(num_sp
     assert_same(got[:-1], want[:-1], exact=False)
     assert torch.isfinite(got[-1]).all()
     last = int(b.slots[-1]) * window + specs[-1][0] % window
-    k_ring[:, :].view(-1, 2, D)[last] = b.k_ring.view(-1, 2, D)[last]  # the padding row's entry: untouched
-    v_ring[:, :].view(-1, 2, D)[last] = b.v_ring.view(-1, 2, D)[last]
+    k_ring.view(-1, 2, D)[last] = b.k_ring.view(-1, 2, D)[last]  # the padding row's entry: untouched
+    v_ring.view(-1, 2, D)[last] = b.v_ring.view(-1, 2, D)[last]
     assert torch.equal(k_ring2.nan_to_num(7.0), k_ring.nan_to_num(7.0))
     assert torch.equal(v_ring2.nan_to_num(7.0), v_ring.nan_to_num(7.0))
 
