@@ -28,7 +28,7 @@ lint: $(STAMP)
 
 # Starts the services on the embedded default model (CPU), streams one answer, shuts them down.
 demo: $(STAMP)
-	$(PY) -m shared.cli demo
+	$(PY) -m shared.client.cli demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -80,8 +80,8 @@ def eager_us(fn: Callable[[torch.Tensor], torch.Tensor], inputs: list[torch.Tens
 def configs(rows: int, dtype: torch.dtype, sweep: bool) -> list[tuple[str, int | None, int | None]]:
     """(label, num_splits, block): the default rule, then with --sweep tiles of 2-16 KB and split
     counts from half to four times the rule's."""
-    from shared.attention._launch import sm_count
-    from shared.model.kernels.argmax import MAX_SPLITS, choose_block, choose_splits
+    from shared.kernels._launch import sm_count
+    from shared.kernels.argmax import MAX_SPLITS, choose_block, choose_splits
 
     sms = sm_count(torch.cuda.current_device())
     block = choose_block(dtype)
@@ -107,7 +107,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
-    from shared.model.kernels.argmax import argmax_rows
+    from shared.kernels.argmax import argmax_rows
 
     rate = copy_rate()
     print(

@@ -3,13 +3,13 @@
 Decode (one query per sequence) is memory-bound: the figure of merit is the K/V bytes the kernel
 must read divided by its time, against the card's ~4.8 TB/s. Prefill is reported in TFLOP/s of
 the causal attention it computes (4 * Hq * D flops per visible query-key pair). Times are eager
-(do_bench): below ~60 us they are the Python launch cost of the wrapper, not the kernel; decode runs
-from a CUDA graph in the engine, where B=1 at 8k context takes ~13 us (H200, 2026-11).
+(do_bench): a short one is the Python launch cost of the wrapper, not the kernel; decode runs from a
+CUDA graph in the engine, where that launch cost is not paid per call.
 
 The engine's decode shape (bench/engine.py: batch 64 at 528 tokens, W=1024) is timed first, from a
-CUDA graph as the engine runs it, for ring and paged attention with split-K forced off (the old
-behaviour), as the rule picks it, and forced to a few other factors; against a copy of the same K/V
-bytes timed the same way in the same run.
+CUDA graph as the engine runs it, for ring and paged attention with split-K forced off, as the rule
+picks it, and forced to a few other factors; against a copy of the same K/V bytes timed the same way
+in the same run.
 
     PYTHONPATH=. python bench/attention.py     # on a CUDA machine; a table to stdout
     PYTHONPATH=. python bench/attention.py --engine-only  # just the engine decode shape (~1 min)
@@ -28,13 +28,13 @@ from collections.abc import Callable
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from shared.attention import TorchOps, TritonOps
-from shared.attention._launch import Tiles, choose_tiles, fills_gpu, sm_count, split_count
-from shared.attention.fused_rope import RopeInKernel
-from shared.attention.paged_attention import _paged_attention_kernel, paged_attention
-from shared.attention.ring_attention import _ring_attention_kernel, ring_attention
-from shared.model.kernels.ops import KVStore
-from shared.model.kernels.rope import rope as rope_kernel
+from shared.kernels import KVStore
+from shared.kernels._launch import Tiles, choose_tiles, fills_gpu, sm_count, split_count
+from shared.kernels.attention import TorchOps, TritonOps
+from shared.kernels.attention.fused_rope import RopeInKernel
+from shared.kernels.attention.paged_attention import _paged_attention_kernel, paged_attention
+from shared.kernels.attention.ring_attention import _ring_attention_kernel, ring_attention
+from shared.kernels.rope import rope as rope_kernel
 
 HQ, HKV, D, PAGE = 16, 8, 128, 16
 
@@ -127,7 +127,7 @@ def engine_decode(sweep: list[int]) -> list[dict]:
         full = fills_gpu(torch.device("cuda"), batch * HKV)
         block_n = choose_tiles(HQ // HKV, D, 1, f"{op}_attention", full).block_n
         auto = split_count(batch * HKV, span[op], block_n, sms)
-        for splits in dict.fromkeys([1, None, *sweep]):  # the old behaviour, the rule, forced factors
+        for splits in dict.fromkeys([1, None, *sweep]):  # unsplit, the rule, forced factors
             fn = lambda c=call, s=splits: c(s, None)
             ms = do_bench_cudagraph(fn, rep=200, return_mode="median")
             label = "1 (old)" if splits == 1 else f"{auto} (rule)" if splits is None else f"{splits} (forced)"
@@ -249,7 +249,7 @@ def engine_decode_rope() -> list[dict]:
 def engine_decode_by_context(contexts: list[int]) -> list[dict]:
     """The engine's decode attention (batch 64, RoPE inside, default tiles) at several context lengths,
     each from a CUDA graph over three input copies (so K/V come from HBM): what a call costs beyond
-    reading its K/V shows as the intercept (docs/benchmarks.md, "Where an attention kernel's time goes")."""
+    reading its K/V shows as the intercept."""
     dtype, scale, batch, window = torch.bfloat16, D**-0.5, ENGINE_BATCH, ENGINE_WINDOW
     inv = 1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda").float() / D)
     angles = torch.arange(8192, device="cuda").float()[:, None] * inv[None, :]

@@ -9,9 +9,8 @@ shared memory, say) or whose output differs from the default's is reported as sk
 default and each op's best are timed again, longer (rep 200 ms as bench/attention.py), side by side.
 
 Kernels are compiled first by a pool of processes into Triton's on-disk cache (the full sweep is 216
-compiles of 0.5-3 s each, ~260 CPU-seconds), so that the timing loop only loads them; --budget-s stops
-the sweep early (the rest reported as not reached) should that take longer than planned. Estimated on
-an H200 host with 16 cores: ~25 s compiling, ~0.2 s per config timed, ~10 s re-timing.
+compiles, each far longer than timing the config), so that the timing loop only loads them; --budget-s
+stops the sweep early (the rest reported as not reached) should that take longer than planned.
 
     PYTHONPATH=. python bench/attention_tune.py           # full sweep: 2 x 108 configs, ~90 s
     PYTHONPATH=. python bench/attention_tune.py --quick   # 2 x 24 configs, ~35 s
@@ -35,7 +34,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from bench.attention import ENGINE_BATCH, HKV, HQ, D, copy_rate, engine_decode_calls
-from shared.attention._launch import Tiles, choose_tiles, fills_gpu, sm_count, split_count
+from shared.kernels._launch import Tiles, choose_tiles, fills_gpu, sm_count, split_count
 
 FULL = {"block_n": "32,64,128", "warps": "2,4,8", "stages": "1,2,3,4", "splits": "1,2,4"}
 QUICK = {"block_n": "32,64,128", "warps": "4,8", "stages": "2,3", "splits": "2,4"}

@@ -26,11 +26,11 @@ import time
 
 import torch
 
-from shared.engine import Engine, EngineConfig
-from shared.kv.cache import KVConfig
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVConfig
+from shared.engine.sampling import SamplingParams
 from shared.model.config import config_from_hf
 from shared.model.transformer import Transformer
-from shared.sampling import SamplingParams
 
 W = 1024
 HF_CONFIG = {
@@ -44,9 +44,8 @@ HF_CONFIG = {
 
 def copy_bandwidth(bursts: int = 5) -> float:
     """The device's copy rate (read + write, bytes/s): the best of `bursts` bursts of ten 2 GiB copies,
-    each timed by CUDA events. One burst moved by ~1% from one process to the next (rooflines of
-    1.729-1.744 ms within one call, 2026-12-01), more than the changes it judged; the best is the rate
-    the device can reach, so the roofline is the stricter one."""
+    each timed by CUDA events. One burst moves from one process to the next by more than the changes
+    it judges; the best is the rate the device can reach, so the roofline is the stricter one."""
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     for _ in range(3):
@@ -119,18 +118,17 @@ def bench_engine(
     """One engine's prefill and decode of `batch` prompts. `window` "tpot" times the decode from the
     call that hands every request its first token to the call that hands the last ones (a client's
     time per output token: `decode_step_ms` is that window over the tokens after the first). "synced"
-    is the window of the bench before 2026-12-01: the device drained between prefill and decode, so
-    that the first decode call built and launched its batch while the device idled, the window over
-    the device steps it saw (calls - 1)."""
+    drains the device between prefill and decode, so that the first decode call builds and launches its
+    batch while the device idles, the window over the device steps it sees (calls - 1)."""
     pages = batch * ((prompt_len + steps + page_size) // page_size + 1) + 16
     kv = KVConfig(
         page_size=page_size, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda"
     )
     engine_cfg = engine_config(max_running=batch, rope_in_attention=rope_in_attention, tune_gemms=tune_gemms)
     engine = Engine(model, kv, engine_cfg)
-    # As a service does before it reports ready (shared/service_runtime.py): kernels compiled, and the
+    # As a service does before it reports ready (shared/serving/runtime.py): kernels compiled, and the
     # host's pinned staging blocks allocated, before the first request (a decode step that has to
-    # allocate one waits ~0.6 ms for it).
+    # allocate one waits for the allocation).
     engine.warm_up()
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
@@ -147,7 +145,7 @@ def bench_engine(
     if window == "synced":
         torch.cuda.synchronize()
         # A decode service's GPU does not prefill: give the clocks the power cap lowered during the
-        # prefill (docs/benchmarks.md, "the power cap") `settle` seconds to come back first.
+        # prefill `settle` seconds to come back first.
         time.sleep(settle)
         t1 = time.perf_counter()
     done0 = sum(len(r.output) for r in reqs)
@@ -361,8 +359,8 @@ def main() -> None:
     ap.add_argument(
         "--gemm",
         default="auto",
-        type=comma_list(one_of("auto", "cublas", "skinny", "cute")),
-        help="GEMMs at <= 64 rows: auto (skinny to 16 rows), cublas, skinny, cute (CuTe DSL), or a list",
+        type=comma_list(one_of("auto", "cublas", "skinny")),
+        help="GEMMs at <= 64 rows: auto (skinny to 16 rows), cublas, skinny, or a list",
     )
     ap.add_argument(
         "--rope-in-attention",
@@ -373,7 +371,7 @@ def main() -> None:
     ap.add_argument(
         "--window", default="tpot", type=comma_list(one_of("tpot", "synced")),
         help="decode_step_ms's window: tpot (first token to last, a client's time per output token) or "
-        "synced (the device drained after prefill; the bench's figure before 2026-12-01), or a list",
+        "synced (the device drained after prefill), or a list",
     )  # fmt: skip
     ap.add_argument(
         "--tune-gemms", default="on", type=comma_list(one_of("on", "off")),

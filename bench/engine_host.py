@@ -17,9 +17,8 @@ alone on a step whose rows changed (laid out anew, block table gathered and uplo
 `finish_us` the call that completes the last step, where the whole batch finishes, and `free_us` the
 `Engine.free_finished` after it that gives back their KV (each the least of the row's engines).
 
-`path`: `incremental` is the engine's decode path (persistent page table, per-composition host
-buffers); `general` is the path every step took before it (ChunkItems and `ForwardBatch.build`),
-still the prefill path and kept callable for this comparison through `Engine._general_decode`.
+Decode batches take the engine's incremental path (a persistent page table, per-composition host
+buffers: `shared/engine/decode_batch.py`).
 """
 
 from __future__ import annotations
@@ -33,13 +32,13 @@ import time
 
 import torch
 
-from shared.api.model_source import random_model_config, random_transformer
-from shared.batch import ChunkItem, ForwardBatch, Mode
-from shared.cuda_graph import packed_buffers
-from shared.engine import Engine, EngineConfig
-from shared.kv.cache import KVConfig
-from shared.runner import ForwardOutput
-from shared.sampling import SamplingParams
+from shared.engine.batch import ChunkItem, ForwardBatch, Mode
+from shared.engine.cuda_graph import packed_buffers
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVConfig
+from shared.engine.runner import ForwardOutput
+from shared.engine.sampling import SamplingParams
+from shared.serving.api.model_source import random_model_config, random_transformer
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -67,13 +66,11 @@ class _StaticShim:
         return None
 
 
-def make_engine(batch: int, prompt: int, steps: int, general: bool) -> Engine:
+def make_engine(batch: int, prompt: int, steps: int) -> Engine:
     cfg = random_model_config({"layers": "SSSF", "window": 1024, "max_context": 8192, "vocab": 1000})
     pages = batch * ((prompt + steps + 16) // 16 + 1) + 16
     kv = KVConfig(page_size=16, num_pages=pages, max_requests=batch)
     engine = Engine(random_transformer(cfg), kv, EngineConfig(max_batch_tokens=8192, max_running=batch))
-    if general:
-        engine._general_decode = True
     sizes = [s for s in GRAPH_SIZES if s <= batch]
     max_pages = engine.cache.pages_needed(engine.max_context())
     try:
@@ -89,15 +86,15 @@ def make_engine(batch: int, prompt: int, steps: int, general: bool) -> Engine:
     return engine
 
 
-def measure(batch: int, prompt: int, steps: int, general: bool, profile: bool = False) -> dict[str, float]:
+def measure(batch: int, prompt: int, steps: int, profile: bool = False) -> dict[str, float]:
     """Median and p90 host time of a decode step (and of its batch build) over one engine's decode."""
-    engine = make_engine(batch, prompt, steps, general)
+    engine = make_engine(batch, prompt, steps)
     build: list[float] = []
     inner = engine._launch
 
     def launch(*plan):  # decode batch build and upload, input gather, sampling prep, bookkeeping
         t0 = time.perf_counter()
-        out = inner(*plan)  # (a Plan), or (items, reqs, emits, mode) before shared/engine_decode.py
+        out = inner(*plan)
         build.append(time.perf_counter() - t0)
         return out
 
@@ -122,7 +119,7 @@ def measure(batch: int, prompt: int, steps: int, general: bool, profile: bool = 
     if prof is not None:
         prof.disable()
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
-    compose = [] if general else recompose_times(engine, reqs)
+    compose = recompose_times(engine, reqs)
     finish = 0.0
     while not all(r.finished for r in reqs):  # the step whose completion finishes every request
         t0 = time.perf_counter()
@@ -134,7 +131,7 @@ def measure(batch: int, prompt: int, steps: int, general: bool, profile: bool = 
     assert engine.idle
     engine.check_idle_integrity()
     p90 = sorted(times)[int(0.9 * len(times))]
-    return {"batch": batch, "path": "general" if general else "incremental", "steps": len(times),
+    return {"batch": batch, "steps": len(times),
             "step_us": 1e6 * statistics.median(times), "step_p90_us": 1e6 * p90,
             "launch_us": 1e6 * statistics.median(build),
             "recompose_us": 1e6 * statistics.median(compose) if compose else None,
@@ -158,19 +155,16 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--paths", default="general,incremental")
     ap.add_argument("--repeat", type=int, default=3, help="engines per row; the row with the best median")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the decode steps at this batch")
     args = ap.parse_args()
     torch.set_num_threads(1)
     for batch in (int(b) for b in args.batches.split(",")):
-        for path in args.paths.split(","):
-            runs = [measure(batch, args.prompt, args.steps, path == "general", args.profile == batch)
-                    for _ in range(args.repeat)]  # fmt: skip
-            row = min(runs, key=lambda r: r["step_us"])  # shared machines: noise only ever adds
-            row["finish_us"] = min(r["finish_us"] for r in runs)
-            row["free_us"] = min(r["free_us"] for r in runs)
-            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}))
+        runs = [measure(batch, args.prompt, args.steps, args.profile == batch) for _ in range(args.repeat)]
+        row = min(runs, key=lambda r: r["step_us"])  # shared machines: noise only ever adds
+        row["finish_us"] = min(r["finish_us"] for r in runs)
+        row["free_us"] = min(r["free_us"] for r in runs)
+        print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}))
 
 
 if __name__ == "__main__":

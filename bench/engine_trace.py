@@ -48,11 +48,11 @@ def main() -> None:
     import torch
 
     from bench.serving import HYBRID_2B
-    from shared.api.model_source import load_served_model
-    from shared.engine import Engine, EngineConfig
-    from shared.kv.cache import KVConfig
-    from shared.loadgen import AgenticTrace
-    from shared.sampling import SamplingParams
+    from shared.client.loadgen import AgenticTrace
+    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.kv.cache import KVConfig
+    from shared.engine.sampling import SamplingParams
+    from shared.serving.api.model_source import load_served_model
 
     device = torch.device(args.device)
     if device.type == "cuda":

@@ -19,7 +19,7 @@ import json
 import torch
 import triton
 
-from shared.model.kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm
+from shared.kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm
 
 SHAPES = {  # name: (N, K)
     "qkv": ((16 + 2 * 8) * 128, 2048),
@@ -40,7 +40,7 @@ def graph_us(fn, calls: int) -> float:  # type: ignore[no-untyped-def]
 
 def split_n_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, streams: list) -> None:  # type: ignore[type-arg]
     """out = x @ w.T as len(streams) column blocks, each on its own stream: the blocks run side by
-    side when one cuBLAS launch at M=64 leaves SMs idle (88-96 CTAs of 132 under ncu)."""
+    side when one cuBLAS launch at M=64 leaves some of the 132 SMs idle."""
     main = torch.cuda.current_stream()
     cols = -(-w.shape[0] // len(streams))
     for i, side in enumerate(streams):
@@ -74,8 +74,8 @@ def copy_rate() -> float:
 def sweep(mode: str, n: int, k: int):  # type: ignore[no-untyped-def]
     """Configs to time. "full": 48 (column block, K tile, K split, pipeline stages, 4 warps);
     "quick": 12; "deep": wider column blocks, deeper pipelines and 8 warps, kept to a grid of 100-640
-    programs and to what fits in shared memory (ncu on an H200 showed cuBLAS's M=64 kernels on 88-96
-    of the 132 SMs and the skinny kernel's DRAM at 37%: too few weight bytes in flight)."""
+    programs and to what fits in shared memory (a profile shows cuBLAS's M=64 kernels leaving some of
+    the 132 SMs idle and the skinny kernel's DRAM far from busy: too few weight bytes in flight)."""
     if mode == "wide":  # wide column blocks on 4 warps, short K tiles: each program re-reads x less
         for bn, bk, s, st in itertools.product((64, 128), (32, 64, 128), (2, 4, 8, 16), (3, 4, 6)):
             programs = triton.cdiv(n, bn) * s
@@ -118,7 +118,7 @@ def _compile_share(args: tuple[list[tuple[str, int, GemmConfig]], int]) -> int:
 
 
 def precompile(jobs: list[tuple[str, int, GemmConfig]], procs: int) -> None:
-    """Compiling takes ~1 s a config, one core each: spread them over worker processes first."""
+    """Compiling is slow, one core a config: spread the configs over worker processes first."""
     import multiprocessing as mp
 
     shares = [(jobs[i::procs], i) for i in range(procs)]

@@ -18,7 +18,7 @@ import json
 import torch
 
 from bench.gemm_decode import SHAPES, copy_rate, graph_us, problems
-from shared.model.kernels.lt_gemm import candidates
+from shared.kernels.lt_gemm import candidates
 
 
 def main() -> None:

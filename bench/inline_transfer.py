@@ -50,8 +50,8 @@ def _spans(path: Path) -> list[dict[str, Any]]:
 
 
 def _run_services(root: Path, args: argparse.Namespace, label: str) -> dict[str, Any]:
-    from shared.cli import _Child
-    from shared.client import Client
+    from shared.client.cli import _Child
+    from shared.client.client import Client
 
     model = "random:" + json.dumps(json.loads(args.model), separators=(",", ":"))
     common = ["--model", model, "--dtype", args.dtype, "--device", "cpu", "--no-metrics",
@@ -152,9 +152,9 @@ def services(args: argparse.Namespace) -> list[dict[str, Any]]:
 def inprocess(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
-    from shared.api.model_source import random_model_config
-    from shared.kv.cache import KVCache, KVConfig
+    from shared.engine.kv.cache import KVCache, KVConfig
     from shared.pb.pdserve.v1 import prefill_pb2 as pb
+    from shared.serving.api.model_source import random_model_config
     from shared.transfer import inline
     from shared.transfer.base import Chunk, KVLayout
 

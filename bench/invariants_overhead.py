@@ -31,7 +31,7 @@ import torch
 import invariants
 from invariants import expect, predicates
 from invariants.predicates import window_expected
-from shared.kv.invariants import SWA_HISTORY_PRESENT
+from shared.engine.kv.invariants import SWA_HISTORY_PRESENT
 
 LAYERS = 40
 WINDOW = 1024

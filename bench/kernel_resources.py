@@ -9,7 +9,7 @@ launch gives it (every pointer and int divisible by 16 but those the kernel keep
 without them its loads compile to 16-bit ones, and nothing here would say what the GPU runs).
 `cuobjdump` and `nvdisasm` (shipped with Triton) read the cubin: its registers, and of its SASS the
 instructions a warp runs before the key loop's first asynchronous copy (the prologue, which every
-program of a batch-64 step runs at once: a decode call's fixed cost, docs/benchmarks.md), the
+program of a batch-64 step runs at once: a decode call's fixed cost), the
 barriers among them, and the instructions of one pass of the key loop. The local Triton may not be
 the device's: compare variants within one run, not against the device's numbers.
 
@@ -29,9 +29,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from shared.attention.paged_attention import _paged_attention_kernel
-from shared.attention.ring_attention import _ring_attention_kernel
-from shared.model.kernels._round import rounding_options
+from shared.kernels._round import rounding_options
+from shared.kernels.attention.paged_attention import _paged_attention_kernel
+from shared.kernels.attention.ring_attention import _ring_attention_kernel
 
 POINTERS = {
     "pos_ptr": "*i64", "cs_ptr": "*fp32", "idx_ptr": "*i64", "slots_ptr": "*i32", "cu_q_ptr": "*i32",

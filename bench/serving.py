@@ -13,8 +13,8 @@ import argparse
 import asyncio
 import json
 
-from shared.cli import _Child
-from shared.loadgen import AgenticTrace, run_load
+from shared.client.cli import _Child
+from shared.client.loadgen import AgenticTrace, run_load
 
 HYBRID_2B = {"layers": "SSSF" * 7, "window": 1024, "vocab": 32000, "hidden": 2048, "heads": 16,
              "kv_heads": 8, "head_dim": 128, "intermediate": 6144, "max_context": 8192}  # fmt: skip

@@ -19,7 +19,7 @@ import multiprocessing as mp
 
 import torch
 
-from shared.kv.cache import KVCache, KVConfig
+from shared.engine.kv.cache import KVCache, KVConfig
 from shared.model.config import config_from_hf
 
 W, PAGE = 1024, 16

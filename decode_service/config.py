@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.service_config import COMMON_HELP, CommonConfig, parse_config
+from shared.serving.config import COMMON_HELP, CommonConfig, parse_config
 
 __all__ = ["KV_TRANSFERS", "ServiceConfig", "parse_args"]
 

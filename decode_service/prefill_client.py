@@ -20,7 +20,7 @@ import grpc
 from shared.pb.pdserve.v1 import generation_pb2 as gen_pb
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
-from shared.service_runtime import StartupError
+from shared.serving.runtime import StartupError
 from shared.transfer.base import KVLayout
 from shared.transfer.cuda_ipc import IpcTarget, PoolExport
 from shared.transfer.inline import ChunkAssembler, KVBatch

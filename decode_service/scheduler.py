@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from shared import faults
-from shared.engine import Engine
-from shared.request import Request
-from shared.scheduler_base import (
+from shared.engine.engine import Engine
+from shared.engine.request import Request
+from shared.serving import faults
+from shared.serving.scheduler_base import (
     AlreadyExists,
     Event,
     Finished,

@@ -1,5 +1,5 @@
 """The decode service's process: Generation + health + reflection, and the shared lifecycle
-(shared/service_runtime.py: listen, load on a thread, ready, SIGTERM drain).
+(shared/serving/runtime.py: listen, load on a thread, ready, SIGTERM drain).
 
 With --prefill-target, start-up handshakes with the prefill service before turning ready: a KV layout
 mismatch (dtype, page size, layer layout, window, ...) logs an error naming every mismatching field and
@@ -17,10 +17,10 @@ from decode_service.prefill_client import PrefillClient, handshake
 from decode_service.routing import PrefillRouter
 from decode_service.scheduler import DecodeScheduler, Scheduler, SchedulerConfig
 from decode_service.servicer import SERVICE_NAME, GenerationServicer, Serving
-from shared.api.validation import Limits
 from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from shared.service_runtime import StartupError, add_health, build_engine, run_service, service_telemetry
-from shared.telemetry import Telemetry
+from shared.serving.api.validation import Limits
+from shared.serving.runtime import StartupError, add_health, build_engine, run_service, service_telemetry
+from shared.serving.telemetry import Telemetry
 from shared.transfer.base import KVLayout
 from shared.transfer.cuda_ipc import IpcReceiver, IpcUnavailable
 from shared.transfer.nixl import NixlReceiver, NixlUnavailable

@@ -36,16 +36,16 @@ from decode_service.scheduler import (
     SubmitError,
     Tokens,
 )
-from shared.api.errors import InvalidRequest
-from shared.api.model_info import model_info
-from shared.api.validation import Limits, validate_generate
+from shared.engine.sampling import SamplingParams
 from shared.model import LoadedModel
 from shared.pb.pdserve.v1 import generation_pb2 as pb
 from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from shared.request_trace import RequestTrace, transfer_attrs
-from shared.sampling import SamplingParams
-from shared.service_runtime import ready
-from shared.telemetry import Telemetry
+from shared.serving.api.errors import InvalidRequest
+from shared.serving.api.model_info import model_info
+from shared.serving.api.validation import Limits, validate_generate
+from shared.serving.request_trace import RequestTrace, transfer_attrs
+from shared.serving.runtime import ready
+from shared.serving.telemetry import Telemetry
 from shared.transfer.cuda_ipc import IpcTarget, PoolExport
 from shared.transfer.nixl import NixlPool, NixlTarget
 

@@ -1,11 +1,11 @@
-"""The prefill service's configuration: the flags both services share (shared/service_config.py)."""
+"""The prefill service's configuration: the flags both services share (shared/serving/config.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.service_config import COMMON_HELP, CommonConfig, parse_config
+from shared.serving.config import COMMON_HELP, CommonConfig, parse_config
 
 __all__ = ["PrefillConfig", "parse_args"]
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shared.engine import Engine
-from shared.scheduler_base import Finished, _Entry
+from shared.engine.engine import Engine
+from shared.serving.scheduler_base import Finished, _Entry
 from shared.transfer.nixl import ABANDON_AFTER_LEASE_S, NixlError, NixlTarget
 from shared.transfer.nixl_writer import NixlTransfer, NixlWriter
 

@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass
 
 from prefill_service.nixl_sends import POLL_S, NixlSends
-from shared import faults
-from shared.engine import Engine
-from shared.scheduler_base import Finished, Scheduler, SchedulerConfig, _Entry
+from shared.engine.engine import Engine
+from shared.serving import faults
+from shared.serving.scheduler_base import Finished, Scheduler, SchedulerConfig, _Entry
 from shared.transfer.cuda_ipc import IpcTarget, IpcUnavailable, IpcWriter
 from shared.transfer.inline import StagedKV, stage
 from shared.transfer.nixl import NixlTarget

@@ -1,5 +1,5 @@
 """The prefill service's process: Prefill + health + reflection on the shared lifecycle
-(shared/service_runtime.py: listen, load on a thread, ready, SIGTERM drain)."""
+(shared/serving/runtime.py: listen, load on a thread, ready, SIGTERM drain)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from grpc_health.v1 import health
 from prefill_service.config import PrefillConfig
 from prefill_service.scheduler import PrefillScheduler
 from prefill_service.servicer import SERVICE_NAME, PrefillServicer, PrefillServing
-from shared.api.validation import Limits
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
-from shared.scheduler_base import Scheduler, SchedulerConfig
-from shared.service_runtime import add_health, build_engine, run_service, service_telemetry
-from shared.telemetry import Telemetry
+from shared.serving.api.validation import Limits
+from shared.serving.runtime import add_health, build_engine, run_service, service_telemetry
+from shared.serving.scheduler_base import Scheduler, SchedulerConfig
+from shared.serving.telemetry import Telemetry
 from shared.transfer.base import KVLayout
 
 __all__ = ["add_services", "build_serving", "serve"]

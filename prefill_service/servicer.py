@@ -26,17 +26,17 @@ from typing import Any
 import grpc
 
 from prefill_service.scheduler import Prefilled, PrefillOpts, PrefillScheduler
-from shared.api.errors import InvalidRequest
-from shared.api.model_info import model_info
-from shared.api.validation import Limits, validate_generate
 from shared.model import LoadedModel
 from shared.pb.pdserve.v1 import generation_pb2 as gen_pb
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
-from shared.request_trace import RequestTrace, transfer_attrs
-from shared.scheduler_base import AlreadyExists, Finished, NotAccepting, QueueFull, SubmitError
-from shared.service_runtime import ready
-from shared.telemetry import Telemetry
+from shared.serving.api.errors import InvalidRequest
+from shared.serving.api.model_info import model_info
+from shared.serving.api.validation import Limits, validate_generate
+from shared.serving.request_trace import RequestTrace, transfer_attrs
+from shared.serving.runtime import ready
+from shared.serving.scheduler_base import AlreadyExists, Finished, NotAccepting, QueueFull, SubmitError
+from shared.serving.telemetry import Telemetry
 from shared.transfer.base import KVLayout, mismatches
 from shared.transfer.cuda_ipc import IpcTarget, IpcUnavailable, PoolExport
 from shared.transfer.nixl import NixlError, NixlPool, NixlTarget, NixlUnavailable

@@ -21,8 +21,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from shared.cli import LocalServices, chatml
-from shared.client import Client
+from shared.client.cli import LocalServices, chatml
+from shared.client.client import Client
 
 
 def collect(span_file: Path) -> list[dict]:

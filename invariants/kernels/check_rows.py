@@ -162,9 +162,9 @@ _PROGRAMS = 1024  # enough to fill 132 SMs several times over
 
 def plan(rows: int, cols: int, scratch_rows: int) -> tuple[int, int, int, int, int]:
     """(block_r, block_c, num_warps, column splits, chunk): one row of up to 4096 elements, or
-    short rows up to ~1024 elements, per program (`check_kernel_tune.py --sweep`, read from HBM:
-    1x1024 beat 2x1024 by 13% on a 4096x1024 ring); rows spread over programs first (small batches
-    are latency-bound), then wide rows split."""
+    short rows up to ~1024 elements, per program (`check_kernel_tune.py --sweep`, read from HBM: one
+    1024-element row a program beats two on a 4096x1024 ring); rows spread over programs first (small
+    batches are latency-bound), then wide rows split."""
     block_c = min(_pow2(max(cols, 1)), 4096)
     block_r = min(max(1024 // block_c, 1), _pow2(max(rows // 256, 1)), 64)
     row_programs = (rows + block_r - 1) // block_r
@@ -180,11 +180,11 @@ def plan(rows: int, cols: int, scratch_rows: int) -> tuple[int, int, int, int, i
 def grouped_plan(rows: int, cols: int) -> tuple[int, int, int, str]:
     """(block_r, block_c, num_warps, eviction policy) of a grouped launch: twice the one-check tile's
     rows, up to 2048 elements, read evict-first (no column splits: the group's checks already give
-    the grid its programs). `check_kernel_tune.py --grouped` on an H200, 40 rings of 4096x1024: 2x1024
-    evict-first 187 us recording only blocks with a failing row, 193 us recording every block (the
-    one-check tile 1x1024: 202 us); 40 one-check launches 252 us; one amax of the bytes 175 us. Loop
-    kernels (persistent, pipelined by Triton or by hand) took 196-399 us at every setting tried
-    (measured and removed)."""
+    the grid its programs). `check_kernel_tune.py --grouped` picks it: on rings of 4096x1024 a 2x1024
+    tile read evict-first comes closest to one amax of the same bytes, recording only the blocks with
+    a failing row is a little faster than recording every block, the one-check tile is slower, and
+    one launch per check slower still. Loop kernels (persistent, or pipelined by Triton or by hand)
+    are slower at every setting."""
     block_r, block_c, warps = plan(rows, cols, 0)[:3]
     if block_r * block_c <= 1024 and rows > block_r:
         block_r *= 2
@@ -192,7 +192,7 @@ def grouped_plan(rows: int, cols: int) -> tuple[int, int, int, str]:
 
 
 # Compiled kernels by everything Triton specializes on, so that a repeat launch skips Triton's
-# argument binding and cache-key hashing (most of a check's ~50 us of host time in Triton 3.6).
+# argument binding and cache-key hashing (most of a check's host time).
 _compiled: dict[tuple, object] = {}
 
 

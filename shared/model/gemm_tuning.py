@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared.model.kernels import ModelKernels, lt_gemm
+from shared.kernels import ModelKernels, lt_gemm
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shared.kernels import KVStore, ModelKernels, kernels_for
 from shared.model.config import ModelConfig, RopeScaling
-from shared.model.kernels import KVStore, ModelKernels, kernels_for
 
 _TORCH = kernels_for("cpu", "torch")
 

@@ -22,8 +22,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from shared.kernels import Backend, Gemm, KVStore, ModelKernels, kernels_for
 from shared.model.config import ModelConfig
-from shared.model.kernels import Backend, Gemm, KVStore, ModelKernels, kernels_for
 from shared.model.layers import RMSNorm, RopeArgs, Rotary, SwiGLU
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from shared.kv.cache import KVCache
+from shared.engine.kv.cache import KVCache
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
 
 __all__ = ["Chunk", "KVLayout", "mismatches"]

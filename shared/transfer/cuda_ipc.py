@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.host_copy import to_device
-from shared.kv.cache import KVCache
+from shared.engine.host_copy import to_device
+from shared.engine.kv.cache import KVCache
+from shared.kernels.copy_rows import copy_rows
 from shared.pb.pdserve.v1 import cuda_ipc_pb2 as pb
-from shared.transfer.copy_rows import copy_rows
 from shared.transfer.ipc_events import EventRing, OpenedEvents
 from shared.transfer.ipc_memory import (
     IpcUnavailable,

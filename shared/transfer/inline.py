@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.host_copy import to_device
-from shared.kv.cache import KVCache
+from shared.engine.host_copy import to_device
+from shared.engine.kv.cache import KVCache
 from shared.model.config import SLIDING
 from shared.transfer.base import Chunk, KVLayout
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.kv.cache import KVCache
+from shared.engine.kv.cache import KVCache
 from shared.pb.pdserve.v1 import cuda_ipc_pb2 as pb
 
 __all__ = [

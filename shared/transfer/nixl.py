@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.kv.cache import KVCache
+from shared.engine.kv.cache import KVCache
 from shared.pb.pdserve.v1 import nixl_pb2 as pb
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from shared.kv.cache import KVCache
+from shared.engine.kv.cache import KVCache
 from shared.transfer.nixl import (
     PROBE,
     NixlError,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from attn_testutil import assert_close, naive
 
-from shared.attention import AttentionOps, ops_for
+from shared.kernels.attention import AttentionOps, ops_for
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HQ, HKV, D, PAGE, W, CHUNK = 4, 2, 16, 4, 5, 4

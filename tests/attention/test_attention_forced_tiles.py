@@ -17,9 +17,9 @@ import torch
 from attn_testutil import assert_close, make_batch, naive_attention
 from cases import SPECS
 
-from shared.attention._launch import Tiles, choose_tiles, resolve_tiles
-from shared.attention.paged_attention import paged_attention
-from shared.attention.ring_attention import ring_attention
+from shared.kernels._launch import Tiles, choose_tiles, resolve_tiles
+from shared.kernels.attention.paged_attention import paged_attention
+from shared.kernels.attention.ring_attention import ring_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = Path(__file__).resolve().parents[2]

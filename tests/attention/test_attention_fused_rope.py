@@ -9,9 +9,9 @@ import pytest
 import torch
 from attn_testutil import NAN_FILL, TOLERANCE, make_batch
 
-from shared.attention import ops_for
-from shared.attention.fused_rope import RopeInKernel
-from shared.model.kernels import reference as model_reference
+from shared.kernels import reference as model_reference
+from shared.kernels.attention import ops_for
+from shared.kernels.attention.fused_rope import RopeInKernel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 W, PAGE, D = 8, 4, 16

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from invariants.testing import no_host_sync
-from shared.attention import AttentionOps, TorchOps, TritonOps, ops_for
-from shared.attention._launch import choose_tiles, fills_gpu, sm_count, split_count
-from shared.attention.paged_attention import paged_attention as triton_paged
-from shared.attention.ring_attention import ring_attention as triton_ring
+from shared.kernels._launch import choose_tiles, fills_gpu, sm_count, split_count
+from shared.kernels.attention import AttentionOps, TorchOps, TritonOps, ops_for
+from shared.kernels.attention.paged_attention import paged_attention as triton_paged
+from shared.kernels.attention.ring_attention import ring_attention as triton_ring
 
 pytestmark = pytest.mark.gpu
 

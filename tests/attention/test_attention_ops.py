@@ -7,7 +7,7 @@ import torch
 from attn_testutil import make_batch
 from cases import SPECS
 
-from shared.attention import AttentionOps, TorchOps, TritonOps, ops_for
+from shared.kernels.attention import AttentionOps, TorchOps, TritonOps, ops_for
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

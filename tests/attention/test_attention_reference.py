@@ -7,7 +7,7 @@ import torch
 from attn_testutil import assert_close, make_batch, naive_attention
 from cases import LAYOUTS, SPECS, WINDOWS
 
-from shared.attention import reference
+from shared.kernels.attention import reference
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

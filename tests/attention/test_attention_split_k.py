@@ -11,10 +11,10 @@ import torch
 from attn_testutil import assert_close, make_batch, naive_attention
 from cases import SPECS
 
-from shared.attention import _launch
-from shared.attention._launch import choose_splits, choose_tiles, interpreting, split_count
-from shared.attention.paged_attention import paged_attention
-from shared.attention.ring_attention import ring_attention
+from shared.kernels import _launch
+from shared.kernels._launch import choose_splits, choose_tiles, interpreting, split_count
+from shared.kernels.attention.paged_attention import paged_attention
+from shared.kernels.attention.ring_attention import ring_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H200_SMS = 132

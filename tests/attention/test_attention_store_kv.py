@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.attention import AttentionOps, ops_for
+from shared.kernels.attention import AttentionOps, ops_for
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

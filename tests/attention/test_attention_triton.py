@@ -7,8 +7,8 @@ import torch
 from attn_testutil import assert_close, make_batch, naive_attention
 from cases import LAYOUTS, SPECS, WINDOWS
 
-from shared.attention.paged_attention import paged_attention
-from shared.attention.ring_attention import ring_attention
+from shared.kernels.attention.paged_attention import paged_attention
+from shared.kernels.attention.ring_attention import ring_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,7 +1,7 @@
 """The benchmarks under bench/ stay runnable: device time is scarce, and a script that fails to start
 on the GPU machine wastes it. Every script parses `--help` without CUDA; the ones that also run on CPU
-(the serving bench's two modes with a tiny model, the engine's host-side bench, the kernels' sm_90
-resource check) run end to end."""
+(the serving bench's two modes with a tiny model, the engine's host-side bench, under the `perf`
+marker, the kernels' sm_90 resource check) run end to end."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
@@ -38,6 +37,7 @@ def test_every_bench_script_starts(script: str) -> None:
     assert "usage:" in out.stdout
 
 
+@pytest.mark.perf
 def test_the_decode_attention_kernels_compile_for_the_h200_without_one() -> None:
     # Compiling for sm_90 here catches what the interpreter lets through (it runs Python, not the
     # compiler's front end) before a GPU run does.
@@ -47,8 +47,7 @@ def test_the_decode_attention_kernels_compile_for_the_h200_without_one() -> None
     assert len(rows) == 8 and all("shared" in row and "prologue" in row for row in rows), out.stdout
     # The engine's decode path (RoPE inside, the folded norm's row scale) keeps its prologue free of
     # layout trips through shared memory: the row scale's reduction and the rotated query rows' store
-    # are its only barriers. Each trip was a barrier or two in every program of a step at once
-    # (26 of them in ring attention's prologue before 2026-12-02, docs/benchmarks.md).
+    # are its only barriers: each trip is a barrier in every program of a step at once.
     engine_path = [row for row in rows if "row scale" in row]
     barriers = [int(re.search(r"(\d+) barriers", row).group(1)) for row in engine_path]
     assert len(barriers) == 2 and max(barriers) <= 2, engine_path
@@ -76,7 +75,7 @@ def test_the_engine_host_bench_runs_on_cpu() -> None:
     out = _run("bench/engine_host.py", timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert {r["path"] for r in rows} == {"general", "incremental"}
+    assert rows and all(r["step_us"] > 0 and r["launch_us"] > 0 for r in rows), rows
 
 
 def test_the_engine_trace_bench_runs_two_passes_on_cpu() -> None:
@@ -91,33 +90,3 @@ def test_the_engine_trace_bench_runs_two_passes_on_cpu() -> None:
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r["pass"] for r in rows] == [0, 1]
     assert all(r["requests"] == 6 and 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] for r in rows), rows
-
-
-def test_the_boundary_bench_reads_every_byte_once_in_each_schedule() -> None:
-    # bench/decode_layer_persistent.py prices phase boundaries by streaming the same bytes under
-    # several schedules; its comparisons mean something only if each schedule sums every element of
-    # every phase exactly once (uneven shares, a slice shorter than the prefetched head).
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import decode_layer_persistent as bench
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    sizes, layers, programs, block = [64, 256, 32, 128, 96], 3, 3, 8
-    mem = torch.randn(layers * sum(sizes), dtype=torch.float32)
-    expected = mem.sum().item()
-    for prefetch in (False, True):  # the barriers themselves need every program resident: GPU only
-        out = torch.zeros(programs)
-        counter, failed = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-        bench._persistent_kernel[(programs,)](
-            mem, sum(sizes), *sizes, layers, out, counter, failed,
-            BARRIERS=False, PREFETCH=prefetch, BLOCK=block, POLL_LIMIT=4,
-        )  # fmt: skip
-        assert out.sum().item() == pytest.approx(expected, rel=1e-5, abs=1e-4)
-    total, off = 0.0, 0
-    for _ in range(layers):
-        for n in sizes:
-            out = torch.zeros(programs)
-            bench._phase_kernel[(programs,)](mem[off:], n, out, BLOCK=block)
-            total += out.sum().item()
-            off += n
-    assert total == pytest.approx(expected, rel=1e-5, abs=1e-4)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from shared.api.model_source import random_model_config, random_transformer
 from shared.model.config import ModelConfig
 from shared.model.reference import reference_logits
 from shared.model.transformer import Transformer
+from shared.serving.api.model_source import random_model_config, random_transformer
 
 W = 8
 

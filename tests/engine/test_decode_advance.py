@@ -1,4 +1,4 @@
-"""A greedy graph step moves the decode inputs on by itself (`shared/decode_advance.py`): what the
+"""A greedy graph step moves the decode inputs on by itself (`shared/engine/decode_advance.py`): what the
 argmax kernel (interpreted on CPU, compiled on CUDA) or its torch fallback leaves in a decode batch
 is, field for field, what `ForwardBatch.build` packs for the same rows one token further; padding rows
 are left as they were; and the engine then uploads nothing on a steady greedy step."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.batch import ChunkItem, ForwardBatch, Mode
-from shared.decode_advance import DecodeAdvance
-from shared.engine_decode import DecodeBatcher
-from shared.kv.cache import KVCache, KVConfig
-from shared.model.kernels.argmax import argmax_rows
+from shared.engine.batch import ChunkItem, ForwardBatch, Mode
+from shared.engine.decode_advance import DecodeAdvance
+from shared.engine.decode_batch import DecodeBatcher
+from shared.engine.kv.cache import KVCache, KVConfig
+from shared.kernels.argmax import argmax_rows
 from tests.engine.engine_testutil import random_tokens, tiny_config
 from tests.engine.test_engine_decode import FIELDS, greedy, make
 
@@ -94,7 +94,7 @@ def test_a_steady_greedy_step_uploads_nothing(monkeypatch):
     monkeypatch.setattr(DecodeBatcher, "_upload_static", counted)
     raw = {size: t.clone() for size, t in eng.runner.graphs.raw.items()}
     copies = []
-    monkeypatch.setattr("shared.engine_decode._upload", lambda *a: copies.append(a))
+    monkeypatch.setattr("shared.engine.decode_batch._upload", lambda *a: copies.append(a))
     for _ in range(3):
         eng.step()
     assert uploads == [True] * 3 and not copies, "steady greedy steps: the device moved its own inputs"

@@ -10,11 +10,11 @@ import torch
 import invariants
 from invariants import levels
 from invariants.testing import no_host_sync
-from shared.batch import ForwardBatch, Mode
-from shared.engine import Engine, EngineConfig
-from shared.kv.cache import KVCache, KVConfig
-from shared.runner import ModelRunner
-from shared.sampling import SamplingBatch, SamplingParams
+from shared.engine.batch import ForwardBatch, Mode
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVCache, KVConfig
+from shared.engine.runner import ModelRunner
+from shared.engine.sampling import SamplingBatch, SamplingParams
 from tests.engine.engine_testutil import W, random_tokens, reference, tiny_config, tiny_model
 from tests.engine.test_engine_parity import Seq
 
@@ -168,7 +168,7 @@ def test_engine_with_graphs_matches_eager_and_never_syncs_in_decode():
 def test_a_steady_greedy_decode_step_copies_nothing():
     """The step's tokens reach the host and the next step's input ids from the argmax kernel itself,
     which also moves the graph's position fields on: a steady step copies nothing either way
-    (docs/benchmarks.md, "The ops outside the graph"; `shared/decode_advance.py`)."""
+    (docs/benchmarks.md, "The ops outside the graph"; `shared/engine/decode_advance.py`)."""
     kv = KVConfig(page_size=16, num_pages=64, max_requests=8, device="cuda")
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     # Production's level, and a checker of its own: one that other tests registered invariants with

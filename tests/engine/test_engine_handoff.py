@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine import Engine, EngineConfig
-from shared.kv.cache import KVConfig
-from shared.request import Request
-from shared.sampling import SamplingParams
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVConfig
+from shared.engine.request import Request
+from shared.engine.sampling import SamplingParams
 from tests.engine.engine_testutil import W, random_tokens, tiny_config, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

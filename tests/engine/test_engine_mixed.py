@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from shared.batch import Mode
-from shared.engine import Engine, EngineConfig
-from shared.engine_schedule import schedule
-from shared.kv.cache import KVConfig
-from shared.sampling import SamplingParams
+from shared.engine.batch import Mode
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVConfig
+from shared.engine.sampling import SamplingParams
+from shared.engine.schedule import schedule
 from tests.engine.engine_testutil import W, random_tokens, tiny_config, tiny_model
 
 BUDGET = 12
@@ -86,7 +86,7 @@ def test_a_mixed_step_puts_the_decode_tokens_first_and_prompts_in_what_is_left()
 def test_mixed_steps_through_the_triton_kernels_produce_the_same_tokens():
     # The interpreter runs the same wrappers as a GPU: the decode rows of a mixed step go through the
     # decode-shaped attention call (split-K), the prompt chunks through the prefill-shaped one.
-    from shared.attention import ops_for
+    from shared.kernels.attention import ops_for
 
     def triton_engine(mixed: bool) -> Engine:
         eng = engine(mixed)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from shared.engine import Engine, EngineConfig
-from shared.kv.cache import KVConfig
-from shared.sampling import SamplingParams
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVConfig
+from shared.engine.sampling import SamplingParams
 from tests.engine.engine_testutil import W, random_tokens, tiny_config, tiny_model
 
 

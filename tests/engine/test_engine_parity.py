@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.batch import ChunkItem, ForwardBatch, Mode
-from shared.engine import Engine, EngineConfig
-from shared.kv.cache import KVCache, KVConfig
-from shared.kv.window import RequestWindow
-from shared.runner import ModelRunner, expected_positions
-from shared.sampling import SamplingParams
+from shared.engine.batch import ChunkItem, ForwardBatch, Mode
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVCache, KVConfig
+from shared.engine.kv.window import RequestWindow
+from shared.engine.runner import ModelRunner, expected_positions
+from shared.engine.sampling import SamplingParams
 from tests.engine.engine_testutil import W, random_tokens, reference, tiny_config, tiny_model
 
 PAGE = 4
@@ -148,7 +148,7 @@ def test_engine_greedy_generation_matches_the_reference_and_frees_everything():
 def test_the_triton_kernels_through_the_runner_match_too(fold: bool):
     # On CPU the Triton kernels run in the interpreter: the same wrappers and views as on a GPU. With
     # `fold`, the model as a CUDA runner makes it (EngineConfig.fold_norms), its kernels Triton's.
-    from shared.attention import ops_for
+    from shared.kernels.attention import ops_for
 
     cfg = tiny_config("SSFS")
     model = tiny_model(cfg)
@@ -189,7 +189,7 @@ def test_decode_with_rope_storing_kv_in_one_kernel_matches_the_reference_past_th
     # W + 2 steps wrap both rings: the first sequence's from its first step, the second's at its W-th.
     import dataclasses
 
-    from shared.attention import ops_for
+    from shared.kernels.attention import ops_for
 
     cfg = tiny_config("SFSS")
     if variant == "qwen3-qk-norm":  # the kernel norms each head of q and k before rotating and storing

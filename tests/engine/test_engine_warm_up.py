@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine import Engine, EngineConfig
-from shared.kv.cache import KVConfig
-from shared.sampling import SamplingParams
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVConfig
+from shared.engine.sampling import SamplingParams
 from tests.engine.engine_testutil import W, random_tokens, tiny_config, tiny_model
 
 
@@ -65,7 +65,7 @@ def triton_checks_at_warn():
 
 
 def _new_variants_after_warm_up() -> tuple[set, set]:
-    from shared.attention import ops_for
+    from shared.kernels.attention import ops_for
     from tests.engine.variants_testutil import launched_variants
 
     model = tiny_model(tiny_config("SF"))

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from invariants import InvariantViolation, levels
-from shared.kv.allocator import IntegrityError, OutOfCapacity, UnitAllocator
-from shared.kv.cache import KVCache, KVConfig
-from shared.kv.window import RequestWindow, free_windows, replay_start, ring_store_index
+from shared.engine.kv.allocator import IntegrityError, OutOfCapacity, UnitAllocator
+from shared.engine.kv.cache import KVCache, KVConfig
+from shared.engine.kv.window import RequestWindow, free_windows, replay_start, ring_store_index
 from tests.engine.engine_testutil import W, tiny_config
 
 
@@ -147,8 +147,8 @@ def test_a_step_checks_every_sliding_layers_history_and_contains_the_request_tha
     # and leaves the other to finish. use_triton: the fused check kernel (on a GPU if there is one,
     # else interpreted on the CPU).
     import invariants
-    from shared.engine import Engine, EngineConfig
-    from shared.sampling import SamplingParams
+    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.sampling import SamplingParams
     from tests.engine.engine_testutil import tiny_model
 
     device = "cuda" if use_triton and torch.cuda.is_available() else "cpu"

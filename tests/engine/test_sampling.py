@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from shared.sampling import GREEDY_EPS, SamplingBatch, SamplingParams, sample
-from shared.sampling_kernels import hashed_uniform
+from shared.engine.sampling import GREEDY_EPS, SamplingBatch, SamplingParams, sample
+from shared.kernels.sampling import hashed_uniform
 
 P = SamplingParams
 

@@ -15,8 +15,8 @@ import traceback
 import pytest
 import torch
 
-from shared.kv.cache import KVCache, KVConfig
-from shared.transfer.copy_rows import copy_rows
+from shared.engine.kv.cache import KVCache, KVConfig
+from shared.kernels.copy_rows import copy_rows
 from shared.transfer.ipc_memory import IpcTensor, PoolExport
 from tests.engine.engine_testutil import W, random_tokens, tiny_config, tiny_model
 
@@ -148,8 +148,8 @@ def _pairs() -> list[tuple[str, str]]:
 @pytest.mark.parametrize(("prefill_dev", "decode_dev"), _pairs())
 def test_prefill_writes_into_another_processes_pages_what_inline_would(prefill_dev, decode_dev):
     from invariants.testing import no_host_sync
-    from shared.engine import Engine, EngineConfig
-    from shared.sampling import SamplingParams
+    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.sampling import SamplingParams
     from shared.transfer.cuda_ipc import EventRing, OpenedEvents, PeerPools, PoolExport, push
 
     torch.cuda.set_device(prefill_dev)

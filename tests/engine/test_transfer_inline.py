@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine import Engine
-from shared.sampling import SamplingParams
+from shared.engine.engine import Engine
+from shared.engine.sampling import SamplingParams
 from shared.transfer.base import KVLayout, mismatches
 from shared.transfer.inline import apply_chunk, begin_receive, extract_chunks
 from tests.engine.engine_testutil import W, random_tokens
@@ -86,8 +86,8 @@ def test_layout_mismatches_name_every_field():
 @pytest.mark.gpu
 def test_staging_and_applying_a_prompts_kv_on_cuda_never_waits_for_the_device():
     from invariants.testing import no_host_sync
-    from shared.engine import EngineConfig
-    from shared.kv.cache import KVConfig
+    from shared.engine.engine import EngineConfig
+    from shared.engine.kv.cache import KVConfig
     from shared.transfer.inline import stage
     from tests.engine.engine_testutil import tiny_config, tiny_model
 

@@ -18,7 +18,7 @@ import traceback
 import pytest
 import torch
 
-from shared.kv.cache import KVCache, KVConfig
+from shared.engine.kv.cache import KVCache, KVConfig
 from shared.transfer.nixl import (
     PROBE,
     NixlPool,
@@ -53,8 +53,8 @@ def _pool(cache: KVCache, name: str = "decode") -> NixlPool:
 
 
 def _prefilled(n: int, device: str = "cpu"):  # type: ignore[no-untyped-def]
-    from shared.engine import Engine, EngineConfig
-    from shared.sampling import SamplingParams
+    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.sampling import SamplingParams
 
     kv = KVConfig(page_size=4, num_pages=32, max_requests=4, device=device)
     engine = Engine(tiny_model(tiny_config("SSFS")).to(device), kv, EngineConfig(max_batch_tokens=16))

@@ -11,7 +11,7 @@ import invariants
 from invariants import Invariant, Severity, batched_checks, concurrent_checks, expect, levels, predicates
 from invariants.predicates import window_expected
 from invariants.testing import no_host_sync
-from shared.kv.invariants import SWA_HISTORY_PRESENT
+from shared.engine.kv.invariants import SWA_HISTORY_PRESENT
 
 pytestmark = pytest.mark.gpu
 

@@ -22,9 +22,9 @@ from invariants import (
     expect,
     levels,
 )
-from shared.batch import ForwardBatch, Mode
-from shared.kv.cache import KVCache, KVConfig
-from shared.runner import ModelRunner
+from shared.engine.batch import ForwardBatch, Mode
+from shared.engine.kv.cache import KVCache, KVConfig
+from shared.engine.runner import ModelRunner
 from tests.engine.engine_testutil import random_tokens, tiny_config, tiny_model
 from tests.engine.test_engine_parity import Seq
 

@@ -20,10 +20,10 @@ from invariants import Invariant, Severity, concurrent_checks, expect, levels, p
 from invariants.kernels import spin
 from invariants.predicates import window_expected
 from invariants.testing import no_host_sync
-from shared.batch import ForwardBatch, Mode
-from shared.kv.cache import KVCache, KVConfig
-from shared.kv.invariants import SWA_HISTORY_PRESENT
-from shared.runner import ModelRunner
+from shared.engine.batch import ForwardBatch, Mode
+from shared.engine.kv.cache import KVCache, KVConfig
+from shared.engine.kv.invariants import SWA_HISTORY_PRESENT
+from shared.engine.runner import ModelRunner
 from tests.engine.engine_testutil import random_tokens, tiny_config, tiny_model
 from tests.engine.test_engine_parity import Seq
 from tests.invariants.strict_testutil import assert_trip_stops_the_process
@@ -266,7 +266,7 @@ STRICT_SCRIPT = textwrap.dedent(
     import torch, invariants
     from invariants import concurrent_checks, expect, predicates
     from invariants.predicates import window_expected
-    from shared.kv.invariants import SWA_HISTORY_PRESENT
+    from shared.engine.kv.invariants import SWA_HISTORY_PRESENT
     lens = torch.tensor([10, 70], device="cuda")
     pos = window_expected(lens, 64)
     pos[1] = -1

@@ -12,7 +12,7 @@ import invariants
 from invariants import Invariant, Severity, expect, levels, predicates
 from invariants.predicates import window_expected
 from invariants.testing import HostSyncError, no_host_sync
-from shared.kv.invariants import SWA_HISTORY_PRESENT
+from shared.engine.kv.invariants import SWA_HISTORY_PRESENT
 from tests.invariants.strict_testutil import assert_trip_stops_the_process
 
 pytestmark = pytest.mark.gpu
@@ -131,7 +131,7 @@ STRICT_SCRIPT = textwrap.dedent(
     import torch, invariants
     from invariants import expect, predicates
     from invariants.predicates import window_expected
-    from shared.kv.invariants import SWA_HISTORY_PRESENT
+    from shared.engine.kv.invariants import SWA_HISTORY_PRESENT
     lens = torch.tensor([10, 70], device="cuda")
     pos = window_expected(lens, 64)
     pos[1] = -1

@@ -12,7 +12,7 @@ import torch
 import invariants
 from invariants import InvariantViolation, expect, levels, predicates
 from invariants.predicates import window_expected
-from shared.kv.invariants import SWA_HISTORY_PRESENT
+from shared.engine.kv.invariants import SWA_HISTORY_PRESENT
 
 W = 8
 SLOTS = torch.tensor([3, 7, 9])  # stable request slots of the three running requests

@@ -30,9 +30,9 @@ from k8s_render import (
     selects,
 )
 
-# OTEL_* variables the services read: shared/telemetry.py itself (exporter choice, protocol, service name,
-# SDK off), Resource.create (resource attributes), TracerProvider (sampler), BatchSpanProcessor (BSP) and
-# the OTLP span exporter (endpoint, headers, timeout, TLS). Not here: OTEL_PROPAGATORS (the services
+# OTEL_* variables the services read: shared/serving/telemetry.py itself (exporter choice, protocol, service
+# name, SDK off), Resource.create (resource attributes), TracerProvider (sampler), BatchSpanProcessor (BSP)
+# and the OTLP span exporter (endpoint, headers, timeout, TLS). Not here: OTEL_PROPAGATORS (the services
 # always use W3C trace context) and OTEL_METRICS/LOGS_EXPORTER (metrics are Prometheus; no OTel logs).
 OTEL_ALLOWLIST = frozenset({
     "OTEL_SDK_DISABLED", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_EXPORTER",
@@ -48,7 +48,7 @@ TORCH_ALLOWLIST = frozenset({"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"})
 # PDSERVE_* variables read outside the config dataclasses.
 EXTRA_PDSERVE = frozenset({module_constant("invariants/levels.py", "ENV_VAR")})
 READINESS_NAME = {"decode": "pdserve.v1.Generation", "prefill": "pdserve.v1.Prefill"}
-STOP_GRACE_S = module_constant("shared/service_runtime.py", "_STOP_GRACE_S")
+STOP_GRACE_S = module_constant("shared/serving/runtime.py", "_STOP_GRACE_S")
 
 
 def effective_config(objs: tuple[Obj, ...], role: str):  # -> the role's config dataclass

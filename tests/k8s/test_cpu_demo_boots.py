@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from k8s_render import ROOT, container, container_env, render
 
-from shared.client import Client
+from shared.client.client import Client
 
 pytestmark = pytest.mark.slow
 READINESS_NAME = {"decode": "pdserve.v1.Generation", "prefill": "pdserve.v1.Prefill"}

@@ -1,7 +1,8 @@
 """What an operator watches a request with, against the services' code: the Grafana dashboard queries
-only series and labels the services export (shared/metrics.py), the optional PodMonitor component
+only series and labels the services export (shared/serving/metrics.py), the optional PodMonitor component
 (k8s/components/podmonitor) scrapes every pdserve metrics port in every overlay, and each role's OTEL_*
-settings build the tracer the service would (shared/telemetry.py) with spans bound for the collector."""
+settings build the tracer the service would (shared/serving/telemetry.py) with spans bound for the
+collector."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ PROMQL_WORDS = frozenset({"by", "without", "sum", "max", "min", "avg", "rate", "
 
 def exported_series() -> dict[str, set[str]]:
     """Series name (as exposed: counters with _total, histograms with _bucket/_sum/_count) -> its labels."""
-    from shared.metrics import Metrics
+    from shared.serving.metrics import Metrics
 
     registry = Metrics("decode").registry
     out: dict[str, set[str]] = {}
@@ -70,7 +71,7 @@ def test_dashboard_queries_series_the_services_export() -> None:
     for expr in exprs:
         names = set(re.findall(r"\bpdserve_[a-z0-9_]+", expr))
         unknown = names - series.keys()
-        assert not unknown, f"the services export no {sorted(unknown)} (shared/metrics.py): {expr}"
+        assert not unknown, f"the services export no {sorted(unknown)} (shared/serving/metrics.py): {expr}"
         labels = set().union(*(series[n] for n in names)) | TARGET_LABELS
         used = {m for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr) for m in group.split(",")}
         used |= set(re.findall(r"[{,]\s*([a-z_]+)\s*(?:=~|!~|!=|=)", expr))
@@ -135,7 +136,7 @@ def test_otel_settings_build_the_services_tracer(
     collector's Service, named by role, carrying the pod's resource attributes."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from shared.telemetry import provider_from_env
+    from shared.serving.telemetry import provider_from_env
 
     env = container_env(objs, container(objs, role))
     for key in [k for k in os.environ if k.startswith("OTEL_")]:

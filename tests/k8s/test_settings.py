@@ -32,7 +32,7 @@ from k8s_render import (
 
 from invariants.levels import ENV_VAR as INVARIANT_VAR
 from invariants.levels import parse as parse_levels
-from shared.service_config import CommonConfig
+from shared.serving.config import CommonConfig
 
 # Set inline in the pod template, not in a ConfigMap: it carries the pod and node names, which only
 # `env` can expand ($(K8S_POD_NAME) from the downward API; envFrom does not expand references).

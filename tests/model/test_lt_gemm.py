@@ -1,4 +1,4 @@
-"""cuBLASLt GEMMs picked by timing (`shared/model/kernels/lt_gemm.py`, `shared/model/gemm_tuning.py`):
+"""cuBLASLt GEMMs picked by timing (`shared/kernels/lt_gemm.py`, `shared/model/gemm_tuning.py`):
 every candidate computes the product, a captured one replays its eager result, tuning sets only
 what beats torch where cuBLAS runs, and a decode step through tuned GEMMs matches one without and
 never syncs."""
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from invariants.testing import no_host_sync
-from shared.batch import ForwardBatch, Mode
-from shared.kv.cache import KVCache, KVConfig
+from shared.engine.batch import ForwardBatch, Mode
+from shared.engine.kv.cache import KVCache, KVConfig
+from shared.engine.runner import ModelRunner
+from shared.kernels import kernels_for, lt_gemm
 from shared.model import gemm_tuning
-from shared.model.kernels import kernels_for, lt_gemm
-from shared.runner import ModelRunner
 from tests.engine.engine_testutil import random_tokens, tiny_config, tiny_model
 from tests.engine.test_engine_parity import Seq
 

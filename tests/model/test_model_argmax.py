@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.model.kernels import argmax as am
-from shared.model.kernels._tickets import _sets as ticket_sets
-from shared.model.kernels.argmax import MAX_SPLITS, PROGRAMS_PER_SM, argmax_rows, choose_splits
+from shared.kernels import argmax as am
+from shared.kernels._tickets import _sets as ticket_sets
+from shared.kernels.argmax import MAX_SPLITS, PROGRAMS_PER_SM, argmax_rows, choose_splits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

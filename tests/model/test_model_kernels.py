@@ -7,10 +7,10 @@ import pytest
 import torch
 from kernel_testutil import assert_matches
 
-from shared.model.kernels import KVStore, TorchKernels, TritonKernels, kernels_for, reference
-from shared.model.kernels.rms_norm import add_rms_norm, rms_norm, rms_scale
-from shared.model.kernels.rope import rope
-from shared.model.kernels.silu_mul import silu_mul, silu_mul_rms
+from shared.kernels import KVStore, TorchKernels, TritonKernels, kernels_for, reference
+from shared.kernels.rms_norm import add_rms_norm, rms_norm, rms_scale
+from shared.kernels.rope import rope
+from shared.kernels.silu_mul import silu_mul, silu_mul_rms
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -8,8 +8,8 @@ import torch
 from kernel_testutil import assert_matches
 
 from invariants.testing import no_host_sync
+from shared.kernels import TorchKernels, TritonKernels
 from shared.model import Transformer, config_from_hf
-from shared.model.kernels import TorchKernels, TritonKernels
 from shared.model.reference import DenseAttention, pack
 
 pytestmark = pytest.mark.gpu

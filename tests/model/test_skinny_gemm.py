@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.model.kernels import skinny_gemm as sg
-from shared.model.kernels._tickets import _sets as ticket_sets
-from shared.model.kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm
+from shared.kernels import skinny_gemm as sg
+from shared.kernels._tickets import _sets as ticket_sets
+from shared.kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -114,12 +114,12 @@ def test_the_default_config_fits_its_operand_tiles_in_shared_memory() -> None:
 def test_the_default_gemm_takes_the_skinny_kernel_where_it_measured_faster(
     in_features, out_features, cases, monkeypatch
 ) -> None:
-    """Where the H200 measured each faster (docs/benchmarks.md): the skinny kernel at decode batches
-    of up to 16 rows, and up to 64 for deep weights (the down projection, where cuBLAS splits K and
-    reduces in a kernel of its own); cuBLAS above. Either way the result is that kernel's."""
+    """Where each is faster: the skinny kernel at decode batches of up to 16 rows, and up to 64 for
+    deep weights (the down projection, where cuBLAS splits K and reduces in a kernel of its own);
+    cuBLAS above. Either way the result is that kernel's."""
     from torch import nn
 
-    from shared.model.kernels.ops import kernels_for
+    from shared.kernels.ops import kernels_for
 
     kernels = kernels_for(DEVICE, "triton")
     calls: list[int] = []

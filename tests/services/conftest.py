@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.client import Client
+from shared.client.client import Client
 from tests.services.service_testutil import ServerProcess, random_spec
 
 

@@ -23,14 +23,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from decode_service.config import ServiceConfig
 from decode_service.server import add_services, build_serving
 from decode_service.servicer import SERVICE_NAME, Serving
-from shared.api.model_source import load_served_model
-from shared.client import Client, GenerationError
-from shared.kv.cache import KVCache, KVConfig
+from shared.client.client import Client, GenerationError
+from shared.engine.kv.cache import KVCache, KVConfig
 from shared.pb.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
+from shared.serving.api.model_source import load_served_model
 from shared.transfer.base import KVLayout
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = {"layers": "SSFS", "window": 8, "vocab": 97, "seed": 0}  # shared.api.model_source's random model
+TINY = {
+    "layers": "SSFS",
+    "window": 8,
+    "vocab": 97,
+    "seed": 0,
+}  # shared.serving.api.model_source's random model
 
 
 def random_spec(**overrides: Any) -> str:

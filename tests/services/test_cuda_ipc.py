@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from decode_service.config import ServiceConfig
-from shared.client import Client
+from shared.client.client import Client
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.transfer.cuda_ipc import IpcTarget
 from shared.transfer.ipc_memory import IpcTensor, PoolExport

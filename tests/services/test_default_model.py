@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.client import Client
+from shared.client.client import Client
 from shared.model import default_gguf_path
 from tests.services.service_testutil import ServerProcess
 

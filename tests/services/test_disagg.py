@@ -16,13 +16,13 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from prefill_service.servicer import SERVICE_NAME as PREFILL
-from shared.api.model_source import load_served_model
-from shared.client import Client, GenerationError
-from shared.engine import Engine, EngineConfig
-from shared.kv.cache import KVConfig
+from shared.client.client import Client, GenerationError
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVConfig
+from shared.engine.sampling import SamplingParams
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
-from shared.sampling import SamplingParams
+from shared.serving.api.model_source import load_served_model
 from tests.services.service_testutil import (
     PrefillInfo,
     ServerProcess,

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from shared.client import Client, GenerationError, Stream
+from shared.client.client import Client, GenerationError, Stream
 from tests.services.service_testutil import ServerProcess, random_spec, wait_pool_idle
 
-LONG = {"max_tokens": 500, "temperature": 0.0, "ignore_eos": True}  # ~2 s on the tiny model
+LONG = {"max_tokens": 500, "temperature": 0.0, "ignore_eos": True}  # outlasts the 0.3 s timeouts below
 
 
 def _wait_for(pred, timeout: float = 10) -> None:  # type: ignore[no-untyped-def]

@@ -8,11 +8,11 @@ import threading
 import pytest
 import torch
 
-from shared.api.model_source import load_served_model
-from shared.client import Client
-from shared.engine import Engine, EngineConfig
-from shared.kv.cache import KVConfig
-from shared.sampling import SamplingParams
+from shared.client.client import Client
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVConfig
+from shared.engine.sampling import SamplingParams
+from shared.serving.api.model_source import load_served_model
 from tests.services.service_testutil import random_spec, wait_pool_idle
 
 PROMPTS = [[5, 17, 33, 2, 90, 41, 8], list(range(10, 40)), [3]]

@@ -11,10 +11,10 @@ import grpc
 import pytest
 
 from decode_service.scheduler import DecodeScheduler, Finished, RemoteOpts, Reserved, SchedulerConfig
-from shared.client import GenerationError
-from shared.engine import Engine, EngineConfig
-from shared.kv.cache import KVConfig
-from shared.sampling import SamplingParams
+from shared.client.client import GenerationError
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVConfig
+from shared.engine.sampling import SamplingParams
 from shared.transfer.base import KVLayout
 from shared.transfer.inline import ChunkAssembler, extract_chunks
 from tests.engine.engine_testutil import random_tokens, tiny_config, tiny_model

@@ -12,7 +12,7 @@ import pytest
 
 from decode_service.config import ServiceConfig
 from decode_service.scheduler import DecodeScheduler as Scheduler
-from shared.client import AsyncClient, Client, GenerationError
+from shared.client.client import AsyncClient, Client, GenerationError
 from tests.services.service_testutil import InProcessServer, random_spec, wait_pool_idle
 
 LONG = {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}

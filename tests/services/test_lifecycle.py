@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from decode_service.servicer import SERVICE_NAME
-from shared.client import Client, GenerationError, Stream
+from shared.client.client import Client, GenerationError, Stream
 from tests.services.service_testutil import ServerProcess, health_status, random_spec, wait_health
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.loadgen import AgenticTrace, RequestStats, run_load, summarize
+from shared.client.loadgen import AgenticTrace, RequestStats, run_load, summarize
 from tests.services.service_testutil import ServerProcess, random_spec
 
 

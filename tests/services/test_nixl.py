@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from prefill_service.servicer import SERVICE_NAME as PREFILL
-from shared.api.model_source import load_served_model
-from shared.client import Client
-from shared.kv.cache import KVCache, KVConfig
+from shared.client.client import Client
+from shared.engine.kv.cache import KVCache, KVConfig
 from shared.pb.pdserve.v1 import nixl_pb2
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
+from shared.serving.api.model_source import load_served_model
 from shared.transfer.base import Chunk
 from shared.transfer.inline import apply_chunk, begin_receive
 from shared.transfer.nixl import NixlPool, NixlTarget, NixlTensor, nixl_available

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from prefill_service.nixl_sends import NixlSends
-from shared.sampling import SamplingParams
-from shared.scheduler_base import Finished, _Entry
+from shared.engine.sampling import SamplingParams
+from shared.serving.scheduler_base import Finished, _Entry
 from shared.transfer.nixl import NixlError, NixlPool, NixlTarget
 from shared.transfer.nixl_writer import NixlTransfer
 

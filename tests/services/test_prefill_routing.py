@@ -17,12 +17,12 @@ import pytest
 from decode_service.prefill_client import PrefillClient
 from decode_service.routing import PrefillRouter, QueueEstimate
 from prefill_service.servicer import SERVICE_NAME as PREFILL
-from shared.api.model_source import load_served_model
-from shared.client import Client
-from shared.engine import Engine, EngineConfig
-from shared.kv.cache import KVConfig
+from shared.client.client import Client
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVConfig
+from shared.engine.sampling import SamplingParams
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
-from shared.sampling import SamplingParams
+from shared.serving.api.model_source import load_served_model
 from shared.transfer.base import KVLayout
 from tests.services.service_testutil import (
     PrefillInfo,

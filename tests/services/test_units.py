@@ -13,10 +13,10 @@ import torch
 from decode_service.config import ServiceConfig, parse_args
 from decode_service.output import OutputProcessor
 from prefill_service.config import parse_args as parse_prefill_args
-from shared.api.model_source import load_served_model
-from shared.cli import _Child
-from shared.client import Client
-from shared.service_runtime import StartupError, resolve_device
+from shared.client.cli import _Child
+from shared.client.client import Client
+from shared.serving.api.model_source import load_served_model
+from shared.serving.runtime import StartupError, resolve_device
 from tests.services.service_testutil import ServerProcess, random_spec
 
 TOK = load_served_model(random_spec(layers="F")).tokenizer

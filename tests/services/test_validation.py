@@ -1,6 +1,6 @@
 """Bad input -> INVALID_ARGUMENT with every field violation; the server stays healthy afterwards.
 
-Unit tests of shared/api/validation.py, then the same requests through a real server.
+Unit tests of shared/serving/api/validation.py, then the same requests through a real server.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from decode_service.servicer import SERVICE_NAME
-from shared.api.errors import InvalidRequest
-from shared.api.validation import DEFAULT_MAX_TOKENS, Limits, validate_generate
-from shared.client import Client, GenerationError
+from shared.client.client import Client, GenerationError
 from shared.pb.pdserve.v1 import generation_pb2 as pb
+from shared.serving.api.errors import InvalidRequest
+from shared.serving.api.validation import DEFAULT_MAX_TOKENS, Limits, validate_generate
 from tests.services.service_testutil import ServerProcess, health_status, wait_pool_idle
 
 LIMITS = Limits(vocab_size=97, max_context=512)

@@ -15,9 +15,9 @@ import pytest
 
 from decode_service import scheduler as decode_scheduler
 from decode_service.scheduler import DecodeScheduler, Finished, RemoteOpts, Reserved, SchedulerConfig
-from shared.engine import Engine, EngineConfig
-from shared.kv.cache import KVConfig
-from shared.sampling import SamplingParams
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVConfig
+from shared.engine.sampling import SamplingParams
 from tests.engine.engine_testutil import random_tokens, tiny_config, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

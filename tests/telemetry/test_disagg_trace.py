@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from shared.client import Client, GenerationError
+from shared.client.client import Client, GenerationError
 from tests.services.service_testutil import ServerProcess, stop_all, wait_pool_idle
 from tests.telemetry.telemetry_testutil import Span, metrics_url, sample, scrape, start, wait_spans
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shared.client import Client, GenerationError
-from shared.service_runtime import EXIT_INVARIANT
+from shared.client.client import Client, GenerationError
+from shared.serving.runtime import EXIT_INVARIANT
 from tests.services.service_testutil import stop_all, wait_pool_idle
 from tests.telemetry.telemetry_testutil import metrics_url, read_spans, sample, scrape, start
 

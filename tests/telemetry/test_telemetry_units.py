@@ -8,9 +8,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from invariants import Severity, Violation
-from shared import faults
-from shared.metrics import Metrics
-from shared.telemetry import Telemetry, extract_context, inject_context, provider_from_env
+from shared.serving import faults
+from shared.serving.metrics import Metrics
+from shared.serving.telemetry import Telemetry, extract_context, inject_context, provider_from_env
 
 
 def test_no_exporter_configured_means_no_tracer() -> None:

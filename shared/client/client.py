@@ -1,0 +1,246 @@
+"""Python client for `pdserve.v1.Generation`, sync (`Client`) and asyncio (`AsyncClient`).
+
+    with Client("localhost:50051") as c:
+        for chunk in c.generate("Once upon a time", max_tokens=32, temperature=0):
+            print(chunk.text, end="")
+        text, finish_reason, usage = c.complete([1, 2, 3], max_tokens=8)
+
+Sampling keywords are the proto's SamplingParams fields (max_tokens, temperature, top_p, top_k, min_p,
+seed, stop, stop_token_ids, ignore_eos). Failures raise `GenerationError` with the gRPC status code and,
+for INVALID_ARGUMENT, the field violations. A call made inside an OpenTelemetry span carries its
+W3C `traceparent`, so the server's spans join the caller's trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import grpc
+from opentelemetry import propagate
+
+from shared.client.errors import FieldViolation, field_violations
+from shared.pb.pdserve.v1 import generation_pb2 as pb
+from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+__all__ = [
+    "AsyncClient",
+    "AsyncStream",
+    "Chunk",
+    "Client",
+    "Completion",
+    "GenerationError",
+    "Stream",
+    "Usage",
+]
+
+_SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Completion(NamedTuple):
+    text: str
+    finish_reason: str
+    usage: Usage
+    token_ids: tuple[int, ...] = ()
+
+
+class GenerationError(Exception):
+    def __init__(self, err: grpc.RpcError) -> None:
+        self.code: grpc.StatusCode = err.code()  # type: ignore[attr-defined]
+        self.details: str = err.details() or ""  # type: ignore[attr-defined]
+        self.violations: list[FieldViolation] = field_violations(err)
+        super().__init__(f"{self.code.name}: {self.details}")
+
+
+def _trace_metadata() -> tuple[tuple[str, str], ...] | None:
+    """The caller's current trace context as W3C `traceparent` metadata (None outside any span)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)  # the globally configured propagator (OTEL_PROPAGATORS; W3C by default)
+    return tuple(carrier.items()) or None
+
+
+def build_request(prompt: str | Sequence[int], request_id: str = "", **sampling: Any) -> pb.GenerateRequest:
+    unknown = set(sampling) - _SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown sampling parameters {sorted(unknown)}; known: {sorted(_SAMPLING_FIELDS)}")
+    params = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    if isinstance(prompt, str):
+        return pb.GenerateRequest(request_id=request_id, text=prompt, sampling=params)
+    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=list(prompt)), sampling=params)
+
+
+class _Result:
+    """Filled in from the stream as it goes: what `Stream` / `AsyncStream` expose after the loop."""
+
+    def __init__(self) -> None:
+        self.request_id = ""
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+
+    def take(self, msg: pb.GenerateResponse) -> Chunk | None:
+        self.request_id = msg.request_id
+        if msg.WhichOneof("response") == "chunk":
+            return Chunk(tuple(msg.chunk.token_ids), msg.chunk.text)
+        u = msg.complete.usage
+        self.finish_reason = msg.complete.finish_reason
+        self.usage = Usage(u.prompt_tokens, u.completion_tokens)
+        return None
+
+
+class Stream(_Result):
+    """Iterate for chunks; afterwards `finish_reason` and `usage` are set (None after `cancel()`)."""
+
+    def __init__(self, call: Any) -> None:
+        super().__init__()
+        self._call = call
+        self.cancelled = False
+
+    def __iter__(self) -> Iterator[Chunk]:
+        try:
+            for msg in self._call:
+                chunk = self.take(msg)
+                if chunk is not None:
+                    yield chunk
+        except grpc.RpcError as e:
+            if self.cancelled and e.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                return  # our own cancel() ends the iteration; finish_reason stays None
+            raise GenerationError(e) from e
+
+    def cancel(self) -> None:
+        """Stop the request (the server aborts it and frees its KV); iteration then ends quietly."""
+        self.cancelled = True
+        self._call.cancel()
+
+
+class AsyncStream(_Result):
+    def __init__(self, call: Any) -> None:
+        super().__init__()
+        self._call = call
+        self.cancelled = False
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        try:
+            async for msg in self._call:
+                chunk = self.take(msg)
+                if chunk is not None:
+                    yield chunk
+        except asyncio.CancelledError:
+            if not self.cancelled:  # the task itself is being cancelled: let that through
+                raise
+        except grpc.RpcError as e:
+            if self.cancelled and e.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                return
+            raise GenerationError(e) from e
+
+    def cancel(self) -> None:
+        """Stop the request (the server aborts it and frees its KV); iteration then ends quietly."""
+        self.cancelled = True
+        self._call.cancel()
+
+
+def _completion(chunks: list[Chunk], stream: _Result) -> Completion:
+    assert stream.finish_reason is not None and stream.usage is not None, "stream ended without Complete"
+    ids = tuple(t for c in chunks for t in c.token_ids)
+    return Completion("".join(c.text for c in chunks), stream.finish_reason, stream.usage, ids)
+
+
+class Client:
+    def __init__(self, target: str, *, channel: grpc.Channel | None = None) -> None:
+        self.channel = channel or grpc.insecure_channel(target)
+        self._stub = pb_grpc.GenerationStub(self.channel)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> Stream:
+        req = build_request(prompt, request_id, **sampling)
+        return Stream(self._stub.Generate(req, timeout=timeout, metadata=_trace_metadata()))
+
+    def complete(self, prompt: str | Sequence[int], **kwargs: Any) -> Completion:
+        """The whole generation: (text, finish_reason, usage, token_ids)."""
+        stream = self.generate(prompt, **kwargs)
+        return _completion(list(stream), stream)
+
+    def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+        try:
+            return self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout).found
+        except grpc.RpcError as e:
+            raise GenerationError(e) from e
+
+    def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+        try:
+            return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise GenerationError(e) from e
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """Create inside a running event loop (grpc.aio channels belong to one)."""
+
+    def __init__(self, target: str, *, channel: grpc.aio.Channel | None = None) -> None:
+        self.channel = channel or grpc.aio.insecure_channel(target)
+        self._stub = pb_grpc.GenerationStub(self.channel)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> AsyncStream:
+        req = build_request(prompt, request_id, **sampling)
+        return AsyncStream(self._stub.Generate(req, timeout=timeout, metadata=_trace_metadata()))
+
+    async def complete(self, prompt: str | Sequence[int], **kwargs: Any) -> Completion:
+        stream = self.generate(prompt, **kwargs)
+        chunks = [c async for c in stream]
+        return _completion(chunks, stream)
+
+    async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+        try:
+            return (await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout)).found
+        except grpc.RpcError as e:
+            raise GenerationError(e) from e
+
+    async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+        try:
+            return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise GenerationError(e) from e
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,99 @@
+"""The online-softmax step shared by the paged and the ring attention kernels (a helper, not a kernel).
+
+Rows are (query, head) pairs: the G query heads of one kv head are stacked so that a decode step
+(one query) still fills a tensor-core tile and each K/V block is loaded once for the whole group.
+Scores live in the log2 domain (qk_scale = scale * log2(e)) so the kernels use exp2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from shared.kernels.attention.fused_rope import decode_rope
+
+
+@triton.jit
+def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexpr):
+    """Fold one key block into the running (acc [M, D], max m_i [M], sum l_i [M]); k, v are [N, D].
+
+    F32_DOT computes both products in exact fp32: for fp32 inputs (tf32 would lose the tight
+    agreement fp32 callers expect), and for bf16 under the interpreter, whose bf16 tl.dot is wrong.
+    """
+    if F32_DOT:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead avoids -inf - -inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if F32_DOT:
+        # Rounded to v's dtype first, as the tensor-core path does, so both see the same p.
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def chunk_of(cu_q_ptr, q_start_ptr, b):
+    """Sequence b's chunk: its first token, its length and its start (the tokens before it)."""
+    tok0 = tl.load(cu_q_ptr + b)
+    qlen = tl.load(cu_q_ptr + b + 1) - tok0
+    start = tl.load(q_start_ptr + b)
+    return tok0, qlen, start
+
+
+@triton.jit
+def query_rows(
+    rows_ptr, tok0, qlen, kvh, q_off, stride_t, stride_h, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Load one tile of (query, head) rows of a chunk (first token tok0, qlen tokens) from `rows_ptr`
+    (q, or with RoPE inside attention the output rows `fused_rope.decode_rope` rotated them into);
+    returns the tile and each row's token, head, offset in the chunk and validity. BLOCK_M pads the
+    rows that can hold data to tl.dot's 16."""
+    d = tl.arange(0, BLOCK_D)
+    r = tl.arange(0, BLOCK_M)
+    qi = q_off + r // GROUP_P2  # query offset inside the chunk
+    g = r % GROUP_P2
+    row_ok = (g < GROUP) & (qi < qlen)
+    tok = (tok0 + qi).to(tl.int64)
+    head = kvh * GROUP + g
+    rows = rows_ptr + tok * stride_t + head * stride_h
+    q = tl.load(rows[:, None] + d[None, :], mask=row_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    return q, tok, head, qi, row_ok
+
+
+@triton.jit
+def tile_queries(
+    q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, qlen, kvh, q_off, has_key, stride_qt, stride_qh, stride_ot,
+    stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions,
+    qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh, stride_vds, stride_vdh,
+    rms_ptr, stride_rms, rms_size, rms_eps,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, RMS: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """A program's query tile (`query_rows`), and with ROPE (decode-shaped calls) its prologue first:
+    `fused_rope.decode_rope` rotates the token's query heads into the output rows, where the tile is
+    then loaded from, and where `has_key` rotates and stores the token's key. Returns query_rows'
+    values."""
+    if ROPE:
+        decode_rope(
+            q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, kvh, q_off < qlen, has_key, stride_qt, stride_qh,
+            stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr, stride_cs,
+            num_positions, qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh, stride_vds,
+            stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, GROUP, GROUP_P2, BLOCK_D, HEAD_DIM, NORM, RMS,
+            BLOCK_H,
+        )  # fmt: skip
+        rows_ptr, stride_t, stride_h = out_ptr, stride_ot, stride_oh
+    else:
+        rows_ptr, stride_t, stride_h = q_ptr, stride_qt, stride_qh
+    return query_rows(
+        rows_ptr, tok0, qlen, kvh, q_off, stride_t, stride_h, GROUP, GROUP_P2, BLOCK_M, BLOCK_D, HEAD_DIM
+    )  # fmt: skip

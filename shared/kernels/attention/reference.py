@@ -1,0 +1,135 @@
+"""Vectorized torch attention ops: the CPU path and the correctness reference of the Triton kernels.
+
+Shapes are fixed by host-side sizes only (T, B, max_q, the block table's width, the ring width), so
+nothing here waits for the device: sequences are padded to a [B, max_q] query grid and a [B, K] key
+grid, and masks decide what is seen. That costs memory (scores are [B, Hkv, max_q * G, K] in fp32)
+but is simple enough to trust.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.kernels._checks import check_paged, check_ring, check_store
+
+
+def store_kv(
+    k_new: torch.Tensor, v_new: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
+    dst_index: torch.Tensor,
+) -> None:  # fmt: skip
+    """Scatter rows: k_dst[dst_index[t]] = k_new[t] (same for v); rows with dst_index < 0 are skipped."""
+    check_store("store_kv", k_new, v_new, k_dst, v_dst, dst_index)
+    if k_new.shape[0] == 0:
+        return
+    # Skipped rows cannot be dropped without a data-dependent shape, so they are redirected onto a
+    # "donor" (the first kept row) and carry the donor's data: duplicate writes then write identical
+    # bytes and the result does not depend on which one lands. With no kept row at all, the donor is
+    # row 0 of the destination rewritten with its own value.
+    keep = dst_index >= 0
+    first = keep.to(torch.int32).argmax().view(1)  # the first kept row, or 0 if none
+    any_kept = keep.index_select(0, first)  # [1]
+    donor_index = torch.where(any_kept, dst_index.index_select(0, first), 0)
+    index = torch.where(keep, dst_index, donor_index)
+    for new, dst in ((k_new, k_dst), (v_new, v_dst)):
+        donor = torch.where(any_kept[:, None, None], new.index_select(0, first), dst[:1])
+        dst.index_copy_(0, index, torch.where(keep[:, None, None], new, donor))
+
+
+def _query_grid(
+    cu_q: torch.Tensor, q_start: torch.Tensor, max_q: int, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token index [B, max_q] (clamped), its validity, its position, and each token's grid slot [T]."""
+    cu = cu_q.long()
+    offs = torch.arange(max_q, device=cu.device)
+    qlen = cu[1:] - cu[:-1]
+    q_ok = offs[None, :] < qlen[:, None]
+    tok = (cu[:-1, None] + offs[None, :]).clamp(0, num_tokens - 1)
+    qpos = q_start.long()[:, None] + offs[None, :]
+    t = torch.arange(num_tokens, device=cu.device)
+    seq = torch.searchsorted(cu[1:], t, right=True).clamp(max=cu.shape[0] - 2)
+    slot = seq * max_q + (t - cu.index_select(0, seq)).clamp(0, max_q - 1)
+    return tok, q_ok, qpos, slot
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, q_ok: torch.Tensor,
+    slot: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """q [B, M, Hq, D], k/v [B, K, Hkv, D], visible [B, M, K] -> out [T, Hq, D] gathered by slot."""
+    b, m, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    # Grouped-query heads stay grouped ([B, Hkv, M*G, D]) so K and V are never repeated G times.
+    qg = q.float().view(b, m, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, m * g, d)
+    scores = (qg @ k.float().permute(0, 2, 3, 1)) * scale  # [B, Hkv, M*G, K]
+    # Padded query rows would be all -inf (NaN after softmax); let them see everything, they are dropped.
+    mask = visible | ~q_ok[:, :, None]
+    mask = mask[:, None, :, None, :].expand(b, 1, m, g, mask.shape[-1]).reshape(b, 1, m * g, -1)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    out = probs @ v.float().permute(0, 2, 1, 3)  # [B, Hkv, M*G, D]
+    out = out.view(b, hkv, m, g, d).permute(0, 2, 1, 3, 4).reshape(b * m, hq, d)
+    return out.index_select(0, slot).to(q.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
+) -> torch.Tensor:  # fmt: skip
+    """Causal (optionally sliding-window) attention of varlen queries over a paged KV cache.
+
+    The chunk's own K/V must already be in the cache. Query position p sees keys 0..p, or with a
+    window W only p-W+1..p. Contracts: cu_q[-1] == T, every chunk has <= max_q tokens, and each
+    sequence's pages up to its last query position are in its block_table row.
+    """
+    vl = check_paged("paged_attention", q, k_cache, v_cache, block_table, cu_q, q_start, max_q, scale, window)
+    num_pages, page_size, hkv, d = k_cache.shape
+    b, max_pages = block_table.shape
+    tok, q_ok, qpos, slot = _query_grid(cu_q, q_start, max_q, vl.num_tokens)
+    # Entries past a sequence's last page may be anything (-1, stale): clamp so the gather stays in
+    # bounds, and zero what is gathered past the context so stale NaNs cannot leak through 0 * NaN.
+    pages = block_table.long().clamp(0, num_pages - 1)
+    kpos = torch.arange(max_pages * page_size, device=q.device)
+    ctx = (q_start.long() + (cu_q[1:] - cu_q[:-1]).long())[:, None]
+    key_ok = kpos[None, :] < ctx  # [B, K]
+    keep = key_ok[:, :, None, None]
+    k = torch.where(keep, k_cache[pages].view(b, -1, hkv, d), 0)
+    v = torch.where(keep, v_cache[pages].view(b, -1, hkv, d), 0)
+    visible = key_ok[:, None, :] & (kpos[None, None, :] <= qpos[:, :, None])
+    if window is not None:
+        visible &= kpos[None, None, :] > qpos[:, :, None] - window
+    return _attend(q[tok], k, v, visible, q_ok, slot, scale)
+
+
+def ring_positions(q_start: torch.Tensor, window: int) -> torch.Tensor:
+    """Position held by each ring entry before the chunk ([B, W], int64; < 0 means empty).
+
+    Entry i holds the newest position p <= L0-1 with p % W == i, i.e. p = L0-1 - ((L0-1-i) mod W).
+    """
+    last = q_start.long()[:, None] - 1
+    i = torch.arange(window, device=q_start.device)
+    return last - torch.remainder(last - i[None, :], window)
+
+
+def ring_attention(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
+    slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int,
+) -> torch.Tensor:  # fmt: skip
+    """Sliding-window attention over a ring of the last W positions plus the chunk's own K/V.
+
+    The ring still holds the history before the chunk (the caller stores the chunk afterwards).
+    Query position p sees keys in p-W+1..p drawn from the ring and from the chunk (causally).
+    """
+    vl = check_ring(
+        "ring_attention", q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q, scale, window
+    )
+    tok, q_ok, qpos, slot = _query_grid(cu_q, q_start, max_q, vl.num_tokens)
+    ring_pos = ring_positions(q_start, window)
+    kpos = torch.cat([ring_pos, qpos], dim=1)  # [B, W + max_q]
+    key_ok = torch.cat([ring_pos >= 0, q_ok], dim=1)
+    keep = key_ok[:, :, None, None]
+    ring_rows = slots.long()
+    k = torch.where(keep, torch.cat([k_ring[ring_rows], k_new[tok]], dim=1), 0)
+    v = torch.where(keep, torch.cat([v_ring[ring_rows], v_new[tok]], dim=1), 0)
+    rel = kpos[:, None, :] - qpos[:, :, None]  # key position minus query position
+    visible = key_ok[:, None, :] & (rel <= 0) & (rel > -window)
+    return _attend(q[tok], k, v, visible, q_ok, slot, scale)

@@ -1,0 +1,21 @@
+"""Where a layer's new K/V rows go when a kernel other than attention stores them (RoPE's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+__all__ = ["KVStore"]
+
+
+@dataclass(frozen=True)
+class KVStore:
+    """Where a layer's new K/V rows go: row t to `k_dst[index[t]]` / `v_dst[index[t]]` ([S, Hkv, D]
+    flat cache rows, shared/kernels/attention's `store_kv` layout); index < 0 skips the row."""
+
+    k_dst: Tensor
+    v_dst: Tensor
+    index: Tensor

@@ -1,0 +1,162 @@
+"""A decode-shaped GEMM, out[M, N] = x[M, K] @ w[N, K]^T for a few rows (M <= 64), meant to read the
+weights at the copy rate.
+
+At M=64 cuBLAS reads a decode step's weights well below the copy rate: a narrow output (2048
+columns) makes too few of its tiles to fill 132 SMs, so it splits K and adds a reduction kernel. Here
+a program owns BLOCK_N output columns for every row and streams those weight rows through its
+pipeline. When N / BLOCK_N programs cannot fill the GPU, K is split too, and the last program of a
+column block to finish (a ticket) adds the fp32 partials and writes the result: one kernel, no zeroing
+pass.
+
+Where the model takes it (`ModelKernels.linear`, `Transformer.gemm_backend`): by default ("auto")
+for batches of at most 16 rows, where it is faster than cuBLAS on the gate/up and down projections
+(`bench/gemm_decode.py`) and so shortens a decode step at batch 1 and 16 (`bench/engine.py --gemm
+cublas,skinny`). At 64 rows it does not beat cuBLAS. A SwiGLU prologue (the activation computed as
+the tiles load) is much slower than the SwiGLU kernel plus cuBLAS: every column block would recompute
+the whole input's activation.
+
+With `add=` the result is added to a tensor and written into it (a residual add inside the GEMM,
+`ModelKernels.linear_add`): the addend is loaded before the K loop, so its latency is not at the tail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from shared.kernels._launch import f32_dot, next_pow2
+from shared.kernels._norm_checks import check_triton_device, fail
+from shared.kernels._tickets import tickets
+
+__all__ = ["GemmConfig", "choose_config", "skinny_gemm"]
+
+
+# M (the batch's rows) changes every step: only masks read it, and specializing on it would compile
+# mid-traffic. BLOCK_M takes three values (16, 32, 64), which the engine's warm-up launches.
+@triton.jit(do_not_specialize=["M"])
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32_DOT: tl.constexpr, ADD: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    out = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    if ADD:  # out holds the addend; loaded first, its latency under the loop's rather than at the tail
+        addend = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_first = pid_k * k_chunk
+    for k0 in range(k_first, k_first + k_chunk, BLOCK_K):  # k_chunk is a multiple of BLOCK_K
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        x_at = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+        x = tl.load(x_at, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if F32_DOT:  # fp32 operands, or bf16 in the interpreter (whose dot cannot take bf16)
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    dtype = out_ptr.dtype.element_ty
+    if SPLIT_K == 1:
+        if ADD:
+            acc += addend
+        tl.store(out, acc.to(dtype), mask=out_mask)
+    else:
+        tile = rm[:, None] * N + rn[None, :]  # partials: [SPLIT_K, BLOCK_M, N] fp32
+        tl.store(part_ptr + pid_k * BLOCK_M * N + tile, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket releases them
+        ticket = tl.atomic_add(ticket_ptr + pid_n, 1)
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):  # in split order, whichever program came last: deterministic
+                total += tl.load(
+                    part_ptr + s * BLOCK_M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg"
+                )
+            if ADD:
+                total += addend
+            tl.store(out, total.to(dtype), mask=out_mask)
+            tl.atomic_xchg(ticket_ptr + pid_n, 0)  # ready for the next launch
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int = 32
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# Operand tiles in flight, all stages: under an H200's 227 KiB of shared memory per block with room for
+# Triton's own scratch. fp32 operands with the bf16 tiles exceed it.
+_SMEM_BUDGET = 192 << 10
+
+
+def choose_config(m: int, n: int, k: int, *, itemsize: int = 2) -> GemmConfig:
+    """The sweep's best at a decode step's shapes (`bench/gemm_decode.py` on an H200, M = 64; the quick
+    sweep at 16 and 1 rows, 32-column blocks only, agreed but for o): outputs too narrow for 32-column
+    blocks to fill the SMs take 16-column blocks, or split K four ways when K is deep (the down
+    projection); wide outputs stream 128-deep K tiles. The K tile, then
+    the pipeline, shrink until the stages' operand tiles fit in shared memory."""
+    narrow = triton.cdiv(n, 32) < 96
+    split = 4 if narrow and k >= 4096 else 1
+    block_n = 16 if narrow and split == 1 else 32
+    block_k, stages = (256 if split == 1 and n <= 4096 else 128), 4
+    a_rows = max(16, next_pow2(m))
+    while stages * block_k * itemsize * (a_rows + block_n) > _SMEM_BUDGET and stages > 2:
+        if block_k > 64:
+            block_k //= 2
+        else:
+            stages -= 1
+    return GemmConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=stages)
+
+
+def skinny_gemm(
+    x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None, *, add: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation; M <= 64. With `add` ([M, N],
+    x's dtype, rows contiguous): add + x @ w^T, rounded once, written into `add` and returned."""
+    op = "skinny_gemm"
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        fail(op, f"x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != w.dtype or x.device != w.device:
+        fail(op, f"x and w must share dtype and device, got {x.dtype}/{x.device} and {w.dtype}/{w.device}")
+    m, (n, k) = x.shape[0], w.shape
+    if m > 64:
+        fail(op, f"is for at most 64 rows, got {m}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        fail(op, "x and w must be contiguous along K")
+    check_triton_device(op, x.device)
+    cfg = cfg or choose_config(m, n, k, itemsize=x.element_size())
+    if add is not None:
+        if add.shape != (m, n) or add.dtype != x.dtype or add.device != x.device or add.stride(1) != 1:
+            fail(op, f"add must be [{m}, {n}] {x.dtype} on {x.device}, rows contiguous, got "
+                     f"{tuple(add.shape)} {add.dtype} on {add.device}")  # fmt: skip
+        out = add
+    else:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:  # an empty sum
+        return out if add is not None else out.zero_()
+    block_m = max(16, next_pow2(m))  # the smallest tile a tensor-core dot takes
+    blocks = triton.cdiv(n, cfg.block_n)
+    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_chunk)  # no empty split: each adds its partial and takes its ticket
+    part = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    ticket = tickets(x.device, blocks, 4096)
+    _skinny_gemm_kernel[(blocks, split)](
+        x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
+        SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, F32_DOT=f32_dot(x.dtype),
+        ADD=add is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,158 @@
+"""GenerateRequest -> (prompt token ids, SamplingParams), or `InvalidRequest` naming every bad field.
+
+Checks here are the API's contract, made before the request reaches a scheduler: the engine repeats
+some of them (vocabulary, context) as asserts, but a client must learn of all its mistakes at once, with
+field paths it can map back to its request (`sampling.top_p`, `token_ids.ids[3]`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from shared.engine.sampling import SamplingParams
+from shared.pb.pdserve.v1 import generation_pb2 as pb
+from shared.serving.api.errors import FieldViolation, InvalidRequest
+
+__all__ = ["DEFAULT_MAX_TOKENS", "Limits", "validate_generate"]
+
+DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default; lowered to the room the context has left
+_MAX_LISTED = 8  # per repeated field: enough to fix a request, bounded so a huge bad prompt stays small
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_context: int  # prompt + max_tokens must fit
+    max_request_id_len: int = 256
+    max_stop: int = 16
+    max_stop_len: int = 256
+
+
+def _bad_ids(field: str, ids: Sequence[int], vocab: int, out: list[FieldViolation]) -> None:
+    bad = [i for i, t in enumerate(ids) if t >= vocab]  # uint32 on the wire: never negative
+    for i in bad[:_MAX_LISTED]:
+        out.append(
+            FieldViolation(f"{field}[{i}]", f"token id {ids[i]} is outside the vocabulary [0, {vocab})")
+        )
+    if len(bad) > _MAX_LISTED:
+        out.append(FieldViolation(field, f"{len(bad) - _MAX_LISTED} more token ids outside [0, {vocab})"))
+
+
+def _prompt(
+    req: pb.GenerateRequest,
+    limits: Limits,
+    encode: Callable[[str], list[int]] | None,
+    out: list[FieldViolation],
+) -> tuple[str, list[int]]:
+    """The prompt's ids and the field path that names it ("" when the input is missing)."""
+    kind = req.WhichOneof("input")
+    if kind is None:
+        out.append(FieldViolation("input", "set one of text or token_ids"))
+        return "", []
+    if kind == "text":
+        if not req.text:
+            out.append(FieldViolation("text", "must not be empty"))
+            return "text", []
+        if encode is None:
+            out.append(FieldViolation("text", "this model has no tokenizer: send token_ids"))
+            return "text", []
+        ids = encode(req.text)
+        if not ids:
+            out.append(FieldViolation("text", "encodes to no tokens"))
+        return "text", ids
+    ids = list(req.token_ids.ids)
+    if not ids:
+        out.append(FieldViolation("token_ids.ids", "must not be empty"))
+    _bad_ids("token_ids.ids", ids, limits.vocab_size, out)
+    return "token_ids.ids", ids
+
+
+def _finite_in(
+    field: str, value: float, ok: Callable[[float], bool], rule: str, out: list[FieldViolation]
+) -> None:
+    if math.isnan(value):
+        out.append(FieldViolation(field, "must not be NaN"))
+    elif not ok(value):
+        out.append(FieldViolation(field, f"{rule}, got {value!r}"))
+
+
+def _sampling(s: pb.SamplingParams, limits: Limits, has_tokenizer: bool, out: list[FieldViolation]) -> None:
+    if s.HasField("temperature"):
+        rule = "must be finite and >= 0 (0 is greedy)"
+        _finite_in("sampling.temperature", s.temperature, lambda t: math.isfinite(t) and t >= 0, rule, out)
+    if s.HasField("top_p"):
+        _finite_in("sampling.top_p", s.top_p, lambda p: 0 < p <= 1, "must be in (0, 1]", out)
+    _finite_in("sampling.min_p", s.min_p, lambda p: 0 <= p < 1, "must be in [0, 1) (0 is off)", out)
+    if s.top_k < -1:
+        out.append(FieldViolation("sampling.top_k", f"must be >= 1, or 0 or -1 for off, got {s.top_k}"))
+    if s.HasField("max_tokens") and s.max_tokens < 1:
+        out.append(FieldViolation("sampling.max_tokens", "must be >= 1 (leave it unset for the default)"))
+    if s.stop and not has_tokenizer:
+        out.append(FieldViolation("sampling.stop", "this model has no tokenizer: use stop_token_ids"))
+    if len(s.stop) > limits.max_stop:
+        out.append(
+            FieldViolation("sampling.stop", f"at most {limits.max_stop} stop strings, got {len(s.stop)}")
+        )
+    for i, stop in enumerate(s.stop[: limits.max_stop]):
+        if not stop:
+            out.append(FieldViolation(f"sampling.stop[{i}]", "must not be empty"))
+        elif len(stop) > limits.max_stop_len:
+            out.append(FieldViolation(f"sampling.stop[{i}]", f"longer than {limits.max_stop_len} characters"))
+    _bad_ids("sampling.stop_token_ids", list(s.stop_token_ids), limits.vocab_size, out)
+
+
+def _max_tokens(s: pb.SamplingParams, prompt_field: str, n_prompt: int, limits: Limits, out: list) -> int:
+    room = limits.max_context - n_prompt
+    if room < 1:
+        out.append(
+            FieldViolation(
+                prompt_field,
+                f"the prompt has {n_prompt} tokens; the context holds {limits.max_context}, "
+                "prompt and at least one generated token included",
+            )
+        )
+        return 1
+    if not s.HasField("max_tokens"):
+        return min(DEFAULT_MAX_TOKENS, room)
+    if s.max_tokens > room:
+        out.append(
+            FieldViolation(
+                "sampling.max_tokens",
+                f"prompt ({n_prompt} tokens) + max_tokens ({s.max_tokens}) exceeds the context "
+                f"({limits.max_context}); at most {room} here",
+            )
+        )
+    return s.max_tokens
+
+
+def validate_generate(
+    req: pb.GenerateRequest, limits: Limits, encode: Callable[[str], list[int]] | None = None
+) -> tuple[list[int], SamplingParams]:
+    """Check every field of `req`; raise InvalidRequest with all violations, or return what the engine
+    takes. `encode` is the tokenizer's (None: the model has none, so text and stop strings are refused)."""
+    out: list[FieldViolation] = []
+    if len(req.request_id) > limits.max_request_id_len:
+        out.append(FieldViolation("request_id", f"longer than {limits.max_request_id_len} characters"))
+    prompt_field, prompt = _prompt(req, limits, encode, out)
+    s = req.sampling
+    _sampling(s, limits, encode is not None, out)
+    max_tokens = _max_tokens(s, prompt_field, len(prompt), limits, out) if prompt else 1
+    if out:
+        raise InvalidRequest(out)
+    try:
+        params = SamplingParams(
+            temperature=s.temperature if s.HasField("temperature") else 1.0,
+            top_k=s.top_k,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            min_p=s.min_p,
+            seed=s.seed if s.HasField("seed") else None,
+            max_tokens=max_tokens,
+            stop=tuple(s.stop),
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )
+    except ValueError as e:  # a rule SamplingParams has and the checks above missed
+        raise InvalidRequest([FieldViolation("sampling", str(e))]) from e
+    return prompt, params

@@ -1,0 +1,227 @@
+"""What both services' processes share: engine building, health, reflection, the load-on-a-thread
+start-up and the SIGTERM drain.
+
+Lifecycle: listen at once (liveness SERVING, readiness NOT_SERVING) -> load the model on a thread ->
+readiness SERVING -> on SIGTERM/SIGINT: readiness NOT_SERVING, new calls UNAVAILABLE, running requests
+drain for up to --drain-timeout, the rest are aborted, then the server stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from invariants import InvariantViolation, Violation
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVConfig
+from shared.model import LoadedModel
+from shared.serving.api.model_source import load_served_model
+from shared.serving.config import CommonConfig
+from shared.serving.metrics import Metrics, serve_metrics
+from shared.serving.scheduler_base import Scheduler
+from shared.serving.telemetry import Telemetry
+
+__all__ = ["NOT_SERVING", "SERVING", "StartupError", "add_health", "build_engine", "run_service"]
+
+EXIT_INVARIANT = 3  # STRICT: an invariant failed, the engine's state cannot be trusted
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+_STOP_GRACE_S = 5.0  # after drain: time for the last messages to reach their clients
+T = TypeVar("T")
+
+
+class StartupError(Exception):
+    """A start-up failure with a message that says it all (logged without a traceback)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device `--device` names, with an index: set_device, graph capture and IPC need one.
+
+    `auto` is CUDA when a GPU is visible, else the CPU; `cuda` is the process's current GPU (cuda:0 of
+    what CUDA_VISIBLE_DEVICES shows).
+    """
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)  # the form was checked when the config was parsed
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise StartupError(f"--device {name}: no CUDA device is visible to this process (use cpu or auto)")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise StartupError(f"--device {name}: only cuda:0..cuda:{count - 1} are visible to this process")
+    return torch.device("cuda", index)
+
+
+def build_engine(cfg: CommonConfig, role: str, *, mixed: bool = False) -> tuple[LoadedModel, Engine]:
+    """Load the model, build its Engine and warm it up (blocking: run off the event loop). `role`
+    names the log; `mixed`: decode tokens in every step beside prompt chunks (`EngineConfig.mixed`)."""
+    device, dtype = resolve_device(cfg.device), getattr(torch, cfg.dtype)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this loading thread's kernels and graph captures go there
+    loaded = load_served_model(cfg.model, device=device, dtype=dtype)
+    loaded.model.gemm_backend = cfg.gemm
+    kv_dtype = next(loaded.model.parameters()).dtype
+    kv = KVConfig(
+        page_size=cfg.page_size,
+        num_pages=cfg.num_pages,
+        max_requests=cfg.max_running,
+        dtype=kv_dtype,
+        device=str(device),
+    )
+    engine_cfg = EngineConfig(
+        max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running, mixed=mixed,
+        tune_gemms=cfg.tune_gemms,
+    )  # fmt: skip
+    engine = Engine(loaded.model, kv, engine_cfg)
+    took = engine.warm_up()  # before ready: a first request must not wait on kernel compiles
+    if took:
+        logging.getLogger(f"{role}_service").info("warmed up in %.1f s", took)
+    return loaded, engine
+
+
+def service_telemetry(role: str, cfg: CommonConfig) -> Telemetry:
+    """Tracing from the OTEL_* environment, metrics unless --no-metrics."""
+    return Telemetry.from_env(role, Metrics(role) if cfg.metrics else None)
+
+
+async def ready(context: grpc.aio.ServicerContext, serving: T | None) -> T:
+    """What a servicer serves with once the model has loaded; before that the call ends UNAVAILABLE
+    (which clients retry), the process healthy."""
+    if serving is None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+    assert serving is not None
+    return serving
+
+
+def add_health(server: grpc.aio.Server, service_name: str) -> health.aio.HealthServicer:
+    """grpc.health.v1 and server reflection (for `service_name`, health and reflection itself)."""
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((service_name, health_name, reflection.SERVICE_NAME), server)
+    return health_servicer
+
+
+async def _in_thread(fn: Callable[[], T]) -> T:
+    # A daemon thread, not the default executor: a SIGTERM during a long load must not wait for it.
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def work() -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the loop, which re-raises it
+            error = exc
+
+        def settle() -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # the loop is gone: SIGTERM came during the load
+            loop.call_soon_threadsafe(settle)
+
+    threading.Thread(target=work, name="model-load", daemon=True).start()
+    return await fut
+
+
+async def _drain(sched: Scheduler, timeout: float, log: logging.Logger) -> None:
+    sched.stop_accepting()
+    if not await asyncio.to_thread(sched.wait_idle, timeout):
+        n = sched.abort_all()
+        log.warning("drain timeout (%.1fs): aborting %d request(s)", timeout, n)
+        await asyncio.to_thread(sched.wait_idle, _STOP_GRACE_S)
+
+
+async def run_service(
+    role: str, cfg: CommonConfig, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
+    service_name: str, build: Callable[[], T], attach: Callable[[T], Scheduler],
+    telemetry: Telemetry | None = None,
+) -> int:  # fmt: skip
+    """Serve until SIGTERM/SIGINT. `build` runs on a thread; `attach` hands its result to the servicer
+    and returns its scheduler. Returns the process exit code."""
+    log = logging.getLogger(f"{role}_service")
+    telemetry = telemetry or Telemetry(role)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    await health_servicer.set("", SERVING)  # liveness: the process answers
+    await health_servicer.set(service_name, NOT_SERVING)  # readiness: not until the model is loaded
+    await server.start()
+    print(f"pdserve {role} listening on {cfg.host}:{port}", flush=True)
+    if cfg.metrics and telemetry.metrics is not None:
+        serve_metrics(telemetry.metrics, cfg.metrics_host or cfg.host, cfg.metrics_port, role)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    load = asyncio.create_task(_in_thread(build))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    fatal: list[BaseException] = []  # an InvariantViolation at STRICT: stop the process
+    sched: Scheduler | None = None
+    if load.done():
+        exc = load.exception()
+        if isinstance(exc, StartupError):
+            log.error("start-up failed: %s", exc)
+            code = 1
+        elif exc is not None:
+            log.error("model load failed", exc_info=exc)
+            code = 1
+        else:
+            sched = attach(load.result())
+            background: set[asyncio.Task] = set()  # a reference, so the task is not collected mid-flight
+
+            async def unhealthy() -> None:
+                # The engine's state is unknown: not ready, and not live either, so the process is replaced.
+                await health_servicer.set(service_name, NOT_SERVING)
+                await health_servicer.set("", NOT_SERVING)
+
+            def on_failure(exc: BaseException) -> None:  # the scheduler thread: hop to the loop
+                if isinstance(exc, InvariantViolation):
+                    log.critical("%s: stopping the process", exc)
+                    fatal.append(exc)
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(lambda: background.add(loop.create_task(unhealthy())))
+                    if fatal:
+                        loop.call_soon_threadsafe(stop.set)
+
+            def on_violation(v: Violation, rids: tuple[str, ...]) -> None:  # scheduler thread, rare
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(telemetry.violation, v, rids)
+
+            sched.on_failure = on_failure
+            sched.watch_invariants(on_violation)
+            if telemetry.metrics is not None:
+                telemetry.metrics.watch_pool(sched.pool_state)
+            await health_servicer.set(service_name, SERVING)
+            log.info("ready (%s)", cfg.model or "embedded default")
+            print(f"pdserve {role} ready", flush=True)
+            await stopping
+            log.info("draining (timeout %.1fs)", cfg.drain_timeout)
+            await health_servicer.set(service_name, NOT_SERVING)
+            await _drain(sched, cfg.drain_timeout, log)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(_STOP_GRACE_S)
+    if sched is not None:
+        sched.shutdown()
+    stopping.cancel()
+    telemetry.shutdown()
+    print(f"pdserve {role} stopped", flush=True)
+    return EXIT_INVARIANT if fatal else code
