@@ -3,7 +3,7 @@
     with Client("localhost:50051") as c:
         for chunk in c.generate("Once upon a time", max_tokens=32, temperature=0):
             print(chunk.text, end="")
-        text, finish_reason, usage = c.complete([1, 2, 3], max_tokens=8)
+        done = c.complete([1, 2, 3], max_tokens=8)  # .text, .finish_reason, .usage, .token_ids
 
 Sampling keywords are the proto's SamplingParams fields (max_tokens, temperature, top_p, top_k, min_p,
 seed, stop, stop_token_ids, ignore_eos). Failures raise `GenerationError` with the gRPC status code and,

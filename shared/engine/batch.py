@@ -63,20 +63,6 @@ class ForwardBatch:
         if self.num_real < 0:
             self.num_real = self.num_seqs
 
-    def take_inputs_from(self, tokens: torch.Tensor, pairs: list[tuple[int, int]] | None = None) -> None:
-        """Overlap scheduling: input token i is the not-yet-read output `tokens[j]` of the step in
-        flight, for each (i, j); `pairs=None`: row i takes `tokens[i]` for every row of `tokens` (the
-        steady state, the same requests in the same rows: no index upload). Gathered on the device,
-        so the host never waits for it."""
-        if pairs is None:
-            self.input_ids[: tokens.shape[0]].copy_(tokens)
-            return
-        if not pairs:
-            return
-        both = torch.tensor(pairs, dtype=torch.int64).T.contiguous()  # [2, k]: one copy for both
-        dst, src = to_device(both, self.input_ids.device)
-        self.input_ids.index_copy_(0, dst, tokens.index_select(0, src))
-
     @classmethod
     def from_packed(
         cls, mode: Mode, buf32: torch.Tensor, buf64: torch.Tensor, *, rows: int, tokens: int, ring: int,

@@ -1,4 +1,5 @@
-"""CUDA graphs of the decode forward (model, KV stores, attention, invariant checks, logits).
+"""CUDA graphs of the decode step's body (input tokens, model, KV stores, attention, invariant checks,
+logits, and the rows moved on to the next position: `ModelRunner.decode_body`).
 
 One graph per captured batch size, sharing one memory pool. Each graph reads a ForwardBatch packed
 in its own static buffers: the scheduler builds a decode batch of B sequences straight into the
@@ -7,24 +8,25 @@ the KV cache's scratch slot (nothing stored, positions written as -1, so the scr
 empty and passes its history check). Sampling stays outside: its kernels depend on the batch's
 parameters. Invariant levels are frozen at capture.
 
-On a CPU cache nothing is captured: the static buffers alone, which the eager forward reads (what
-tests and bench/engine_host.py use to run the graph path's host side without a GPU).
+On a CPU cache nothing is captured: the static buffers alone, on which `run` calls the body eagerly
+(what tests and bench/engine_host.py use to run the graph path's host side without a GPU).
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from shared.engine.batch import ChunkItem, ForwardBatch, Mode, packed_sizes
+from shared.engine.batch import ForwardBatch, Mode, packed_sizes
 from shared.engine.host_copy import reserve_pinned
+from shared.engine.kv.cache import KVCache
 
-if TYPE_CHECKING:
-    from shared.engine.runner import ModelRunner
+__all__ = ["DecodeBody", "DecodeGraphs", "packed_buffers"]
 
-__all__ = ["DecodeGraphs", "packed_buffers"]
+# A decode step's body on a batch: (logits [B, V], the positions each row sampled at [B]).
+DecodeBody = Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor]]
 
 
 def packed_buffers(
@@ -39,20 +41,21 @@ def packed_buffers(
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, batch_sizes: list[int], max_pages: int) -> None:
-        self.cache = runner.cache
+    def __init__(self, body: DecodeBody, cache: KVCache, batch_sizes: list[int], max_pages: int) -> None:
+        self.body = body
+        self.cache = cache
         self.sizes = sorted(set(batch_sizes))
         self.max_pages = max_pages
         self.static: dict[int, ForwardBatch] = {}
         # Each graph's static int64 and int32 fields are views of one byte buffer (int64 first), so a
-        # decode step uploads them in one copy (`shared/engine/decode_batch.py`): each eager op between two
-        # replays cost the step ~5-9 us on an H200's timeline (`bench/engine.py --profile`).
+        # decode step uploads them in one copy (`shared/engine/decode_batch.py`): every eager op between
+        # two replays leaves a gap on the GPU's timeline.
         self.raw: dict[int, torch.Tensor] = {}
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # Whose block table each static buffer holds on the device: a token the incremental decode
-        # builder (`shared/engine/decode_batch.py`) leaves when it uploads a whole table, so that the steps
-        # after it can skip the table while their rows stay the same; None = unknown.
-        self.resident_table: dict[int, object | None] = dict.fromkeys(self.sizes)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # Whose rows each static buffer holds on the device: a token the decode batch builder
+        # (`shared/engine/decode_batch.py`) leaves when it uploads, so that the steps after it on the
+        # same rows can skip the block table, or the whole upload; None = nobody's yet.
+        self.resident: dict[int, object | None] = dict.fromkeys(self.sizes)
         capture = self.cache.device.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if capture else None
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
@@ -72,18 +75,17 @@ class DecodeGraphs:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # warm-up off the capture: compile, allocate
-                    runner.forward_logits(batch)
+                    body(batch)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 # Our own capture stream: torch's default one is made once per process, on whichever
                 # device captured first, and capturing on it would switch to that device.
                 with torch.cuda.graph(graph, pool=pool, stream=side):
-                    logits = runner.forward_logits(batch)
-                # A graph's first replay uploads it to the device: ~0.3 ms more to launch and to run on
-                # an H200 (docs/benchmarks.md, "The first decode call"), which would otherwise land on the
+                    outputs = body(batch)
+                # A graph's first replay uploads it to the device, which would otherwise land on the
                 # first decode step at that size. The static batch is all padding: nothing is stored.
                 graph.replay()
-                self.graphs[size] = (graph, logits)
+                self.graphs[size] = (graph, outputs)
 
         if capture and self.raw:
             # Every decode step uploads its batch through a pinned staging block (`host_copy.to_device`):
@@ -97,28 +99,18 @@ class DecodeGraphs:
             return None
         return self.sizes[i]
 
-    def prepare(self, items: list[ChunkItem]) -> ForwardBatch | None:
-        """Build a decode batch into a graph's static buffers; None when no captured graph fits."""
-        size = self.size_for(len(items), max((len(it.pages) for it in items), default=0))
-        if size is None:
-            return None
-        self.resident_table[size] = None  # the whole buffer is rewritten, by no incremental builder
-        return ForwardBatch.build(
-            items, Mode.DECODE, self.cache, pad_to=size, table_width=self.max_pages,
-            into=self.static[size].buffers,
-        )  # fmt: skip
-
     def holds(self, batch: ForwardBatch) -> bool:
         """Whether `batch` lives in a graph's static buffers (captured, or on a CPU cache, not)."""
         static = self.static.get(batch.num_seqs)
         return static is not None and batch.buffers is not None and batch.buffers[0] is static.buffers[0]
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Replay the graph whose static buffers hold `batch`; its logits rows, or None."""
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The body on `batch` if a graph's static buffers hold it (replayed; eager on a CPU cache, where
+        nothing is captured); None when they do not."""
         if not self.holds(batch):
             return None
-        if batch.num_seqs not in self.graphs:  # static buffers on a CPU cache: nothing captured
-            return None
-        graph, logits = self.graphs[batch.num_seqs]
+        if batch.num_seqs not in self.graphs:
+            return self.body(batch)
+        graph, outputs = self.graphs[batch.num_seqs]
         graph.replay()
-        return logits
+        return outputs

@@ -1,9 +1,9 @@
 """Decode batches built incrementally: a steady-state decode step costs the host a few numpy ops.
 
 Between two decode steps almost nothing changes: the same requests sit in the same rows, each one
-position further on. `ForwardBatch.build` (the general path, every prefill and replay step) would
-walk every token and every page of every request in Python and pack them anew: at batch 64 with
-33 pages each and a graph's 512-page-wide table, ~3 ms of host time a step. Here:
+position further on. `ForwardBatch.build` (the general path, every prefill and replay step) walks
+every token and every page of every request in Python and packs them anew, which at batch 64 with a
+graph's wide block table is far more host time than the step's launch. Here:
 
 - the rows (one request each) are laid out once per composition: slots, padding rows, `cu_q`,
   `last_index`, and the block table, one gather by slot from the engine's `PageTable`;
@@ -13,13 +13,16 @@ walk every token and every page of every request in Python and pack them anew: a
   static buffers, when one fits, both go in one upload (one byte buffer, int64 fields first:
   `cuda_graph.packed_buffers`). While the rows and the page table stay the same the device already
   holds the block table, so the upload stops before it;
-- after a greedy step on a graph the device holds the next step's inputs already (its argmax fed the
-  tokens and moved the positions: `shared/engine/decode_advance.py`): a steady greedy step uploads nothing.
+- a graph step moves its rows on to the next position itself and takes their next inputs from the
+  token table (`shared/kernels/decode_advance.py`): the next step on the same rows, one token
+  further, with every input in the table, uploads nothing.
 
-Results do not change: the batch is value for value what `ForwardBatch.build` packs for the same
-requests (tests/engine/test_engine_decode.py compares them through admit, finish, abort and slot
-reuse). Host buffers are plain memory; each upload goes through a fresh pinned staging copy from
-torch's caching host allocator, which does not hand a block out again before its copy has run.
+An input id of -1 is a token the step in flight is still producing: the forward takes it from the
+token table on the device (`shared/kernels/token_table.py`). Results do not change: the batch is value
+for value what `ForwardBatch.build` packs for the same requests (tests/engine/test_engine_decode.py
+compares them through admit, finish, abort and slot reuse). Host buffers are plain memory; each upload
+goes through a fresh pinned staging copy from torch's caching host allocator, which does not hand a
+block out again before its copy has run.
 """
 
 from __future__ import annotations
@@ -37,8 +40,6 @@ from shared.engine.kv.page_table import PageTable
 from shared.engine.request import Request
 
 __all__ = ["DecodeBatcher"]
-
-assert I64_FIELDS[0] == "input_ids", "a fed step skips the first field of its upload: the input ids"
 
 
 class _Layout:
@@ -70,7 +71,7 @@ class _Layout:
 @dataclass(eq=False)
 class _Rows:
     """One decode composition: its requests in row order and what it was laid out from. The object
-    itself is the token a graph's `resident_table` keeps for the block table it uploaded."""
+    itself is the token a graph's `resident` keeps for the rows it uploaded."""
 
     reqs: list[Request]
     slots: np.ndarray  # [n] int64
@@ -79,7 +80,7 @@ class _Rows:
     graphs: DecodeGraphs | None
     static: ForwardBatch | None  # the graph batch these rows are uploaded into; None: eager
     # The positions of the rows' next step if it follows the last one built, one token further: where
-    # a fed step's argmax has moved the graph's inputs (`shared/engine/decode_advance.py`)
+    # the graph step has moved its inputs (`shared/kernels/decode_advance.py`)
     next_starts: np.ndarray | None = None
 
     @property
@@ -96,13 +97,10 @@ class DecodeBatcher:
         self._layouts: dict[tuple[int, int], _Layout] = {}
 
     def build(
-        self, reqs: list[Request], graphs: DecodeGraphs | None, tokens: list[int] | None,
-        fed: torch.Tensor | None = None,
-    ) -> ForwardBatch:  # fmt: skip
-        """One decode token for each of `reqs` at position `num_scheduled`, fed `tokens` (None: every
-        row's input is gathered on the device afterwards, see `ForwardBatch.take_inputs_from`, or is
-        there already: `fed`, the input ids the step before wrote its tokens into, are not uploaded
-        when they are this batch's)."""
+        self, reqs: list[Request], graphs: DecodeGraphs | None, tokens: list[int] | None
+    ) -> ForwardBatch:
+        """One decode token for each of `reqs` at position `num_scheduled`, fed `tokens` (-1: from the
+        token table; None: every row's input is in the table)."""
         rows = self._rows
         same = rows is not None and rows.reqs == reqs and rows.graphs is graphs
         if not same or rows.version != self.table.version:
@@ -120,8 +118,7 @@ class DecodeBatcher:
         rows.next_starts = starts + 1
         if rows.static is not None:
             assert graphs is not None
-            fed_here = fed is rows.static.input_ids
-            return self._upload_static(rows, graphs, skip_inputs=fed_here, advanced=fed_here and moved)
+            return self._upload_static(rows, graphs, advanced=moved and tokens is None)
         dev = self.cache.device
         buf32, buf64 = _upload(lay.h32, None, dev), _upload(lay.h64, None, dev)
         width = lay.table.shape[1]
@@ -166,22 +163,19 @@ class DecodeBatcher:
             lay = self._layouts[(size, width)] = _Layout(size, width)
         return lay
 
-    def _upload_static(
-        self, rows: _Rows, graphs: DecodeGraphs, *, skip_inputs: bool, advanced: bool
-    ) -> ForwardBatch:
-        """One copy into the graph's static buffers (int64 fields, then int32 ones): from after the
-        input ids (the first field) when the device holds them already; the block table, last, only
-        when the device lacks it. None at all when the step before, on the same rows and table, fed
-        the input ids and moved every row's position fields to this step's (`advanced`)."""
+    def _upload_static(self, rows: _Rows, graphs: DecodeGraphs, *, advanced: bool) -> ForwardBatch:
+        """One copy into the graph's static buffers (int64 fields, then int32 ones), the block table,
+        last, only when the device lacks it. None at all when the buffers hold these rows, which the
+        step before moved on to exactly this step's positions with every input in the token table
+        (`advanced`)."""
         assert rows.static is not None
         raw, lay = graphs.raw[rows.size], rows.layout
-        keep_table = graphs.resident_table[rows.size] is rows
-        if advanced and keep_table:
+        ours = graphs.resident[rows.size] is rows
+        if advanced and ours:
             return rows.static
-        start = 8 * rows.size if skip_inputs else 0
-        end = lay.bytes64 + 4 * (lay.prefix32 if keep_table else len(lay.h32))
-        _upload(lay.raw[start:end], raw[start:end], raw.device)
-        graphs.resident_table[rows.size] = rows
+        end = lay.bytes64 + 4 * (lay.prefix32 if ours else len(lay.h32))
+        _upload(lay.raw[:end], raw[:end], raw.device)
+        graphs.resident[rows.size] = rows
         return rows.static
 
 

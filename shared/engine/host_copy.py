@@ -22,8 +22,8 @@ def to_device(host: torch.Tensor, device: torch.device, into: torch.Tensor | Non
 
 def reserve_pinned(nbytes: int, count: int = 2) -> None:
     """Have PyTorch's pinned-block cache hold `count` blocks of at least `nbytes`, so that the copies
-    that will need them do not wait for a fresh pinned allocation (cudaHostAlloc: ~0.5-0.7 ms for a
-    few hundred KB on an H200's host, on the step that first uploads a batch that large)."""
+    that will need them do not wait for a fresh pinned allocation (cudaHostAlloc is slow, and would
+    land on the step that first uploads a batch that large)."""
     if nbytes > 0 and torch.cuda.is_available():
         blocks = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
         del blocks  # back to the cache, not to the driver

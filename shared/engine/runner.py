@@ -5,6 +5,12 @@ their copy on its way to pinned host memory, and the one event the scheduler wai
 per step) before reading that copy. The checks of the inputs and of every sliding layer's history
 run inside `invariants.concurrent_checks`: on CUDA beside the layers, on a side stream, instead of
 one small kernel each in series with them.
+
+Input tokens take one path: the token table. Every step that samples writes each row's token into
+`token_table[slot]` (the greedy argmax kernel itself; else one index copy after the sampler), and
+every forward reads an input id of -1 from `token_table[token_slot]` (`take_tokens`, the forward's
+first kernel). So the host launches step N+1 before it has read step N's tokens, naming them -1,
+and builds nothing on the host to route them.
 """
 
 from __future__ import annotations
@@ -12,14 +18,13 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from invariants import Invariant, Severity, concurrent_checks, expect, predicates
-from shared.engine.batch import ChunkItem, ForwardBatch, Mode
+from shared.engine.batch import ForwardBatch, Mode
 from shared.engine.cuda_graph import DecodeGraphs
-from shared.engine.decode_advance import DecodeAdvance
 from shared.engine.kv.cache import KVCache
 from shared.engine.kv.window import check_windows
 from shared.engine.sampling import SamplingBatch, sample
@@ -27,6 +32,8 @@ from shared.kernels import KVStore, kernels_for
 from shared.kernels.argmax import argmax_rows
 from shared.kernels.attention import AttentionOps, ops_for
 from shared.kernels.attention.fused_rope import RopeInKernel
+from shared.kernels.decode_advance import DecodeRows, advance_rows
+from shared.kernels.token_table import take_tokens
 from shared.model import gemm_tuning
 from shared.model.layers import RopeArgs
 from shared.model.transformer import Transformer
@@ -173,10 +180,6 @@ class ForwardOutput:
     # `tokens` in pinned host memory, readable once `ready` (a greedy step's: until HOST_RING forwards
     # later, when the runner's ring hands its buffer out again)
     host_tokens: torch.Tensor | None = None
-    # The static input ids of the CUDA graph that ran, holding `tokens` already (a greedy step's
-    # argmax writes them there too, and moves the graph's position fields one token on): the next step
-    # on the same rows needs no copy to feed them back, nor an upload (`shared/engine/decode_advance.py`).
-    fed: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -196,6 +199,8 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.num_pages = cache.cfg.num_pages
 
+        # Each window slot's latest sampled token (the scratch slot's too: padding rows sample into it).
+        self.token_table = torch.zeros(cache.scratch_slot + 1, dtype=torch.int64, device=cache.device)
         self.graphs: DecodeGraphs | None = None
         # Greedy steps' tokens, written to pinned memory by the argmax kernel itself: a ring of
         # buffers, each reused only HOST_RING forwards later. The engine reads a step's tokens before
@@ -212,7 +217,7 @@ class ModelRunner:
 
     def capture_decode_graphs(self, batch_sizes: list[int], max_pages: int) -> None:
         """Capture the decode forward for these batch sizes (CUDA only; levels frozen at capture)."""
-        self.graphs = DecodeGraphs(self, batch_sizes, max_pages)
+        self.graphs = DecodeGraphs(self.decode_body, self.cache, batch_sizes, max_pages)
 
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Model + KV + checks up to each sequence's last-token logits (what a CUDA graph holds)."""
@@ -222,17 +227,18 @@ class ModelRunner:
         # width (a new compile, mid-traffic, for each new kind of width); a flat view has one.
         table = batch.block_table
         expect(PAGE_IDS_IN_RANGE, lambda: predicates.in_range(table.reshape(-1), 0, self.num_pages))
+        ids = take_tokens(batch.input_ids, batch.token_slots, self.token_table)
         attn = BatchAttention(self.cache, batch, self.ops, self.scale, self.rope_in_attention)
         # Every check in the block reads what the block never writes after it: the batch's inputs,
         # and each sliding layer's `ring_pos`, whose only write in the step follows the block.
         with concurrent_checks(self.cache.device):
-            expect(TOKENS_IN_VOCAB, lambda: predicates.in_range(batch.input_ids, 0, self.vocab_size),
+            expect(TOKENS_IN_VOCAB, lambda: predicates.in_range(ids, 0, self.vocab_size),
                    rows=batch.token_slots)  # fmt: skip
             expect(POSITIONS_CONSECUTIVE,
                    lambda: predicates.equal(batch.positions, expected_positions(batch)),
                    rows=batch.token_slots)  # fmt: skip
             check_windows(self.cache, batch.slots, batch.ring_context)  # every sliding layer's, at once
-            hidden = self.model(batch.input_ids, batch.positions, attn)
+            hidden = self.model(ids, batch.positions, attn)
         attn.store_ring_positions()
         if batch.mode is Mode.REPLAY:
             return None
@@ -244,13 +250,15 @@ class ModelRunner:
         expect(LOGITS_FINITE, lambda: predicates.finite(logits), rows=batch.slots)
         return logits
 
-    def build_batch(self, items: list[ChunkItem], mode: Mode) -> ForwardBatch:
-        """A decode batch goes straight into a CUDA graph's static buffers when one fits."""
-        if mode is Mode.DECODE and self.graphs is not None:
-            batch = self.graphs.prepare(items)
-            if batch is not None:
-                return batch
-        return ForwardBatch.build(items, mode, self.cache)
+    def decode_body(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step on a graph's static buffers, what the graph captures: the logits, the positions
+        the rows sample at, and the rows moved on to the next step's positions with their inputs
+        marked -1 (from the token table), so that the next step on the same rows uploads nothing."""
+        logits = self.forward_logits(batch)
+        assert logits is not None, "a decode batch has logits"
+        rows = DecodeRows(**{f.name: getattr(batch, f.name) for f in fields(DecodeRows)})
+        c = self.cache
+        return logits, advance_rows(rows, page_size=c.page_size, window=c.ring_len, skip_slot=c.scratch_slot)
 
     @torch.inference_mode()
     def forward(
@@ -260,30 +268,26 @@ class ModelRunner:
             return self._forward(batch, sampling, return_logits)
 
     def _forward(self, batch: ForwardBatch, sampling: SamplingBatch | None, keep: bool) -> ForwardOutput:
-        logits = self.graphs.replay(batch) if self.graphs is not None else None
-        if logits is None:
-            logits = self.forward_logits(batch)
+        ran = self.graphs.run(batch) if self.graphs is not None else None
+        if ran is not None:
+            logits, sampled_at = ran
+        else:
+            logits, sampled_at = self.forward_logits(batch), batch.sample_positions
         if logits is None:  # replay: the rings were the point
             return ForwardOutput(torch.empty(0, dtype=torch.int64, device=self.cache.device), None, None)
-        if batch.num_real < batch.num_seqs:  # rows padding a CUDA graph
-            logits = logits[: batch.num_real]
-        rows = logits.shape[0]
+        rows = batch.num_real
+        logits = logits[:rows]  # rows past num_real pad a CUDA graph
+        slots = batch.slots[:rows]
         # A greedy step (the sampler's all-greedy case, without its generality): the argmax kernel also
-        # writes the tokens to the host's pinned ring and into the graph's input ids, where the next
-        # step on the same rows reads them: no copy op follows it either way.
+        # writes the tokens to the host's pinned ring and into the token table: no copy op follows it.
         greedy = sampling is None or sampling.all_greedy
-        host = self._host_tokens(rows) if logits.is_cuda and greedy else None
-        static = self.graphs is not None and self.graphs.holds(batch)
-        fed = batch.input_ids if static and greedy else None
-        # ... and moves the graph's other inputs one position on: the next step on the same rows then
-        # uploads nothing (`shared/engine/decode_advance.py`; `DecodeBatcher` decides whether it may).
-        advance = None
-        if fed is not None:
-            advance = DecodeAdvance(batch, self.cache.page_size, self.cache.ring_len)
         if greedy:  # split over the vocabulary on CUDA; torch.argmax on CPU
-            tokens = argmax_rows(logits, host_out=host, feed_out=fed, advance=advance)
+            host = self._host_tokens(rows) if logits.is_cuda else None
+            tokens = argmax_rows(logits, host_out=host, scatter_out=(self.token_table, slots))
         else:
-            tokens = sample(logits, sampling, batch.sample_positions[: batch.num_real])
+            host = None
+            tokens = sample(logits, sampling, sampled_at[:rows])
+            self.token_table.index_copy_(0, slots.long(), tokens)
         ready = None
         if tokens.is_cuda:  # the tokens' way to the host starts here, so one event covers both
             if host is None:
@@ -293,7 +297,7 @@ class ModelRunner:
             ready.record()
         else:
             host = tokens
-        return ForwardOutput(tokens, logits.float() if keep else None, ready, host[:rows], fed)
+        return ForwardOutput(tokens, logits.float() if keep else None, ready, host[:rows])
 
     def _host_tokens(self, rows: int) -> torch.Tensor:
         """The next pinned buffer of the ring, for a greedy step's tokens (grown to `rows` as needed)."""

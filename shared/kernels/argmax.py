@@ -1,8 +1,8 @@
 """Greedy argmax over decode logits: `argmax_rows(x)` is `x.argmax(dim=-1)` for a 2-D float x, with
 each row's vocabulary split over many programs on a GPU.
 
-Why: torch's reduction gives a row to a block, so a batch-64 decode step's [64, 128256] bf16 logits
-(16 MB, ~4 us of HBM reads on an H200) take ~30 us on 64 of its 132 SMs. Here the grid is (rows, S):
+Why: torch's reduction gives a row to a block, so a batch-64 decode step's [64, 128256] logits run
+on 64 SMs of a GPU's 132, far from its memory bandwidth. Here the grid is (rows, S):
 program (r, s) scans columns [s * chunk, (s + 1) * chunk) of row r in BLOCK-wide tiles and keeps
 its chunk's (max, first index). With S = 1 it writes the row's answer; otherwise it stores the pair
 as a partial and takes a ticket, and the row's last program to finish reduces the S partials, writes
@@ -34,7 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.engine.decode_advance import DecodeAdvance, advance_row
 from shared.kernels._launch import check_triton_device, sm_count
 from shared.kernels._tickets import tickets
 from shared.kernels.ops import Backend
@@ -67,32 +66,24 @@ def _first_max(vals, idxs):
 
 @triton.jit
 def _settle(
-    row, index, out_ptr, host_ptr, feed_ptr, pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr, full_ptr, rs_ptr,
-    rd_ptr, slots_ptr, table_ptr, width, page_size, window,
-    HOST: tl.constexpr, FEED: tl.constexpr, ADVANCE: tl.constexpr,
+    row, index, out_ptr, host_ptr, dst_ptr, dst_index_ptr, HOST: tl.constexpr, SCATTER: tl.constexpr
 ):  # fmt: skip
-    """A row's token is known: to the output, the pinned host copy and the graph's input ids, and the
-    row's position fields one token on (`shared/engine/decode_advance.py`), as the launch asked."""
+    """A row's token is known: to the output, and to the pinned host copy and `dst[dst_index[row]]`
+    as the launch asked."""
     tl.store(out_ptr + row, index.to(tl.int64))
     if HOST:
         tl.store(host_ptr + row, index.to(tl.int64))
-    if FEED:
-        tl.store(feed_ptr + row, index.to(tl.int64))
-    if ADVANCE:
-        advance_row(
-            row, pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr, full_ptr, rs_ptr, rd_ptr, slots_ptr,
-            table_ptr, width, page_size, window,
-        )  # fmt: skip
+    if SCATTER:
+        at = tl.load(dst_index_ptr + row).to(tl.int64)
+        tl.store(dst_ptr + at, index.to(tl.int64))
 
 
 # num_splits changes with the batch size: only loop bounds and masks read it, and specializing on it
 # (== 1) would compile a second kernel mid-traffic.
 @triton.jit(do_not_specialize=["num_splits"])
 def _argmax_kernel(
-    x_ptr, out_ptr, val_ptr, idx_ptr, ticket_ptr, host_ptr, feed_ptr, V, stride_row, chunk, num_splits,
-    pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr, full_ptr, rs_ptr, rd_ptr, slots_ptr, table_ptr, width,
-    page_size, window,
-    BLOCK: tl.constexpr, MAX_S: tl.constexpr, HOST: tl.constexpr, FEED: tl.constexpr, ADVANCE: tl.constexpr,
+    x_ptr, out_ptr, val_ptr, idx_ptr, ticket_ptr, host_ptr, dst_ptr, dst_index_ptr, V, stride_row, chunk,
+    num_splits, BLOCK: tl.constexpr, MAX_S: tl.constexpr, HOST: tl.constexpr, SCATTER: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -112,10 +103,7 @@ def _argmax_kernel(
         best_i = tl.where(take, c, best_i)
     value, index = _first_max(best, best_i)
     if num_splits == 1:
-        _settle(
-            row, index, out_ptr, host_ptr, feed_ptr, pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr, full_ptr,
-            rs_ptr, rd_ptr, slots_ptr, table_ptr, width, page_size, window, HOST, FEED, ADVANCE,
-        )  # fmt: skip
+        _settle(row, index, out_ptr, host_ptr, dst_ptr, dst_index_ptr, HOST, SCATTER)
     else:
         part = row * num_splits
         tl.store(val_ptr + part + split, value)
@@ -128,17 +116,8 @@ def _argmax_kernel(
             vals = tl.load(val_ptr + part + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
             idxs = tl.load(idx_ptr + part + s, mask=ok, other=0, cache_modifier=".cg")
             _, index = _first_max(vals, tl.where(ok, idxs, 2147483647))
-            _settle(
-                row, index, out_ptr, host_ptr, feed_ptr, pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr,
-                full_ptr, rs_ptr, rd_ptr, slots_ptr, table_ptr, width, page_size, window, HOST, FEED, ADVANCE,
-            )  # fmt: skip
+            _settle(row, index, out_ptr, host_ptr, dst_ptr, dst_index_ptr, HOST, SCATTER)
             tl.atomic_xchg(ticket_ptr + row, 0)  # ready for the next launch
-
-
-def _no_advance(out: torch.Tensor) -> tuple[object, ...]:
-    """`advance_row`'s arguments when nothing advances: typed stand-ins, never read."""
-    i32 = out.view(torch.int32)
-    return (out, out, i32, i32, i32, out, out, out, i32, i32, 1, 1, 1)
 
 
 def choose_block(dtype: torch.dtype) -> int:
@@ -165,8 +144,7 @@ def _argmax_triton(
     num_splits: int | None,
     block: int | None,
     host_out: torch.Tensor | None = None,
-    feed_out: torch.Tensor | None = None,
-    advance: DecodeAdvance | None = None,
+    scatter_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     rows, size = x.shape
     device = x.device
@@ -186,12 +164,11 @@ def _argmax_triton(
     else:  # the kernel writes the answer directly; typed views of `out` keep one signature
         idx = ticket = out.view(torch.int32)
         val = out.view(torch.float32)
+    dst, dst_index = scatter_out if scatter_out is not None else (out, out)
     _argmax_kernel[(rows, splits)](
-        x, out, val, idx, ticket, host_out if host_out is not None else out,
-        feed_out if feed_out is not None else out, size, x.stride(0), chunk, splits,
-        *(advance.kernel_args() if advance is not None else _no_advance(out)),
-        BLOCK=block, MAX_S=MAX_SPLITS, HOST=host_out is not None, FEED=feed_out is not None,
-        ADVANCE=advance is not None, num_warps=4,
+        x, out, val, idx, ticket, host_out if host_out is not None else out, dst, dst_index, size,
+        x.stride(0), chunk, splits, BLOCK=block, MAX_S=MAX_SPLITS, HOST=host_out is not None,
+        SCATTER=scatter_out is not None, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -209,8 +186,7 @@ def _check_tuning(num_splits: int | None, block: int | None) -> None:
 
 def argmax_rows(
     x: torch.Tensor, *, backend: Backend = "auto", num_splits: int | None = None, block: int | None = None,
-    host_out: torch.Tensor | None = None, feed_out: torch.Tensor | None = None,
-    advance: DecodeAdvance | None = None,
+    host_out: torch.Tensor | None = None, scatter_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`x.argmax(dim=-1)` of a 2-D x [B, V]: int64 [B] on x's device, the same indices bit for bit.
 
@@ -222,13 +198,13 @@ def argmax_rows(
 
     `host_out` (a contiguous int64 CPU tensor of at least B values, pinned when x is on CUDA) also
     gets the indices. The CUDA kernel writes it itself, through the pinned memory's device mapping: no
-    device-to-host copy follows it (in a decode step that op and the gap before it took ~7 us on an
-    H200). The caller keeps it alive, unreused, until the launch has completed. Elsewhere a copy
+    device-to-host copy follows it (an op, and a gap on the GPU's timeline before it). The caller
+    keeps it alive, unreused, until the launch has completed. Elsewhere a copy
     fills it.
 
-    `feed_out` (int64, on x's device) also gets them: the next decode step's input ids. With
-    `advance` the program that settles a row also moves that decode batch's row one position on
-    (`shared/engine/decode_advance.py`); elsewhere torch ops do, after the argmax.
+    `scatter_out` (dst, index): also `dst[index[r]] = ` row r's index, by the same kernel (dst a
+    contiguous int64 tensor on x's device, index [>= B] int32 or int64 there): the engine's token
+    table, indexed by each row's slot (`shared/engine/runner.py`). Elsewhere an index_copy_ does it.
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -244,18 +220,16 @@ def argmax_rows(
                 f"argmax_rows: host_out must be a contiguous int64 CPU tensor of at least {rows} values "
                 f"(pinned for CUDA x), got {tuple(host_out.shape)} {host_out.dtype} on {host_out.device}"
             )
-    if feed_out is not None:
-        ok = feed_out.device == x.device and feed_out.dtype == torch.int64 and feed_out.is_contiguous()
-        if not ok or feed_out.numel() < rows:
+    if scatter_out is not None:
+        dst, index = scatter_out
+        ok = dst.device == x.device == index.device and dst.dtype == torch.int64 and dst.is_contiguous()
+        ok = ok and dst.dim() == 1 and index.dim() == 1 and index.dtype in (torch.int32, torch.int64)
+        if not ok or index.numel() < rows:
             raise ValueError(
-                f"argmax_rows: feed_out must be a contiguous int64 tensor of at least {rows} values on "
-                f"{x.device}, got {tuple(feed_out.shape)} {feed_out.dtype} on {feed_out.device}"
+                f"argmax_rows: scatter_out must be (a contiguous [S] int64 tensor, an [>= {rows}] int32 or "
+                f"int64 index) on {x.device}, got {tuple(dst.shape)} {dst.dtype} on {dst.device} and "
+                f"{tuple(index.shape)} {index.dtype} on {index.device}"
             )
-    if advance is not None and (advance.batch.positions.device != x.device or advance.batch.num_seqs < rows):
-        raise ValueError(
-            f"argmax_rows: advance must be a decode batch of at least {rows} rows on {x.device}, got "
-            f"{advance.batch.num_seqs} rows on {advance.batch.positions.device}"
-        )
     takes = x.dtype in _FLOATS and x.stride(1) == 1 and rows > 0 and 0 < size <= _MAX_COLUMNS
     kernel = takes and (backend == "triton" or (backend == "auto" and x.is_cuda))
     direct = host_out if kernel and x.is_cuda else None  # the kernel writes host_out itself
@@ -263,13 +237,11 @@ def argmax_rows(
         out = x.argmax(dim=-1)
     elif x.is_cuda and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):
-            out = _argmax_triton(x, num_splits, block, direct, feed_out, advance)
+            out = _argmax_triton(x, num_splits, block, direct, scatter_out)
     else:
-        out = _argmax_triton(x, num_splits, block, direct, feed_out, advance)
+        out = _argmax_triton(x, num_splits, block, direct, scatter_out)
     if host_out is not None and direct is None:
         host_out[:rows].copy_(out, non_blocking=x.is_cuda)
-    if feed_out is not None and not kernel:
-        feed_out[:rows].copy_(out)
-    if advance is not None and not kernel:
-        advance.apply(rows)
+    if scatter_out is not None and not kernel:
+        scatter_out[0].index_copy_(0, scatter_out[1][:rows].long(), out)
     return out

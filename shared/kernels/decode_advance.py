@@ -12,7 +12,8 @@ For a row at position p the fields become the host's for p + 1: position, q_star
 ring_pos p + 1; sample position p + 2; ring index slot * W + (p + 1) mod W, where the key is stored and
 whose position is written; page index table[row, (p + 1) // P] * P + (p + 1) mod P (-1 past the
 table's width: nothing is stored). Rows on `skip_slot` (a graph's padding rows, on the cache's scratch
-slot) are left as they are: they store nothing and keep the scratch ring empty.
+slot) are left as they are: they store nothing and keep the scratch ring empty. Every row's sample
+position before the move goes to `sampled_at`: the sampler, which runs after the graph, reads it.
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ class DecodeRows:
 @triton.jit
 def _advance_kernel(
     ids_ptr, pos_ptr, spos_ptr, qs_ptr, rc_ptr, rp_ptr, full_ptr, rs_ptr, rd_ptr, slots_ptr, table_ptr,
-    rows, width, page_size, window, skip_slot, BLOCK: tl.constexpr,
+    at_ptr, rows, width, page_size, window, skip_slot, BLOCK: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(at_ptr + r, tl.load(spos_ptr + r, mask=r < rows), mask=r < rows)
     slot = tl.load(slots_ptr + r, mask=r < rows, other=skip_slot)
     live = (r < rows) & (slot != skip_slot)
     nxt = tl.load(pos_ptr + r, mask=live, other=0) + 1
@@ -84,8 +86,11 @@ def _advance_kernel(
     tl.store(full_ptr + r, tl.where(inside, at * page_size + nxt % page_size, -1), mask=live)
 
 
-def advance_rows_reference(rows: DecodeRows, *, page_size: int, window: int, skip_slot: int) -> None:
+def advance_rows_reference(
+    rows: DecodeRows, sampled_at: torch.Tensor, *, page_size: int, window: int, skip_slot: int
+) -> None:
     """The torch version (CPU, and the oracle of the kernel's tests)."""
+    sampled_at.copy_(rows.sample_positions)
     live = rows.slots != skip_slot
     nxt = rows.positions + 1
 
@@ -108,21 +113,24 @@ def advance_rows_reference(rows: DecodeRows, *, page_size: int, window: int, ski
 
 def advance_rows(
     rows: DecodeRows, *, page_size: int, window: int, skip_slot: int, backend: str = "auto"
-) -> None:
-    """Move every row not on `skip_slot` one token on, in place (see the module's docstring). "auto":
-    the kernel on CUDA, torch elsewhere; "triton" forces the kernel (the interpreter on CPU)."""
+) -> torch.Tensor:
+    """Move every row not on `skip_slot` one token on, in place (see the module's docstring); returns
+    the rows' sample positions from before the move. "auto": the kernel on CUDA, torch elsewhere;
+    "triton" forces the kernel (the interpreter on CPU)."""
     rows.check()
     if page_size < 1 or window < 1:
         raise ValueError(f"advance_rows: page_size and window must be >= 1, got {page_size} and {window}")
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"advance_rows: backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     n = rows.positions.shape[0]
+    sampled_at = torch.empty_like(rows.sample_positions)
     if backend == "torch" or (backend == "auto" and not rows.positions.is_cuda) or n == 0:
-        advance_rows_reference(rows, page_size=page_size, window=window, skip_slot=skip_slot)
-        return
+        advance_rows_reference(rows, sampled_at, page_size=page_size, window=window, skip_slot=skip_slot)
+        return sampled_at
     check_triton_device("advance_rows", rows.positions.device)
     _advance_kernel[(triton.cdiv(n, _BLOCK),)](
         rows.input_ids, rows.positions, rows.sample_positions, rows.q_start, rows.ring_context,
         rows.ring_pos, rows.full_store, rows.ring_store, rows.ring_dst, rows.slots, rows.block_table,
-        n, rows.block_table.shape[1], page_size, window, skip_slot, BLOCK=_BLOCK, num_warps=4,
+        sampled_at, n, rows.block_table.shape[1], page_size, window, skip_slot, BLOCK=_BLOCK, num_warps=4,
     )  # fmt: skip
+    return sampled_at

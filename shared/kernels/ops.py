@@ -60,10 +60,6 @@ class ModelKernels(ABC):
         """x [T, H] -> LlamaRMSNorm(x), a new tensor."""
 
     @abstractmethod
-    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        """(rms_norm(residual + x), residual + x): the next residual stream and its norm."""
-
-    @abstractmethod
     def rope(
         self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor,
         q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 0.0,
@@ -100,9 +96,6 @@ class TorchKernels(ModelKernels):
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return reference.rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        return reference.add_rms_norm(x, residual, weight, eps)
-
     def rope(
         self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor,
         q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 0.0,
@@ -136,7 +129,7 @@ class TritonKernels(ModelKernels):
         # Imported here, not at module load: the interpreter is chosen when a kernel is decorated.
         from shared.kernels import rms_norm, rope, silu_mul, skinny_gemm
 
-        self._rms_norm, self._add_rms_norm = rms_norm.rms_norm, rms_norm.add_rms_norm
+        self._rms_norm = rms_norm.rms_norm
         self._rms_scale = rms_norm.rms_scale
         self._rope, self._silu_mul, self._silu_mul_rms = rope.rope, silu_mul.silu_mul, silu_mul.silu_mul_rms
         self._skinny_gemm, self.gemm = skinny_gemm.skinny_gemm, gemm
@@ -186,9 +179,6 @@ class TritonKernels(ModelKernels):
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return self._rms_norm(x, weight, eps)
-
-    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        return self._add_rms_norm(x, residual, weight, eps)
 
     def rope(
         self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor,

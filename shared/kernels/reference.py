@@ -19,14 +19,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(residual + x), residual + x): the sum is rounded to the dtype before it is normed."""
-    residual = residual + x
-    return rms_norm(residual, weight, eps), residual
-
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on x [T, H, D] with cos/sin [T, 1, D/2] (Hugging Face's rotate_half: the two halves of a
     head are the real and imaginary parts). Tables are rounded to x's dtype first, as HF does."""

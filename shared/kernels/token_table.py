@@ -37,7 +37,9 @@ def _take_tokens_kernel(ids_ptr, slots_ptr, table_ptr, out_ptr, n, BLOCK: tl.con
 
 def take_tokens_reference(ids: torch.Tensor, slots: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """The torch version (CPU, and the oracle of the kernel's tests)."""
-    return torch.where(ids < 0, table.index_select(0, slots.long().clamp(min=0)), ids)
+    pending = ids < 0
+    at = torch.where(pending, slots.long(), 0)  # a host token's slot is never read
+    return torch.where(pending, table.index_select(0, at), ids)
 
 
 def take_tokens(

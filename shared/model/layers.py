@@ -28,12 +28,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, kernels: ModelKernels = _TORCH) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps)
 
-    def add(
-        self, x: torch.Tensor, residual: torch.Tensor, kernels: ModelKernels = _TORCH
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x): a residual add and the norm after it, in one kernel."""
-        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
-
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies; llama3 scaling slows long wavelengths by `factor`, with a smooth ramp between."""

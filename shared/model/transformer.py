@@ -4,12 +4,11 @@ The model never does attention itself: each layer hands RoPE'd q, k and v to an 
 owns KV storage and masking (paged caches in the engine, a dense mask in `reference.py`). That keeps
 this file free of batch structure, and its forward free of host syncs, so it can be graph-captured.
 
-Elementwise work goes through `ModelKernels` (fused Triton kernels on CUDA, torch elsewhere), and the
-residual stream travels beside the hidden state as in vLLM: each norm adds the residual it follows in
-the same kernel, so a layer costs its four GEMMs, attention and four small kernels (two norms, RoPE,
-SwiGLU; RoPE goes inside decode attention). With the norms folded into the GEMMs after them
-(`Transformer.fold_norms`, what the engine does on CUDA), a decode layer runs its four GEMMs,
-attention and the SwiGLU kernel: the adds go inside the o and down GEMMs, the row scales into
+Elementwise work goes through `ModelKernels` (fused Triton kernels on CUDA, torch elsewhere). Each
+sublayer's residual add goes inside the GEMM that ends it (o, down), so a layer costs its four GEMMs,
+attention and four small kernels (two norms, RoPE, SwiGLU; RoPE goes inside decode attention). With
+the norms folded into the GEMMs after them (`Transformer.fold_norms`, what the engine does on CUDA),
+a decode layer runs its four GEMMs, attention and the SwiGLU kernel: the row scales go into
 attention and SwiGLU.
 """
 
@@ -109,35 +108,22 @@ class DecoderLayer(nn.Module):
         self.attn_norm_folded = False
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: Rotary,
-        attn: AttentionFn, kernels: ModelKernels,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """(mlp output, residual stream before it): the stream is `residual + x` for the next norm to add.
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionFn,
+        kernels: ModelKernels,
+    ) -> torch.Tensor:  # fmt: skip
+        """x is the residual stream (the embedding, for the first layer); returns the stream after the
+        layer: `x = x + attn(norm(x))`, then `x = x + mlp(norm(x))`, each add inside the GEMM that ends
+        its sublayer (rounded once, into x's storage on CUDA).
 
-        x is the previous layer's MLP output (the embedding, with residual None, for the first layer).
-        The adds round exactly where `h = h + sublayer(norm(h))` would, so the stream is unchanged.
-
-        With the norms folded (`Transformer.fold_norms`) no norm kernel runs: the GEMMs read the stream
-        itself and the row scales are applied after them (in attention, or in a kernel of their own;
-        in the SwiGLU activation). With both folded, x is the whole stream (residual None) and so is the
-        result: each sublayer's add is inside its last GEMM, rounded once, into x's storage on CUDA.
-        """
-        if self.attn_norm_folded:
-            assert residual is None, "a layer with its input norm folded takes the whole stream"
-            stream = self.self_attn(
-                x, positions, rotary, attn, kernels, residual=x, rms_eps=self.input_layernorm.eps
-            )
-            return self.mlp(stream, kernels, self.post_attention_layernorm.eps, residual=stream), None
-        if residual is None:
-            h, residual = self.input_layernorm(x, kernels), x
-        else:
-            h, residual = self.input_layernorm.add(x, residual, kernels)
-        if self.mlp_norm_folded:
-            residual = self.self_attn(h, positions, rotary, attn, kernels, residual=residual)
-            return self.mlp(residual, kernels, self.post_attention_layernorm.eps), residual
-        h = self.self_attn(h, positions, rotary, attn, kernels)
-        h, residual = self.post_attention_layernorm.add(h, residual, kernels)
-        return self.mlp(h, kernels), residual
+        A norm folded into the GEMM after it (`Transformer.fold_norms`) runs no kernel: that GEMM reads
+        the stream itself and the norm's row scale is applied after it (in attention, or a kernel of its
+        own; in the SwiGLU activation)."""
+        attn_eps = self.input_layernorm.eps if self.attn_norm_folded else None
+        h = x if self.attn_norm_folded else self.input_layernorm(x, kernels)
+        x = self.self_attn(h, positions, rotary, attn, kernels, residual=x, rms_eps=attn_eps)
+        mlp_eps = self.post_attention_layernorm.eps if self.mlp_norm_folded else None
+        h = x if self.mlp_norm_folded else self.post_attention_layernorm(x, kernels)
+        return self.mlp(h, kernels, mlp_eps, residual=x)
 
 
 # Checkpoint (Hugging Face) names -> (our parameter, shard index in a fused parameter or None).
@@ -174,12 +160,10 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions: [T] (the batch's sequences, concatenated). Returns normed hidden [T, H]."""
         kernels = kernels_for(input_ids.device, self.kernel_backend, self.gemm_backend)
-        x, residual = self.embed_tokens(input_ids), None
+        x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rotary, attn, kernels)
-        if residual is None:
-            return self.norm(x, kernels)
-        return self.norm.add(x, residual, kernels)[0]
+            x = layer(x, positions, self.rotary, attn, kernels)
+        return self.norm(x, kernels)
 
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
         """hidden: [N, H] (rows the caller picked, e.g. each sequence's last). Returns [N, V] logits,

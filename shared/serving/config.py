@@ -52,8 +52,8 @@ COMMON_HELP = {
     "Testing aid: random:<json> serves a tiny random model (see shared/serving/api/model_source.py)",
     "device": "auto, cpu, cuda or cuda:N",
     "dtype": "model and KV dtype: float32, bfloat16 or float16",
-    "gemm": "the layers' GEMMs on CUDA: auto (the Triton skinny kernel up to 16 rows, where it measured "
-    "faster, cuBLAS above), cublas, or skinny (up to 64 rows)",
+    "gemm": "the layers' GEMMs on CUDA: auto (the Triton skinny kernel up to 16 rows, and up to 64 for "
+    "deep weights such as the down projection; cuBLAS above), cublas, or skinny (up to 64 rows)",
     "tune_gemms": "on CUDA, time cuBLASLt's algorithms for the decode GEMMs at start and keep the fastest "
     "where it beats torch's (needs nvmath-python, the gpu extra); --no-tune-gemms: torch's",
     "page_size": "tokens per KV page",

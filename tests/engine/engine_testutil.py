@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.batch import ChunkItem, ForwardBatch, Mode
+from shared.engine.runner import ModelRunner
 from shared.model.config import ModelConfig
 from shared.model.reference import reference_logits
 from shared.model.transformer import Transformer
@@ -30,3 +32,18 @@ def reference(model: Transformer, tokens: list[int]) -> torch.Tensor:
 def random_tokens(n: int, vocab: int = 97, seed: int = 1) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def build_batch(runner: ModelRunner, items: list[ChunkItem], mode: Mode) -> ForwardBatch:
+    """A batch for `runner.forward`: a decode batch straight into a captured graph's static buffers
+    when one fits (as the engine's decode batches go), anything else packed on its own."""
+    graphs = runner.graphs
+    if mode is Mode.DECODE and graphs is not None:
+        size = graphs.size_for(len(items), max((len(it.pages) for it in items), default=0))
+        if size is not None:
+            graphs.resident[size] = None  # the whole buffer is rewritten, by no decode batch builder
+            return ForwardBatch.build(
+                items, mode, runner.cache, pad_to=size, table_width=graphs.max_pages,
+                into=graphs.static[size].buffers,
+            )  # fmt: skip
+    return ForwardBatch.build(items, mode, runner.cache)

@@ -1,6 +1,7 @@
-"""The incremental decode path (shared/engine/decode_batch.py, shared/engine/kv/page_table.py) builds what the
-general `ForwardBatch.build` builds, step after step, through admission, finishing, aborts,
-reservations and slot reuse; and the engine's tokens do not change with it."""
+"""The incremental decode path (shared/engine/decode_batch.py, shared/engine/kv/page_table.py) builds
+what the general `ForwardBatch.build` builds, step after step, through admission, finishing, aborts,
+reservations and slot reuse, including what a graph step moved on by itself; and the engine's tokens
+do not change with it."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import random
 import pytest
 import torch
 
+from shared.engine import decode_batch
 from shared.engine.batch import ChunkItem, ForwardBatch, Mode
-from shared.engine.engine import Engine, EngineConfig, InFlightStep, _pending_rows
+from shared.engine.engine import Engine, EngineConfig, InFlightStep
 from shared.engine.kv.cache import KVConfig
 from shared.engine.kv.page_table import PageTable
 from shared.engine.request import Request
@@ -23,7 +25,8 @@ FIELDS = ("input_ids", "positions", "token_slots", "cu_q", "q_start", "ring_cont
 
 
 class CheckedEngine(Engine):
-    """Every decode batch the engine runs is compared with the general path's for the same rows."""
+    """Every decode batch the engine runs is compared with the general path's for the same rows: -1
+    for an input the step in flight is still producing (taken from the token table on the device)."""
 
     checked = 0
 
@@ -35,11 +38,10 @@ class CheckedEngine(Engine):
             rows, width = min(s for s in graphs.sizes if s >= n), graphs.max_pages
             assert batch.buffers is graphs.static[rows].buffers, "a graph fits: its static buffers"
         items = [
-            ChunkItem(r.slot, r.num_scheduled, [r.output[-1] if r.output else -1], r.pages) for r in reqs
+            ChunkItem(r.slot, r.num_scheduled, [r.output[-1] if r.output and not r.pending else -1], r.pages)
+            for r in reqs
         ]
         want = ForwardBatch.build(items, Mode.DECODE, self.cache, pad_to=rows, table_width=width)
-        if prev is not None:
-            want.take_inputs_from(prev.tokens, _pending_rows(reqs, prev))
         assert (batch.mode, batch.num_seqs, batch.num_tokens, batch.max_q, batch.num_real) == (
             want.mode, want.num_seqs, want.num_tokens, want.max_q, want.num_real)  # fmt: skip
         for name in FIELDS:
@@ -60,11 +62,12 @@ def check_page_table(eng: Engine) -> None:
     owners = {r.slot: r for r in [*eng.running, *eng.held] if r.window is not None}
     if eng._inflight is not None:
         owners.update({r.slot: r for r in eng._inflight.releases if r.window is not None})
-    owners.update({r.slot: r for r in eng._finished_kv if r.window is not None})  # freed after the return
-    for slot in range(eng.page_table.table.shape[0]):
+    owners.update({r.slot: r for r in eng.kv._finished if r.window is not None})  # freed after the return
+    table = eng.kv.page_table
+    for slot in range(table.table.shape[0]):
         want = owners[slot].pages if slot in owners else []
-        assert eng.page_table.pages(slot) == want, f"slot {slot}"
-        assert not eng.page_table.table[slot, len(want) :].any(), f"slot {slot}: stale pages past its own"
+        assert table.pages(slot) == want, f"slot {slot}"
+        assert not table.table[slot, len(want) :].any(), f"slot {slot}: stale pages past its own"
 
 
 def make(engine_cls=Engine, *, overlap: bool = True, graphs: bool = True, max_requests: int = 4) -> Engine:
@@ -101,7 +104,7 @@ def drive(eng: Engine, seed: int, steps: int = 70) -> list[tuple[list[int], str 
         eng.step()
         check_page_table(eng)
     eng.check_idle_integrity()
-    assert not eng.page_table.table.any() and not eng.page_table.num_pages.any()
+    assert not eng.kv.page_table.table.any() and not eng.kv.page_table.num_pages.any()
     return [(r.output, r.finish_reason) for r in reqs]
 
 
@@ -142,38 +145,36 @@ def test_a_request_handed_in_as_another_leaves_takes_its_own_input():
     eng.check_idle_integrity()
 
 
-def test_a_steady_decode_step_rebuilds_nothing_and_leaves_the_table_on_the_device(monkeypatch):
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_steady_decode_step_uploads_nothing(monkeypatch, temperature):
+    # Greedy or sampled: the graph step moved its rows on and its tokens went to the token table, so
+    # the next step on the same rows finds everything on the device already.
     eng = make(CheckedEngine)
-    reqs = [eng.add_request(random_tokens(n, seed=n), greedy(12)) for n in (5, 9, 2 * W + 1)]
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=12, ignore_eos=True)
+    reqs = [eng.add_request(random_tokens(n, seed=n), params) for n in (5, 9, 2 * W + 1)]
     while not all(r.output for r in reqs):
         eng.step()
     eng.step()
     rows, graphs = eng.decoder._rows, eng.runner.graphs
-    assert rows is not None and rows.size == 4 and graphs.resident_table[4] is rows
-    copies, take_inputs_from = [], ForwardBatch.take_inputs_from
-
-    def counted(batch: ForwardBatch, *args: object) -> None:
-        if graphs.holds(batch):  # the engine's batch, not the general path's CheckedEngine builds
-            copies.append(args)
-        take_inputs_from(batch, *args)
-
-    monkeypatch.setattr(ForwardBatch, "take_inputs_from", counted)
+    assert rows is not None and rows.size == 4 and graphs.resident[4] is rows
+    uploads = []
+    upload = decode_batch._upload
+    monkeypatch.setattr(decode_batch, "_upload", lambda *a: uploads.append(a) or upload(*a))
     for _ in range(3):
         checked = eng.checked
         eng.step()
         assert eng.decoder._rows is rows, "the same rows: laid out once"
-        assert eng.checked == checked + 1, "the inputs are those of the general path"
-    assert not copies, "a greedy step's argmax wrote the next inputs: nothing to feed back"
+        assert eng.checked == checked + 1, "the device holds what the general path builds"
+    assert not uploads, "a steady step uploads nothing"
     monkeypatch.undo()
-    # A general build into the same static buffers: the device table is no longer known to be ours.
-    graphs.prepare([ChunkItem(r.slot, r.num_scheduled, [0], r.pages) for r in reqs])
-    assert graphs.resident_table[4] is None
-    eng.abort(reqs[0])  # and a composition change lays the rows out again
+    eng.abort(reqs[0])  # a composition change lays the rows out again
     eng.step()
     assert eng.decoder._rows is not rows and eng.decoder._rows.size == 2
     while not eng.idle:
         eng.step()
     eng.check_idle_integrity()
+    want = make().generate([r.prompt for r in reqs[1:]], params)
+    assert [r.output for r in reqs[1:]] == [r.output for r in want]
 
 
 def test_page_table_rows_follow_assign_and_clear():

@@ -15,7 +15,7 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv.cache import KVCache, KVConfig
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import SamplingBatch, SamplingParams
-from tests.engine.engine_testutil import W, random_tokens, reference, tiny_config, tiny_model
+from tests.engine.engine_testutil import W, build_batch, random_tokens, reference, tiny_config, tiny_model
 from tests.engine.test_engine_parity import Seq
 
 pytestmark = pytest.mark.gpu
@@ -122,7 +122,7 @@ def test_decode_graphs_replay_what_eager_decode_computes():
     graph_runner.capture_decode_graphs([1, 4, 8], max_pages=8)
 
     def decode(runner, cache, seqs):
-        batch = runner.build_batch([s.chunk(1) for s in seqs], Mode.DECODE)  # into a graph when one fits
+        batch = build_batch(runner, [s.chunk(1) for s in seqs], Mode.DECODE)  # into a graph when one fits
         assert runner is eager_runner or batch.num_seqs in (1, 4, 8), "the graph path was not taken"
         return runner.forward(batch, None, return_logits=True).logits.clone()
 
@@ -157,18 +157,18 @@ def test_engine_with_graphs_matches_eager_and_never_syncs_in_decode():
     runner.capture_decode_graphs([4], max_pages=8)
     seqs = [Seq(cache, i, random_tokens(30, seed=i)) for i in range(3)]
     runner.forward(ForwardBatch.build([s.chunk(20) for s in seqs], Mode.EXTEND, cache), None)
-    runner.forward(runner.build_batch([s.chunk(1) for s in seqs], Mode.DECODE), None)
+    runner.forward(build_batch(runner, [s.chunk(1) for s in seqs], Mode.DECODE), None)
     torch.cuda.synchronize()
-    decode = runner.build_batch([s.chunk(1) for s in seqs], Mode.DECODE)
+    decode = build_batch(runner, [s.chunk(1) for s in seqs], Mode.DECODE)
     assert decode.num_seqs == 4 and decode.num_real == 3, "a graph batch, padded"
     with no_host_sync():
         runner.forward(decode, None)
 
 
 def test_a_steady_greedy_decode_step_copies_nothing():
-    """The step's tokens reach the host and the next step's input ids from the argmax kernel itself,
-    which also moves the graph's position fields on: a steady step copies nothing either way
-    (docs/benchmarks.md, "The ops outside the graph"; `shared/engine/decode_advance.py`)."""
+    """The step's tokens reach the host and the token table from the argmax kernel itself, and the
+    graph moved its own inputs on (`shared/kernels/decode_advance.py`): a steady step copies nothing
+    either way."""
     kv = KVConfig(page_size=16, num_pages=64, max_requests=8, device="cuda")
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     # Production's level, and a checker of its own: one that other tests registered invariants with

@@ -10,7 +10,7 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv.cache import KVConfig
 from shared.engine.sampling import SamplingParams
 from shared.engine.schedule import schedule
-from tests.engine.engine_testutil import W, random_tokens, tiny_config, tiny_model
+from tests.engine.engine_testutil import W, build_batch, random_tokens, tiny_config, tiny_model
 
 BUDGET = 12
 
@@ -80,7 +80,7 @@ def test_a_mixed_step_puts_the_decode_tokens_first_and_prompts_in_what_is_left()
     assert len(plan.items[1].token_ids) == BUDGET - 1 and plan.emits == [True, False]
     assert schedule(eng.running, BUDGET, mixed=False).reqs == [b]  # prefill first: B alone
     # Attention runs the leading one-token rows apart, as a decode, not padded to B's chunk length.
-    assert eng.runner.build_batch(plan.items, plan.mode).decode_rows == 1
+    assert build_batch(eng.runner, plan.items, plan.mode).decode_rows == 1
 
 
 def test_mixed_steps_through_the_triton_kernels_produce_the_same_tokens():

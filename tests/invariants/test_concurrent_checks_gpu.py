@@ -24,7 +24,7 @@ from shared.engine.batch import ForwardBatch, Mode
 from shared.engine.kv.cache import KVCache, KVConfig
 from shared.engine.kv.invariants import SWA_HISTORY_PRESENT
 from shared.engine.runner import ModelRunner
-from tests.engine.engine_testutil import random_tokens, tiny_config, tiny_model
+from tests.engine.engine_testutil import build_batch, random_tokens, tiny_config, tiny_model
 from tests.engine.test_engine_parity import Seq
 from tests.invariants.strict_testutil import assert_trip_stops_the_process
 
@@ -250,13 +250,13 @@ def test_the_runner_checks_beside_its_layers_with_and_without_graphs():
             runner.forward(ForwardBatch.build([s.chunk(20) for s in seqs], Mode.EXTEND, cache), None)
             found = []
             for _ in range(30):
-                batch = runner.build_batch([s.chunk(1) for s in seqs], Mode.DECODE)
+                batch = build_batch(runner, [s.chunk(1) for s in seqs], Mode.DECODE)
                 assert batch.num_seqs == (4 if graphs else 3), "the graph path was not taken"
                 runner.forward(batch, None)
                 found += checker.poll()
             assert found + checker.drain() == []
             seqs[1].window.clear()
-            runner.forward(runner.build_batch([s.chunk(1) for s in seqs], Mode.DECODE), None)
+            runner.forward(build_batch(runner, [s.chunk(1) for s in seqs], Mode.DECODE), None)
             [v] = checker.drain()
         assert (v.name, v.rows, v.new_hits) == ("swa.history_present", (seqs[1].window.slot,), 3)
 

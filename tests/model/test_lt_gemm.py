@@ -14,7 +14,7 @@ from shared.engine.kv.cache import KVCache, KVConfig
 from shared.engine.runner import ModelRunner
 from shared.kernels import kernels_for, lt_gemm
 from shared.model import gemm_tuning
-from tests.engine.engine_testutil import random_tokens, tiny_config, tiny_model
+from tests.engine.engine_testutil import build_batch, random_tokens, tiny_config, tiny_model
 from tests.engine.test_engine_parity import Seq
 
 pytestmark = [
@@ -136,13 +136,13 @@ def test_a_decode_graph_through_tuned_gemms_matches_torchs_and_never_syncs() -> 
     for r in (plain, tuned):
         r.forward(ForwardBatch.build([s.chunk(20) for s in seqs[r]], Mode.EXTEND, r.cache), None)
     for r in (plain, tuned):  # a first decode step outside the checks: its first calls set up
-        r.forward(r.build_batch([s.chunk(1) for s in seqs[r]], Mode.DECODE), None)
+        r.forward(build_batch(r, [s.chunk(1) for s in seqs[r]], Mode.DECODE), None)
     torch.cuda.synchronize()
     Counted.calls = 0
     for _ in range(4):
         logits = []
         for r in (plain, tuned):
-            batch = r.build_batch([s.chunk(1) for s in seqs[r]], Mode.DECODE)
+            batch = build_batch(r, [s.chunk(1) for s in seqs[r]], Mode.DECODE)
             assert batch.num_seqs == 4 and r.graphs is not None and r.graphs.holds(batch)
             with no_host_sync():
                 out = r.forward(batch, None, return_logits=True)

@@ -203,19 +203,27 @@ def test_host_out_receives_the_indices_too(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_feed_out_receives_the_indices_too(backend: str, splits: int) -> None:
-    """`feed_out`: the next decode step's input ids, written by the same kernel (any split count)."""
+def test_scatter_out_writes_each_rows_index_where_its_index_says(backend: str, splits: int) -> None:
+    """`scatter_out`: the token table, `dst[index[r]]` = row r's index, by the same kernel (any split)."""
     x = rand(5, V, seed=9)
-    feed = torch.full((7,), -1, dtype=torch.int64, device=DEVICE)
+    table = torch.full((8,), -1, dtype=torch.int64, device=DEVICE)
+    slots = torch.tensor([6, 0, 3, 1, 7, 2], dtype=torch.int32, device=DEVICE)  # one more than the rows
     host = torch.full((7,), -1, dtype=torch.int64, pin_memory=DEVICE == "cuda")
-    got = argmax_rows(x, backend=backend, num_splits=splits, host_out=host, feed_out=feed)  # type: ignore[arg-type]
+    got = argmax_rows(x, backend=backend, num_splits=splits, host_out=host, scatter_out=(table, slots))  # type: ignore[arg-type]
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(got, x.argmax(dim=-1))
-    assert feed[:5].tolist() == host[:5].tolist() == got.tolist() and feed[5:].tolist() == [-1, -1]
-    for bad in (torch.empty(4, dtype=torch.int64, device=DEVICE), torch.empty(5, dtype=torch.int32)):
-        with pytest.raises(ValueError, match="feed_out must be a contiguous int64 tensor of at least 5"):
-            argmax_rows(x, feed_out=bad)
+    want = [-1] * 8
+    for r, s in enumerate([6, 0, 3, 1, 7]):
+        want[s] = got[r].item()
+    assert table.tolist() == want and host[:5].tolist() == got.tolist()
+    for bad in (
+        (torch.empty(8, dtype=torch.int32, device=DEVICE), slots),
+        (table, slots[:4]),
+        (table, slots.float()),
+    ):
+        with pytest.raises(ValueError, match="scatter_out must be"):
+            argmax_rows(x, scatter_out=bad)
 
 
 def test_a_bad_host_out_is_refused_by_name() -> None:

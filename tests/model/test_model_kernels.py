@@ -8,7 +8,7 @@ import torch
 from kernel_testutil import assert_matches
 
 from shared.kernels import KVStore, TorchKernels, TritonKernels, kernels_for, reference
-from shared.kernels.rms_norm import add_rms_norm, rms_norm, rms_scale
+from shared.kernels.rms_norm import rms_norm, rms_scale
 from shared.kernels.rope import rope
 from shared.kernels.silu_mul import silu_mul, silu_mul_rms
 
@@ -38,19 +38,6 @@ def test_rms_norm_matches_reference(rows: int, size: int, dtype: torch.dtype) ->
     x = wide[:, 2 : 2 + size]  # strided rows, as a slice of a wider activation
     w = norm_weight(size, dtype)
     assert_matches(rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rows", "size"), [(1, 3), (6, 45), (4, 128)])
-def test_add_rms_norm_matches_reference(rows: int, size: int, dtype: torch.dtype) -> None:
-    x, residual = rand(rows, size, dtype=dtype, seed=2), rand(rows, size, dtype=dtype, scale=4.0, seed=3)
-    w = norm_weight(size, dtype)
-    x_before, residual_before = x.clone(), residual.clone()
-    out, new_residual = add_rms_norm(x, residual, w, 1e-5)
-    ref_out, ref_residual = reference.add_rms_norm(x, residual, w, 1e-5)
-    assert torch.equal(new_residual, ref_residual)  # one rounded add: exact
-    assert_matches(out, ref_out)
-    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # out of place
 
 
 def test_rms_norm_eps_dominates_a_zero_row() -> None:
@@ -208,11 +195,7 @@ def _rope_args(**change: object) -> dict[str, object]:
         (lambda: rms_norm(torch.zeros(4, 2).t(), torch.ones(4), 1e-6), "contiguous last dimension"),
         (lambda: rms_norm(torch.zeros(2, 4, dtype=torch.int32), torch.ones(4), 1e-6), "x must have dtype"),
         (lambda: rms_norm(torch.zeros(2, 4), torch.ones(4), -1.0), "eps must be"),
-        (lambda: add_rms_norm(torch.zeros(2, 4), torch.zeros(3, 4), torch.ones(4), 1e-6), "residual"),
-        (
-            lambda: add_rms_norm(torch.zeros(2, 4), torch.zeros(2, 4, device="meta"), torch.ones(4), 1e-6),
-            "one device",
-        ),
+        (lambda: rms_norm(torch.zeros(2, 4), torch.ones(4, device="meta"), 1e-6), "one device"),
         (lambda: silu_mul(torch.zeros(2, 5)), "equal width"),
         (lambda: silu_mul(torch.zeros(10)), r"gate_up must be \[T, 2I\]"),
         (lambda: silu_mul_rms(torch.zeros(2, 8), torch.zeros(3, 4), 1e-6), "must have gate_up's 2 rows"),

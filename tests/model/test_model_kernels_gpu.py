@@ -42,7 +42,6 @@ class Inputs:
     def run(self, kernels: TorchKernels | TritonKernels) -> list[torch.Tensor]:
         return [
             kernels.rms_norm(self.x, self.w, 1e-5),
-            *kernels.add_rms_norm(self.x, self.residual, self.w, 1e-5),
             *kernels.rope(self.q, self.k, self.positions, self.cos_sin),
             *kernels.rope(self.q, self.k, self.positions, self.cos_sin, self.qw, self.kw, 1e-6),
             kernels.silu_mul(self.gate_up),

@@ -3,9 +3,8 @@
 The rings live in KVCache; a RequestWindow is the request's slot in them. Before sliding layers read
 their history, `swa.history_present` is checked through `invariants.expect`: no host sync, attributed
 to the request slots. A batch's forward checks every sliding layer's ring at once before the first
-one is read (`check_windows`: one kernel a step where a kernel per layer ran beside attention,
-~5% of a batch-64 decode step at WARN on an H200, docs/benchmarks.md); `window_buffer` checks one
-layer's, for a caller that reads one layer.
+one is read (`check_windows`: one kernel a step, not one per layer beside attention, which WARN
+would pay on every step); `window_buffer` checks one layer's, for a caller that reads one layer.
 """
 
 from __future__ import annotations
