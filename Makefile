@@ -18,13 +18,17 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# The suite runs with invariants at STRICT: CI must fail on a broken invariant. One worker per core:
-# on 2 cores ~14 minutes instead of ~24 in one process.
+# The suite runs with invariants at STRICT: CI must fail on a broken invariant. One worker per core
+# (the Triton interpreter is one-threaded). Perf-only checks (`-m perf`) are not selected.
 test: $(STAMP)
 	PDSERVE_INVARIANT_CHECK=strict $(PY) -m pytest -q -n auto
 
+# ruff, and the import contracts in pyproject.toml (the layering of shared/; tests/architecture runs
+# them in `make test` too).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 # Starts the services on the embedded default model (CPU), streams one answer, shuts them down.
 demo: $(STAMP)
