@@ -38,7 +38,7 @@ POINTERS = {
     "q_start_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "bt_ptr": "*i32",
 }  # fmt: skip
 DECODE = {"GROUP": 2, "GROUP_P2": 2, "BLOCK_Q": 1, "BLOCK_M": 16, "BLOCK_D": 128, "HEAD_DIM": 128,
-          "F32_DOT": False, "BLOCK_H": 2048, "RELEASE": True}  # fmt: skip
+          "F32_DOT": False, "BLOCK_H": 2048}  # fmt: skip
 
 
 def signature(fn, consts: dict) -> dict[str, str]:

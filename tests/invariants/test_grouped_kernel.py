@@ -8,7 +8,8 @@ defers checks and groups them by kind; here checks are launched directly, over m
 
 On a GPU the kernel runs compiled. On CPU it runs in Triton's interpreter, which runs Python, not the
 compiler: that the kernel compiles for an H200, with its tile loads vectorized and its record behind
-the block's verdict, is checked by compiling it for sm_90 without a GPU."""
+the block's verdict, is checked by compiling it for sm_90 without a GPU (a compile probe: under the
+`perf` marker, `pytest -m perf`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from predicate_cases import random_cases
 
@@ -168,6 +170,7 @@ for op, a_ty in TYPES.items():
 """
 
 
+@pytest.mark.perf
 def test_the_grouped_kernel_compiles_for_the_h200_with_vector_loads_and_its_record_behind_the_verdict():
     """Every operation's grouped kernel, with row ids and without, compiles for sm_90 (without a GPU).
     With ALIGNED (the tensors' addresses vouched for, as the launch does where they are 16-byte
