@@ -42,7 +42,7 @@ from shared.pb.pdserve.v1 import generation_pb2 as pb
 from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from shared.serving.api.errors import InvalidRequest
 from shared.serving.api.model_info import model_info
-from shared.serving.api.validation import Limits, validate_generate
+from shared.serving.api.validation import Chat, Limits, validate_generate
 from shared.serving.request_trace import RequestTrace, transfer_attrs
 from shared.serving.runtime import ready
 from shared.serving.telemetry import Telemetry
@@ -88,9 +88,9 @@ def _route_attrs(route: Route) -> dict[str, str]:
     return {"pdserve.prefill": route.where, "pdserve.prefill.reason": route.reason}
 
 
-def _genai_attrs(model: str, rid: str, params: SamplingParams, route: Route) -> dict[str, Any]:
+def _genai_attrs(model: str, rid: str, params: SamplingParams, route: Route, chat: bool) -> dict[str, Any]:
     return {
-        "gen_ai.operation.name": "text_completion",
+        "gen_ai.operation.name": "chat" if chat else "text_completion",
         "gen_ai.provider.name": "pdserve",
         "gen_ai.request.model": model,
         "gen_ai.request.max_tokens": params.max_tokens,
@@ -119,7 +119,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         s = await ready(context, self.serving)
         tok = s.loaded.tokenizer
         try:
-            prompt, params = validate_generate(request, s.limits, tok.encode if tok is not None else None)
+            encode = tok.encode if tok is not None else None
+            prompt, params = validate_generate(request, s.limits, encode, Chat.of(tok))
         except InvalidRequest as e:
             await context.abort_with_status(e.to_status())
         rid = request.request_id or uuid.uuid4().hex
@@ -133,7 +134,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         route = s.router.route(len(prompt))
         opts = RemoteOpts(s.window_history) if route.remote else None
         md = context.invocation_metadata()
-        rt = RequestTrace(self.telemetry, rid, _GENERATE, md, _genai_attrs(s.loaded.name, rid, params, route))
+        attrs = _genai_attrs(s.loaded.name, rid, params, route, request.HasField("messages"))
+        rt = RequestTrace(self.telemetry, rid, _GENERATE, md, attrs)
         rt.decode_phase = True
         try:
             s.scheduler.submit(rid, prompt, params, emit, opts)

@@ -53,6 +53,8 @@ def generate(out: Path) -> list[Path]:
     packages = {".".join(Path(r).parent.parts) for r in rel}
     written = []
     for path in sorted(out.rglob("*_pb2*.py*")):
+        if "__pycache__" in path.parts:  # an earlier import's bytecode, not protoc's output
+            continue
         path.write_text(HEADER + _fix_imports(path.read_text(), packages))
         written.append(path)
     # Every directory down to the generated modules is a regular package.

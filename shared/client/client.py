@@ -3,6 +3,7 @@
     with Client("localhost:50051") as c:
         for chunk in c.generate("Once upon a time", max_tokens=32, temperature=0):
             print(chunk.text, end="")
+        reply = c.complete(messages=[{"role": "user", "content": "Hi!"}], max_tokens=32)
         done = c.complete([1, 2, 3], max_tokens=8)  # .text, .finish_reason, .usage, .token_ids
 
 Sampling keywords are the proto's SamplingParams fields (max_tokens, temperature, top_p, top_k, min_p,
@@ -14,7 +15,7 @@ W3C `traceparent`, so the server's spans join the caller's trace.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -32,6 +33,7 @@ __all__ = [
     "Client",
     "Completion",
     "GenerationError",
+    "Message",
     "Stream",
     "Usage",
 ]
@@ -73,13 +75,32 @@ def _trace_metadata() -> tuple[tuple[str, str], ...] | None:
     return tuple(carrier.items()) or None
 
 
-def build_request(prompt: str | Sequence[int], request_id: str = "", **sampling: Any) -> pb.GenerateRequest:
+Message = Mapping[str, str]  # {"role": ..., "content": ...}, as OpenAI's chat API
+
+
+def build_request(
+    prompt: str | Sequence[int] | None = None,
+    request_id: str = "",
+    *,
+    messages: Sequence[Message] | None = None,
+    **sampling: Any,
+) -> pb.GenerateRequest:
+    """The request for a prompt (text, encoded by the server, or token ids) or, with `messages`, a
+    conversation the server renders with the model's chat template."""
     unknown = set(sampling) - _SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling parameters {sorted(unknown)}; known: {sorted(_SAMPLING_FIELDS)}")
+    if (prompt is None) == (messages is None):
+        raise TypeError("give exactly one of prompt (text or token ids) and messages")
     params = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    if messages is not None:
+        chat = pb.ChatMessages(
+            messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+        )
+        return pb.GenerateRequest(request_id=request_id, messages=chat, sampling=params)
     if isinstance(prompt, str):
         return pb.GenerateRequest(request_id=request_id, text=prompt, sampling=params)
+    assert prompt is not None
     return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=list(prompt)), sampling=params)
 
 
@@ -165,16 +186,18 @@ class Client:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | None = None,
         *,
+        messages: Sequence[Message] | None = None,
         request_id: str = "",
         timeout: float | None = None,
         **sampling: Any,
     ) -> Stream:
-        req = build_request(prompt, request_id, **sampling)
+        """Stream a completion of `prompt`, or the assistant's reply to `messages`."""
+        req = build_request(prompt, request_id, messages=messages, **sampling)
         return Stream(self._stub.Generate(req, timeout=timeout, metadata=_trace_metadata()))
 
-    def complete(self, prompt: str | Sequence[int], **kwargs: Any) -> Completion:
+    def complete(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Completion:
         """The whole generation: (text, finish_reason, usage, token_ids)."""
         stream = self.generate(prompt, **kwargs)
         return _completion(list(stream), stream)
@@ -210,16 +233,18 @@ class AsyncClient:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | None = None,
         *,
+        messages: Sequence[Message] | None = None,
         request_id: str = "",
         timeout: float | None = None,
         **sampling: Any,
     ) -> AsyncStream:
-        req = build_request(prompt, request_id, **sampling)
+        """Stream a completion of `prompt`, or the assistant's reply to `messages`."""
+        req = build_request(prompt, request_id, messages=messages, **sampling)
         return AsyncStream(self._stub.Generate(req, timeout=timeout, metadata=_trace_metadata()))
 
-    async def complete(self, prompt: str | Sequence[int], **kwargs: Any) -> Completion:
+    async def complete(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Completion:
         stream = self.generate(prompt, **kwargs)
         chunks = [c async for c in stream]
         return _completion(chunks, stream)

@@ -6,6 +6,7 @@ way transformers' GGUF integration does it, so that both give the same ids as tr
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -191,6 +192,34 @@ class Tokenizer:
             eos_token=self.eos_token or "",
             **kwargs,
         )
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """A conversation's prompt: the chat template rendered with the assistant's turn opened.
+        ValueError when the template refuses the conversation (its raise_exception, a sandbox breach)."""
+        try:
+            text = self.apply_chat_template(messages, add_generation_prompt=True)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(str(e) or type(e).__name__) from e
+        return self.encode(text, add_special_tokens=False)
+
+    @functools.cached_property
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """The special token the chat template closes an assistant turn with (ChatML's <|im_end|>,
+        Llama 3's <|eot_id|>, Gemma's <end_of_turn>), found by rendering a turn and reading what
+        follows its text; () without a template or when nothing special follows. A chat request stops
+        there as it would at end-of-sequence: otherwise the model writes the next turn too."""
+        if self.chat_template is None:
+            return ()
+        mark = "\x00pdserve\x00"
+        turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": mark}]
+        try:
+            text = self.apply_chat_template(turns, add_generation_prompt=False)
+        except jinja2.exceptions.TemplateError:
+            return ()
+        after = text.partition(mark)[2]
+        special = {i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        ids = self.encode(after, add_special_tokens=False)[:1] if after else []
+        return tuple(i for i in ids if i in special)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
 
 from shared.model import Tokenizer
 
@@ -105,3 +106,37 @@ def test_missing_chat_template_is_a_clear_error(tok: Tokenizer) -> None:
     bare = Tokenizer(tok.backend)
     with pytest.raises(ValueError, match="no chat template"):
         bare.apply_chat_template(CHAT)
+
+
+def test_a_chat_prompt_opens_the_assistants_turn_and_its_end_is_the_templates_end_of_turn(
+    tok: Tokenizer,
+) -> None:
+    ids = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert tok.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    assert [tok.backend.id_to_token(i) for i in tok.end_of_turn_ids] == ["<|im_end|>"]
+
+
+@pytest.mark.parametrize(
+    ("template", "end"),
+    [
+        # Gemma's shape: the turn closes with <end_of_turn>, not the end-of-sequence token.
+        ("{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}",
+         "<end_of_turn>"),
+        # A template that closes a turn with plain text has no end-of-turn token to stop at.
+        ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}", None),
+    ],
+)  # fmt: skip
+def test_the_end_of_turn_token_is_read_from_the_template(
+    tok: Tokenizer, template: str, end: str | None
+) -> None:
+    backend = HFTokenizer.from_str(tok.backend.to_str())
+    backend.add_special_tokens(["<start_of_turn>", "<end_of_turn>"])
+    other = Tokenizer(backend, chat_template=template)
+    assert [backend.id_to_token(i) for i in other.end_of_turn_ids] == ([end] if end else [])
+
+
+def test_a_template_that_refuses_a_conversation_is_a_value_error(tok: Tokenizer) -> None:
+    strict = Tokenizer(tok.backend, chat_template="{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match="roles must alternate"):
+        strict.encode_chat([{"role": "user", "content": "hi"}])
+    assert strict.end_of_turn_ids == ()

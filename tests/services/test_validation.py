@@ -15,7 +15,7 @@ from decode_service.servicer import SERVICE_NAME
 from shared.client.client import Client, GenerationError
 from shared.pb.pdserve.v1 import generation_pb2 as pb
 from shared.serving.api.errors import InvalidRequest
-from shared.serving.api.validation import DEFAULT_MAX_TOKENS, Limits, validate_generate
+from shared.serving.api.validation import DEFAULT_MAX_TOKENS, Chat, Limits, validate_generate
 from tests.services.service_testutil import ServerProcess, health_status, wait_pool_idle
 
 LIMITS = Limits(vocab_size=97, max_context=512)
@@ -117,6 +117,59 @@ def test_no_tokenizer_refuses_text_and_stop_strings() -> None:
     with pytest.raises(InvalidRequest) as exc:
         validate_generate(req(text="hi", stop=["x"]), LIMITS, None)
     assert {v.field for v in exc.value.violations} == {"text", "sampling.stop"}
+
+
+def _render(messages) -> list[int]:
+    """A chat template in miniature: each turn's role and content, then the assistant's turn opened;
+    it refuses a conversation that does not start with the user, as strict templates do."""
+    if messages[0]["role"] != "user":
+        raise ValueError("conversations must start with the user")
+    return [t for m in messages for t in [1, *_encode(m["role"] + ":" + m["content"])]] + [1]
+
+
+CHAT = Chat(_render, end_of_turn=(3,))
+
+
+def chat_req(*turns: tuple[str, str], **sampling) -> pb.GenerateRequest:
+    r = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling))
+    r.messages.messages.extend(pb.ChatMessage(role=role, content=content) for role, content in turns)
+    return r
+
+
+def test_a_conversation_is_rendered_and_stops_at_the_end_of_its_turn() -> None:
+    prompt, p = validate_generate(chat_req(("user", "hi"), stop_token_ids=[5]), LIMITS, _encode, CHAT)
+    assert prompt == _render([{"role": "user", "content": "hi"}])
+    assert p.stop_token_ids == (5, 3)
+    _, p = validate_generate(chat_req(("user", "hi"), ignore_eos=True), LIMITS, _encode, CHAT)
+    assert p.stop_token_ids == (), "ignore_eos: past the end of the turn too"
+    _, p = validate_generate(req(text="hi"), LIMITS, _encode, CHAT)
+    assert p.stop_token_ids == (), "a text prompt is not a chat"
+
+
+@pytest.mark.parametrize(
+    ("request_", "chat", "fields"),
+    [
+        (chat_req(("user", "hi")), None, {"messages"}),  # no chat template
+        (pb.GenerateRequest(messages=pb.ChatMessages()), CHAT, {"messages.messages"}),
+        (chat_req(("user", "hi"), ("", "x"), ("r" * 65, "y")), CHAT,
+         {"messages.messages[1].role", "messages.messages[2].role"}),
+        (chat_req(("assistant", "hi")), CHAT, {"messages"}),  # the template refuses it
+        (chat_req(*[("user", "x")] * 1025), CHAT, {"messages.messages"}),
+        (chat_req(("user", "x" * 600)), CHAT, {"messages"}),  # renders past the context
+    ],
+)  # fmt: skip
+def test_a_bad_conversation_is_refused_by_field(request_, chat, fields) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        validate_generate(request_, LIMITS, _encode, chat)
+    assert {v.field for v in exc.value.violations} == fields
+
+
+def test_a_model_without_a_chat_template_refuses_messages_over_the_wire(client: Client) -> None:
+    with pytest.raises(GenerationError) as exc:
+        client.complete(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [v.field for v in exc.value.violations] == ["messages"]
+    assert not client.model_info().has_chat_template
 
 
 @pytest.mark.parametrize(

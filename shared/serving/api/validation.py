@@ -8,14 +8,15 @@ field paths it can map back to its request (`sampling.top_p`, `token_ids.ids[3]`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.engine.sampling import SamplingParams
+from shared.model.tokenizer import Tokenizer
 from shared.pb.pdserve.v1 import generation_pb2 as pb
 from shared.serving.api.errors import FieldViolation, InvalidRequest
 
-__all__ = ["DEFAULT_MAX_TOKENS", "Limits", "validate_generate"]
+__all__ = ["DEFAULT_MAX_TOKENS", "Chat", "Limits", "validate_generate"]
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default; lowered to the room the context has left
 _MAX_LISTED = 8  # per repeated field: enough to fix a request, bounded so a huge bad prompt stays small
@@ -28,6 +29,25 @@ class Limits:
     max_request_id_len: int = 256
     max_stop: int = 16
     max_stop_len: int = 256
+    max_messages: int = 1024
+    max_role_len: int = 64
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A model's chat template, as validation uses it: `encode` renders a conversation with the
+    assistant's turn opened and encodes it (raising ValueError for one the template refuses);
+    `end_of_turn` are the ids a chat reply stops at besides end-of-sequence."""
+
+    encode: Callable[[Sequence[Mapping[str, str]]], list[int]]
+    end_of_turn: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer | None) -> Chat | None:
+        """The tokenizer's chat template; None when the model has none."""
+        if tokenizer is None or tokenizer.chat_template is None:
+            return None
+        return cls(tokenizer.encode_chat, tokenizer.end_of_turn_ids)
 
 
 def _bad_ids(field: str, ids: Sequence[int], vocab: int, out: list[FieldViolation]) -> None:
@@ -40,17 +60,49 @@ def _bad_ids(field: str, ids: Sequence[int], vocab: int, out: list[FieldViolatio
         out.append(FieldViolation(field, f"{len(bad) - _MAX_LISTED} more token ids outside [0, {vocab})"))
 
 
+def _messages(
+    req: pb.GenerateRequest, limits: Limits, chat: Chat | None, out: list[FieldViolation]
+) -> list[int]:
+    msgs = req.messages.messages
+    if chat is None:
+        out.append(FieldViolation("messages", "this model has no chat template: send text or token_ids"))
+        return []
+    if not msgs:
+        out.append(FieldViolation("messages.messages", "must not be empty"))
+        return []
+    if len(msgs) > limits.max_messages:
+        out.append(FieldViolation("messages.messages", f"at most {limits.max_messages} messages"))
+        return []
+    bad, rule = len(out), f"must be 1 to {limits.max_role_len} characters"
+    for i, m in enumerate(msgs):
+        if not m.role or len(m.role) > limits.max_role_len:
+            out.append(FieldViolation(f"messages.messages[{i}].role", rule))
+    if len(out) > bad:
+        return []
+    try:
+        ids = chat.encode([{"role": m.role, "content": m.content} for m in msgs])
+    except ValueError as e:  # the template refused the conversation (e.g. roles that must alternate)
+        out.append(FieldViolation("messages", f"the model's chat template refused it: {e}"))
+        return []
+    if not ids:
+        out.append(FieldViolation("messages", "renders to no tokens"))
+    return ids
+
+
 def _prompt(
     req: pb.GenerateRequest,
     limits: Limits,
     encode: Callable[[str], list[int]] | None,
+    chat: Chat | None,
     out: list[FieldViolation],
 ) -> tuple[str, list[int]]:
     """The prompt's ids and the field path that names it ("" when the input is missing)."""
     kind = req.WhichOneof("input")
     if kind is None:
-        out.append(FieldViolation("input", "set one of text or token_ids"))
+        out.append(FieldViolation("input", "set one of text, token_ids or messages"))
         return "", []
+    if kind == "messages":
+        return "messages", _messages(req, limits, chat, out)
     if kind == "text":
         if not req.text:
             out.append(FieldViolation("text", "must not be empty"))
@@ -128,14 +180,18 @@ def _max_tokens(s: pb.SamplingParams, prompt_field: str, n_prompt: int, limits: 
 
 
 def validate_generate(
-    req: pb.GenerateRequest, limits: Limits, encode: Callable[[str], list[int]] | None = None
+    req: pb.GenerateRequest,
+    limits: Limits,
+    encode: Callable[[str], list[int]] | None = None,
+    chat: Chat | None = None,
 ) -> tuple[list[int], SamplingParams]:
     """Check every field of `req`; raise InvalidRequest with all violations, or return what the engine
-    takes. `encode` is the tokenizer's (None: the model has none, so text and stop strings are refused)."""
+    takes. `encode` is the tokenizer's (None: the model has none, so text and stop strings are refused);
+    `chat` its chat template (None: messages are refused)."""
     out: list[FieldViolation] = []
     if len(req.request_id) > limits.max_request_id_len:
         out.append(FieldViolation("request_id", f"longer than {limits.max_request_id_len} characters"))
-    prompt_field, prompt = _prompt(req, limits, encode, out)
+    prompt_field, prompt = _prompt(req, limits, encode, chat, out)
     s = req.sampling
     _sampling(s, limits, encode is not None, out)
     max_tokens = _max_tokens(s, prompt_field, len(prompt), limits, out) if prompt else 1
@@ -150,9 +206,16 @@ def validate_generate(
             seed=s.seed if s.HasField("seed") else None,
             max_tokens=max_tokens,
             stop=tuple(s.stop),
-            stop_token_ids=tuple(s.stop_token_ids),
+            stop_token_ids=tuple(s.stop_token_ids) + _end_of_turn(req, chat),
             ignore_eos=s.ignore_eos,
         )
     except ValueError as e:  # a rule SamplingParams has and the checks above missed
         raise InvalidRequest([FieldViolation("sampling", str(e))]) from e
     return prompt, params
+
+
+def _end_of_turn(req: pb.GenerateRequest, chat: Chat | None) -> tuple[int, ...]:
+    """A chat reply ends with its turn, as it would at end-of-sequence (unless ignore_eos)."""
+    if req.WhichOneof("input") != "messages" or chat is None or req.sampling.ignore_eos:
+        return ()
+    return tuple(t for t in chat.end_of_turn if t not in req.sampling.stop_token_ids)

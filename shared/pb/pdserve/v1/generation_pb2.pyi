@@ -13,6 +13,20 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -36,16 +50,18 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
+    messages: ChatMessages
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("token_ids", "text")
@@ -114,7 +130,7 @@ class KVPoolState(_message.Message):
     def __init__(self, pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., window_slots_total: _Optional[int] = ..., window_slots_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_context", "layer_types", "sliding_window", "page_size", "dtype", "eos_token_ids", "has_tokenizer", "kv_pool")
+    __slots__ = ("model_name", "vocab_size", "max_context", "layer_types", "sliding_window", "page_size", "dtype", "eos_token_ids", "has_tokenizer", "kv_pool", "has_chat_template")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +141,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_context: int
@@ -135,4 +152,5 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_tokenizer: bool
     kv_pool: KVPoolState
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., layer_types: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., kv_pool: _Optional[_Union[KVPoolState, _Mapping]] = ...) -> None: ...
+    has_chat_template: bool
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., layer_types: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., kv_pool: _Optional[_Union[KVPoolState, _Mapping]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
