@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,15 +114,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, telemetry: Telemetry | None = None) -> None:
         self.serving: Serving | None = None  # set by the server once the model is loaded
         self.telemetry = telemetry or Telemetry("decode")  # no tracer, no metrics unless given
+        # Tokenization and chat templates run here, off the event loop: a long text must not stall
+        # every other stream (and the health service) while it is encoded.
+        self._tokenize = ThreadPoolExecutor(max_workers=2, thread_name_prefix="decode-tokenize")
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         s = await ready(context, self.serving)
         tok = s.loaded.tokenizer
+        encode = tok.encode if tok is not None else None
+        check = functools.partial(validate_generate, request, s.limits, encode, Chat.of(tok))
         try:
-            encode = tok.encode if tok is not None else None
-            prompt, params = validate_generate(request, s.limits, encode, Chat.of(tok))
+            prompt, params = await asyncio.get_running_loop().run_in_executor(self._tokenize, check)
         except InvalidRequest as e:
             await context.abort_with_status(e.to_status())
         rid = request.request_id or uuid.uuid4().hex

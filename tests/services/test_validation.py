@@ -199,3 +199,24 @@ def _sampling_kwargs(request: pb.GenerateRequest) -> dict:
         if name in out:
             out[name] = list(out[name])
     return {**out, "request_id": request.request_id}
+
+
+def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized() -> None:
+    seen = []
+
+    def encode(text: str) -> list[int]:
+        seen.append(text)
+        return _encode(text)
+
+    too_long = "a" * (LIMITS.max_text_chars + 1)
+    with pytest.raises(InvalidRequest) as exc:
+        validate_generate(req(text=too_long), LIMITS, encode)
+    assert [(v.field, v.description) for v in exc.value.violations] == [
+        ("text", f"longer than {LIMITS.max_text_chars} characters")
+    ]
+    assert not seen, "the tokenizer never saw it"
+    with pytest.raises(InvalidRequest) as exc:
+        validate_generate(
+            chat_req(("user", too_long)), LIMITS, encode, Chat(lambda m: encode(m[0]["content"]))
+        )
+    assert [v.field for v in exc.value.violations] == ["messages"] and not seen

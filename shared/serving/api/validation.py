@@ -31,6 +31,13 @@ class Limits:
     max_stop_len: int = 256
     max_messages: int = 1024
     max_role_len: int = 64
+    # Characters of text (or of a conversation's contents) per token of context: a longer text cannot
+    # fit, and is refused before the tokenizer spends time on it.
+    max_chars_per_token: int = 32
+
+    @property
+    def max_text_chars(self) -> int:
+        return self.max_chars_per_token * self.max_context
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,9 @@ def _messages(
     if len(msgs) > limits.max_messages:
         out.append(FieldViolation("messages.messages", f"at most {limits.max_messages} messages"))
         return []
+    if sum(len(m.content) for m in msgs) > limits.max_text_chars:
+        out.append(FieldViolation("messages", f"longer than {limits.max_text_chars} characters in all"))
+        return []
     bad, rule = len(out), f"must be 1 to {limits.max_role_len} characters"
     for i, m in enumerate(msgs):
         if not m.role or len(m.role) > limits.max_role_len:
@@ -109,6 +119,9 @@ def _prompt(
             return "text", []
         if encode is None:
             out.append(FieldViolation("text", "this model has no tokenizer: send token_ids"))
+            return "text", []
+        if len(req.text) > limits.max_text_chars:
+            out.append(FieldViolation("text", f"longer than {limits.max_text_chars} characters"))
             return "text", []
         ids = encode(req.text)
         if not ids:
