@@ -220,3 +220,8 @@ def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized() -> 
             chat_req(("user", too_long)), LIMITS, encode, Chat(lambda m: encode(m[0]["content"]))
         )
     assert [v.field for v in exc.value.violations] == ["messages"] and not seen
+
+
+def test_a_chat_reply_without_max_tokens_may_run_to_the_end_of_the_context() -> None:
+    prompt, p = validate_generate(chat_req(("user", "hi")), LIMITS, _encode, CHAT)
+    assert p.max_tokens == LIMITS.max_context - len(prompt)

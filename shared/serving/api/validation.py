@@ -180,7 +180,8 @@ def _max_tokens(s: pb.SamplingParams, prompt_field: str, n_prompt: int, limits: 
         )
         return 1
     if not s.HasField("max_tokens"):
-        return min(DEFAULT_MAX_TOKENS, room)
+        # A chat reply runs to the end of its turn, as OpenAI's chat API does: the context's room.
+        return room if prompt_field == "messages" else min(DEFAULT_MAX_TOKENS, room)
     if s.max_tokens > room:
         out.append(
             FieldViolation(
