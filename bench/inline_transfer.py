@@ -50,8 +50,8 @@ def _spans(path: Path) -> list[dict[str, Any]]:
 
 
 def _run_services(root: Path, args: argparse.Namespace, label: str) -> dict[str, Any]:
-    from shared.client.cli import _Child
     from shared.client.client import Client
+    from shared.client.up import Service
 
     model = "random:" + json.dumps(json.loads(args.model), separators=(",", ":"))
     common = ["--model", model, "--dtype", args.dtype, "--device", "cpu", "--no-metrics",
@@ -65,8 +65,8 @@ def _run_services(root: Path, args: argparse.Namespace, label: str) -> dict[str,
     cwd = os.getcwd()
     os.chdir(root)  # `python -m prefill_service` imports from the checkout being measured
     try:
-        prefill = _Child(
-            "prefill_service", "0", *common, env={**env, "PDSERVE_TEST_SPAN_FILE": str(tmp / "p")}
+        prefill = Service(
+            "prefill", "127.0.0.1", 0, [*common], env={**env, "PDSERVE_TEST_SPAN_FILE": str(tmp / "p")}
         )
         if not prefill.wait_ready(300):
             raise SystemExit("prefill did not start")
@@ -78,8 +78,12 @@ def _run_services(root: Path, args: argparse.Namespace, label: str) -> dict[str,
             "--prefill-timeout",
             "600",
         ]
-        decode = _Child(
-            "decode_service", "0", *common, *remote, env={**env, "PDSERVE_TEST_SPAN_FILE": str(tmp / "d")}
+        decode = Service(
+            "decode",
+            "127.0.0.1",
+            0,
+            [*common, *remote],
+            env={**env, "PDSERVE_TEST_SPAN_FILE": str(tmp / "d")},
         )
     finally:
         os.chdir(cwd)

@@ -13,8 +13,8 @@ import argparse
 import asyncio
 import json
 
-from shared.client.cli import _Child
 from shared.client.loadgen import AgenticTrace, run_load
+from shared.client.up import Service
 
 HYBRID_2B = {"layers": "SSSF" * 7, "window": 1024, "vocab": 32000, "hidden": 2048, "heads": 16,
              "kv_heads": 8, "head_dim": 128, "intermediate": 6144, "max_context": 8192}  # fmt: skip
@@ -23,7 +23,7 @@ HYBRID_2B = {"layers": "SSSF" * 7, "window": 1024, "vocab": 32000, "hidden": 204
 MODES = ("colocated", "colocated-mixed", "disaggregated", "disaggregated-cuda_ipc")
 
 
-def start(mode: str, model: str, device: str, extra: list[str], decode_extra: list[str]) -> list[_Child]:
+def start(mode: str, model: str, device: str, extra: list[str], decode_extra: list[str]) -> list[Service]:
     """colocated: decode alone on GPU 0, prompts first. colocated-mixed: the same with --mixed-steps
     (decode in every step beside the prompt chunks). disaggregated: prefill on GPU 0, decode on GPU 1,
     KV inline. disaggregated-cuda_ipc: the same with both GPUs visible to both, prefill writing into
@@ -32,7 +32,9 @@ def start(mode: str, model: str, device: str, extra: list[str], decode_extra: li
     if mode in ("colocated", "colocated-mixed"):
         gpu0 = {"CUDA_VISIBLE_DEVICES": "0"}
         mixed = ["--mixed-steps"] if mode == "colocated-mixed" else []
-        decode = _Child("decode_service", "0", *common, *mixed, *decode_extra, "--device", device, env=gpu0)
+        decode = Service(
+            "decode", "127.0.0.1", 0, [*common, *mixed, *decode_extra, "--device", device], env=gpu0
+        )
         return [decode]
     ipc = mode == "disaggregated-cuda_ipc"
     if device == "cpu":
@@ -42,13 +44,13 @@ def start(mode: str, model: str, device: str, extra: list[str], decode_extra: li
     else:
         devices, prefill_dev, decode_dev = ("0", "1"), "cuda", "cuda"
     env = [{"CUDA_VISIBLE_DEVICES": d} if d else {} for d in devices]
-    prefill = _Child("prefill_service", "0", *common, "--device", prefill_dev, env=env[0])
+    prefill = Service("prefill", "127.0.0.1", 0, [*common, "--device", prefill_dev], env=env[0])
     if not prefill.wait_ready(600):
         raise SystemExit("prefill did not start")
     remote = ["--prefill-target", prefill.target, "--local-prefill-max-tokens", "0"]
     remote += ["--kv-transfer", "cuda_ipc"] if ipc else []
     decode_args = [*common, *decode_extra, "--device", decode_dev, *remote]
-    decode = _Child("decode_service", "0", *decode_args, env=env[1])
+    decode = Service("decode", "127.0.0.1", 0, [*decode_args], env=env[1])
     return [decode, prefill]
 
 

@@ -16,18 +16,29 @@ KV_TRANSFERS = ("inline", "cuda_ipc", "nixl")
 class ServiceConfig(CommonConfig):
     prefill_target: str = ""  # HOST:PORT of a prefill service; "" = every prompt prefills locally
     local_prefill_max_tokens: int = 0  # prompts of at most this many tokens prefill locally; 0 = none
-    # Prefill here when the prefill queue (estimated) plus the prompt exceeds this many tokens; 0 = no limit.
-    remote_prefill_max_queued_tokens: int = 0
-    prefill_timeout: float = 30.0  # seconds one remote prefill (compute + transfer) may take
+    # Prefill here when the prefill queue (estimated) plus the prompt exceeds this many tokens: a number,
+    # 0 = no limit, or auto = what prefill drains in half the prefill timeout (decode_service/routing.py).
+    remote_prefill_max_queued_tokens: str = "auto"
+    # Seconds a remote prefill may take past the time its queue (its own prompt included) is expected to take.
+    prefill_timeout: float = 30.0
     window_history: bool = True  # ask prefill for the SWA rings; False: rebuild them by bounded replay
     # inline | cuda_ipc (same node, CUDA: prefill writes into this pool) | nixl (cross node, NIXL/UCX)
     kv_transfer: str = "inline"
     mixed_steps: bool = False  # decode in every step beside local prompt chunks (bounded inter-token gaps)
 
+    @property
+    def queue_limit(self) -> int | None:
+        """--remote-prefill-max-queued-tokens as a number; None = auto."""
+        limit = self.remote_prefill_max_queued_tokens
+        return None if limit == "auto" else int(limit)
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.local_prefill_max_tokens < 0 or self.remote_prefill_max_queued_tokens < 0:
-            raise ValueError("local_prefill_max_tokens and remote_prefill_max_queued_tokens must be >= 0")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError("local_prefill_max_tokens must be >= 0")
+        limit = self.remote_prefill_max_queued_tokens
+        if limit != "auto" and not limit.isdigit():
+            raise ValueError(f"remote_prefill_max_queued_tokens must be auto or a number >= 0, got {limit!r}")
         if self.prefill_timeout <= 0:
             raise ValueError("prefill_timeout must be > 0")
         if self.kv_transfer not in KV_TRANSFERS:
@@ -45,8 +56,12 @@ _HELP = {
     "remote_prefill_max_queued_tokens": "prefill locally when the prefill service's queued prompt "
     "tokens (estimated from its replies and this decode's calls in flight) plus the prompt exceed this "
     "(conditional disaggregation: a deep queue would cost more time to first token than computing the "
-    "prompt here); 0 = no limit. A prompt is never kept here just for being long: an empty queue takes it",
-    "prefill_timeout": "seconds a remote prefill may take before the request fails UNAVAILABLE",
+    "prompt here). auto = what the prefill service drains in half of --prefill-timeout, at the rate this "
+    "decode measures (one prompt at a time until a remote prefill has completed); 0 = no limit. A prompt "
+    "is never kept here just for being long: an empty queue takes it",
+    "prefill_timeout": "seconds a remote prefill may take past the time the prefill service is expected "
+    "to need for it and the prompts queued ahead of it (at its measured drain rate), after which the "
+    "request fails UNAVAILABLE (a prefill that died or hung)",
     "kv_transfer": "how prefill hands over the KV: inline (bytes in the gRPC stream; anywhere) or "
     "cuda_ipc (same node: prefill writes into this service's GPU pool through CUDA IPC; both GPUs must be "
     "visible to the prefill process and the two share an IPC namespace) or nixl (any node: prefill writes "

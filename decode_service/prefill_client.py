@@ -1,11 +1,15 @@
 """Decode's side of the prefill service: the start-up Handshake and one Prefill call per request.
 
-The call's deadline is min(client deadline, --prefill-timeout): a decode never waits forever on a
-prefill that died. Cancelling the awaiting task (the client went away) cancels the call, and the
-prefill service drops the bytes it extracted. With cuda_ipc or nixl decode's pool rides on the
-Handshake and on every Prefill (`pool`) and no chunk comes: prefill writes into the reservation. Every
-Prefill carries decode's KV layout; a prefill service whose layout differs answers FAILED_PRECONDITION
-before any work (`PrefillRefused`).
+The call's deadline is min(client deadline, --prefill-timeout + the time the prefill service is expected
+to take for the work queued there, this prompt included, at its measured drain rate): a decode never
+waits forever on a prefill that died, and a prefill that is merely busy is not taken for dead. The
+drain rate (`DrainRate`: prompt tokens per second, from this client's completed calls) also sizes the
+router's auto queue limit (decode_service/routing.py). A call that runs out of its own deadline while
+the client's still has time raises `PrefillTimedOut`. Cancelling the awaiting task (the client went
+away) cancels the call, and the prefill service drops the bytes it extracted. With cuda_ipc or nixl
+decode's pool rides on the Handshake and on every Prefill (`pool`) and no chunk comes: prefill writes
+into the reservation. Every Prefill carries decode's KV layout; a prefill service whose layout differs
+answers FAILED_PRECONDITION before any work (`PrefillRefused`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,15 @@ from shared.transfer.cuda_ipc import IpcTarget, PoolExport
 from shared.transfer.inline import ChunkAssembler, KVBatch
 from shared.transfer.nixl import NixlPool, NixlTarget
 
-__all__ = ["PrefillClient", "PrefillFailed", "PrefillRefused", "PrefillResult", "handshake"]
+__all__ = [
+    "DrainRate",
+    "PrefillClient",
+    "PrefillFailed",
+    "PrefillRefused",
+    "PrefillResult",
+    "PrefillTimedOut",
+    "handshake",
+]
 
 _HANDSHAKE_WAIT_S = 120.0  # how long start-up waits for a prefill service that is still loading
 # Reconnect soon after a prefill restart: gRPC's default backoff grows to two minutes.
@@ -45,6 +57,34 @@ class PrefillFailed(Exception):
 
 class PrefillRefused(PrefillFailed):
     """FAILED_PRECONDITION: the prefill service's KV layout differs from decode's (nothing was computed)."""
+
+
+class PrefillTimedOut(PrefillFailed):
+    """The call ran past decode's own deadline for it (not the client's): the prefill service is dead,
+    hung or far slower than measured. The client's deadline still had time: the prompt can be computed
+    here instead. (With cuda_ipc or nixl, prefill may still write into the reservation until its lease.)"""
+
+
+class DrainRate:
+    """How fast the prefill service drains its queue, in prompt tokens per second: an exponentially
+    weighted mean over completed calls of (tokens queued there when the call started, its own prompt
+    included) / (the call's duration). Unknown (0) until a call has completed. Event loop only."""
+
+    WEIGHT = 0.3  # of each new call: a few calls follow a change of load, one slow call does not swing it
+
+    def __init__(self) -> None:
+        self.tokens_per_s = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        w = self.WEIGHT if self.tokens_per_s else 1.0
+        self.tokens_per_s += w * (rate - self.tokens_per_s)
+
+    def seconds(self, tokens: int) -> float:
+        """Expected seconds to drain `tokens` (0 while the rate is unknown)."""
+        return tokens / self.tokens_per_s if self.tokens_per_s else 0.0
 
 
 @dataclass(frozen=True)
@@ -125,15 +165,26 @@ class PrefillClient:
         self.backend = backend_of(pool)
         self._layout_pb = layout.to_pb()
         self._stub: pb_grpc.PrefillStub | None = None
+        self.rate = DrainRate()
+        # Prompt tokens queued at the prefill service as decode estimates them (the router's
+        # QueueEstimate.value; a remote request counts there from its routing decision, so at a call's
+        # start it includes the call's own prompt).
+        self.queued_tokens: Callable[[], int] = lambda: 0
 
     def _get_stub(self) -> pb_grpc.PrefillStub:
         if self._stub is None:  # created on first use: an aio channel belongs to the running loop
             self._stub = pb_grpc.PrefillStub(grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS))
         return self._stub
 
+    def own_timeout(self) -> float:
+        """Seconds a Prefill call starting now may take by decode's rule: --prefill-timeout past the time
+        the queued work (this prompt included) takes at the measured drain rate."""
+        return self.timeout + self.rate.seconds(self.queued_tokens())
+
     def call_timeout(self, client_remaining: float | None) -> float:
-        """Seconds one Prefill call may take: --prefill-timeout, or less when the client's deadline is."""
-        return self.timeout if client_remaining is None else max(min(self.timeout, client_remaining), 0.0)
+        """Seconds one Prefill call may take: `own_timeout`, or less when the client's deadline is."""
+        own = self.own_timeout()
+        return own if client_remaining is None else max(min(own, client_remaining), 0.0)
 
     async def handshake(self, timeout: float = 5.0) -> None:
         """One Handshake on the request channel (so round_robin picks a pod as it does for Prefill).
@@ -157,7 +208,9 @@ class PrefillClient:
         traceparent.
 
         With `target` (cuda_ipc, nixl) prefill writes into decode's pool instead and no chunk comes."""
+        own = self.own_timeout()
         timeout = self.call_timeout(client_remaining)
+        work, start = max(self.queued_tokens(), len(prompt)), time.monotonic()
         req = pb.PrefillRequest(
             request_id=rid, prompt=prompt, sampling=sampling, send_window_history=history,
             layout=self._layout_pb,
@@ -188,6 +241,7 @@ class PrefillClient:
                             deliver(rest)
                     d = msg.done
                     now = time.time_ns()
+                    self.rate.observe(work, time.monotonic() - start)
                     if target is not None:  # the bytes went pool to pool: count what prefill wrote
                         nbytes, first_ns = d.full_bytes + d.window_bytes, first_ns or now
                     return PrefillResult(
@@ -195,6 +249,11 @@ class PrefillClient:
                     )
             raise PrefillFailed("the stream ended without PrefillDone")
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout >= own:  # ours, not the client's
+                msg = (
+                    f"no answer within {timeout:.1f}s (--prefill-timeout {self.timeout:g}s + the queue ahead)"
+                )
+                raise PrefillTimedOut(msg) from e
             raise _failure(e) from e
         finally:
             call.cancel()  # a no-op once done; otherwise the prefill side stops and drops its bytes

@@ -8,11 +8,22 @@ the request span (`pdserve.prefill` = local | remote, `pdserve.prefill.reason`) 
     short_prompt      the prompt has at most --local-prefill-max-tokens tokens
     prefill_mismatch  a prefill service refused decode's KV layout (FAILED_PRECONDITION): remote prefill
                       is off until a background Handshake succeeds again (every few seconds)
-    queue_deep        the prefill queue estimate + this prompt exceed --remote-prefill-max-queued-tokens
+    prefill_unavailable  a remote prefill ran out of its time (the prefill service is dead, hung or far
+                      slower than measured): that request and the next ones prefill here until a
+                      background Handshake succeeds again (a circuit breaker)
+    queue_deep        the prefill queue estimate + this prompt exceed the queue limit
     remote            the prefill service computes it
 
-A request that was sent remotely and refused for a layout mismatch is prefilled here too (its route
-becomes local / prefill_mismatch): the client sees a normal completion.
+A request that was sent remotely and refused for a layout mismatch, or that timed out there while its
+client's deadline still has time, is prefilled here too (its route becomes local / prefill_mismatch or
+prefill_unavailable): the client sees a normal completion.
+
+The queue limit (`queue_limit`) is --remote-prefill-max-queued-tokens, by default `auto`: what the
+prefill service drains in half the prefill timeout, at the rate decode measured on its own calls
+(decode_service/prefill_client.py `DrainRate`), so that a prompt sent there is expected back well within
+the time decode gives it. Until a first call has completed the rate is unknown and the limit is 1: one
+prompt at a time (a GPU measures its rate within milliseconds; a CPU that would take minutes to drain a
+burst must not be sent one). An empty queue takes any prompt, whatever the limit.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ REPORT_TTL_S = 2.0
 @dataclass(frozen=True)
 class Route:
     remote: bool
-    reason: str  # no_prefill | short_prompt | prefill_mismatch | queue_deep | remote
+    reason: str  # no_prefill | short_prompt | prefill_mismatch | prefill_unavailable | queue_deep | remote
     ticket: int = 0  # a remote route's place in the queue estimate (QueueEstimate.add)
 
     @property
@@ -95,16 +106,26 @@ class PrefillRouter:
     """The routing decision, the queue estimate and the remote-prefill-off state (event loop only)."""
 
     def __init__(
-        self, client: PrefillClient | None, local_max_tokens: int = 0, max_queued_tokens: int = 0,
+        self, client: PrefillClient | None, local_max_tokens: int = 0, max_queued_tokens: int | None = 0,
         queue: QueueEstimate | None = None,
     ) -> None:  # fmt: skip
         self.client = client
         self.local_max_tokens = local_max_tokens
-        self.max_queued_tokens = max_queued_tokens  # 0: no limit
+        self.max_queued_tokens = max_queued_tokens  # 0: no limit; None: auto (queue_limit)
         self.queue = queue or QueueEstimate()
-        self.usable = client is not None  # False while remote prefill is off after a layout mismatch
+        self.usable = client is not None  # False while remote prefill is off (mismatch, unavailable)
+        self.off_reason = "prefill_mismatch"  # why it is off: the route reason meanwhile
+        if client is not None:
+            client.queued_tokens = self.queue.value  # its deadlines allow for the queue ahead
         self._logged: set[str] = set()
         self._task: asyncio.Task[None] | None = None  # the background re-handshake
+
+    def queue_limit(self) -> int:
+        """Queued prompt tokens (this prompt included) beyond which prompts prefill here; 0: no limit."""
+        if self.max_queued_tokens is not None or self.client is None:
+            return self.max_queued_tokens or 0
+        # Unknown rate: 1, so that only an empty queue takes a prompt (one at a time).
+        return max(int(self.client.rate.tokens_per_s * self.client.timeout / 2), 1)
 
     def route(self, prompt_tokens: int) -> Route:
         if self.client is None:
@@ -112,11 +133,12 @@ class PrefillRouter:
         if prompt_tokens <= self.local_max_tokens:
             return Route(False, "short_prompt")
         if not self.usable:
-            return Route(False, "prefill_mismatch")
-        if self.max_queued_tokens:
+            return Route(False, self.off_reason)
+        limit = self.queue_limit()
+        if limit:
             queued = self.queue.value()
             # An empty queue takes any prompt: a long prompt alone is what disaggregation is for.
-            if queued and queued + prompt_tokens > self.max_queued_tokens:
+            if queued and queued + prompt_tokens > limit:
                 return Route(False, "queue_deep")
         return Route(True, "remote", self.queue.add(prompt_tokens))
 
@@ -129,6 +151,21 @@ class PrefillRouter:
         """A prefill service refused decode's layout: prefill here until a Handshake succeeds again."""
         assert self.client is not None
         self._log_mismatch(details)
+        self._off("prefill_mismatch")
+
+    def unavailable(self, details: str) -> None:
+        """A remote prefill timed out: prefill here until a Handshake succeeds again (a prefill that is
+        merely busy answers one at once; a dead or hung one does not)."""
+        assert self.client is not None
+        if self.usable:
+            log.warning(
+                "prefill service %s: %s. Prompts are prefilled locally; re-handshaking every %.0fs.",
+                self.client.target, details, REHANDSHAKE_S,
+            )  # fmt: skip
+        self._off("prefill_unavailable")
+
+    def _off(self, reason: str) -> None:
+        self.off_reason = reason
         if not self.usable:
             return
         self.usable = False
@@ -152,10 +189,14 @@ class PrefillRouter:
                 await self.client.handshake()
             except PrefillRefused as e:
                 self._log_mismatch(str(e))
+                self.off_reason = "prefill_mismatch"
                 continue
             except PrefillFailed:
                 continue  # unreachable or loading: keep prefilling here and ask again
             self.usable = True
             target = self.client.target
-            log.info("prefill service %s accepts this decode's KV layout: remote prefill resumes", target)
+            log.info(
+                "prefill service %s answers and accepts this decode's KV layout: remote prefill resumes",
+                target,
+            )
             return

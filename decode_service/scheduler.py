@@ -7,7 +7,8 @@ service; every KV chunk it receives comes back here through `deliver` and is wri
 reservation on this thread (the engine and its cache are not thread-safe), and `prefilled` admits the
 request into continuous batching. An abort at any point releases the reservation exactly once; chunks
 that arrive for a released request are dropped. `prefill_locally` turns a reserved request into a local
-one (the prefill service refused decode's KV layout): the client still gets a normal completion.
+one (the prefill service refused decode's KV layout, or did not answer in time): the client still gets
+a normal completion.
 """
 
 from __future__ import annotations
@@ -119,9 +120,11 @@ class DecodeScheduler(Scheduler):
         """
         self._post(lambda: self._leases.__setitem__(rid, deadline_ns) if rid in self._reserved else None)
 
-    def prefill_locally(self, rid: str) -> None:
-        """No KV is coming for this reserved request: compute its prompt here instead."""
-        self._post(lambda: self._local(rid))
+    def prefill_locally(self, rid: str, *, written: bool = False) -> None:
+        """No KV is coming for this reserved request: compute its prompt here instead. `written`: the
+        remote prefill may still write into the reservation (a cuda_ipc or nixl call that timed out),
+        so its pages stay quarantined until the lease has passed and the prompt gets fresh ones."""
+        self._post(lambda: self._local(rid, written))
 
     # ---- the scheduler thread ----
 
@@ -224,15 +227,18 @@ class DecodeScheduler(Scheduler):
         self._engine.admit_prefilled(entry.req, first_token, history=history)
         self._active[rid] = entry
 
-    def _local(self, rid: str) -> None:
+    def _local(self, rid: str, written: bool) -> None:
         entry = self._reserved.pop(rid, None)
         if entry is None:
             return  # aborted meanwhile
         assert entry.req is not None
-        self._leases.pop(rid, None)  # refused before any work: nothing was written
+        lease = self._leases.pop(rid, None)
         # The engine has no public reserved -> prefill step, so the reservation goes back and the request
         # queues as any local one; in this same iteration, so the pages it freed are there for it unless a
         # request queued before it takes them (then it waits its turn: delayed, never lost).
-        self._engine.release(entry.req)
+        if written and lease is not None:
+            self._quarantine(rid, entry.req, lease)  # a late write must not land in another's pages
+        else:
+            self._engine.release(entry.req)  # refused before any work, or inline: nothing writes there
         entry.opts = None
         super()._start(entry)  # ValueError cannot happen: reserve() accepted the same prompt and params

@@ -45,7 +45,7 @@ def build_serving(cfg: ServiceConfig) -> Serving:
         handshake(cfg.prefill_target, layout, pool=pool)
         pin = engine.cache.device.type == "cuda"  # inline batches upload to it without a host wait
         prefill = PrefillClient(cfg.prefill_target, cfg.prefill_timeout, layout, pool, pin=pin)
-    router = PrefillRouter(prefill, cfg.local_prefill_max_tokens, cfg.remote_prefill_max_queued_tokens)
+    router = PrefillRouter(prefill, cfg.local_prefill_max_tokens, cfg.queue_limit)
     scheduler = DecodeScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue), ipc, nixl)
     scheduler.start()
     limits = Limits(vocab_size=loaded.config.vocab_size, max_context=engine.max_context())
@@ -69,10 +69,11 @@ async def serve(cfg: ServiceConfig) -> int:
     servicer, health_servicer = add_services(server, telemetry)
 
     def attach(serving: Serving) -> Scheduler:
-        servicer.serving = serving
         if telemetry.metrics is not None:
+            telemetry.metrics.bind_model(serving.loaded.name)  # before the first request is recorded
             router = serving.router
-            telemetry.metrics.watch_prefill(lambda: router.usable, router.queue.value)
+            telemetry.metrics.watch_prefill(lambda: router.usable, router.queue.value, router.queue_limit)
+        servicer.serving = serving
         return serving.scheduler
 
     return await run_service(

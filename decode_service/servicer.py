@@ -3,9 +3,10 @@
 The servicer never touches the engine: it holds a scheduler. The router (decode_service/routing.py)
 says where each prompt is prefilled and why. A remote one: the scheduler reserves KV and emits Reserved,
 this coroutine runs the Prefill call and hands each chunk to the scheduler thread, then lets it admit
-the request. A prefill failure or timeout releases the reservation and the client gets UNAVAILABLE
-naming the prefill service; a layout refusal (FAILED_PRECONDITION, nothing computed) has the scheduler
-prefill the request here instead.
+the request. A prefill failure releases the reservation and the client gets UNAVAILABLE naming the
+prefill service; a layout refusal (FAILED_PRECONDITION, nothing computed), or a call that ran out of
+decode's time for it while the client's deadline still has time, has the scheduler prefill the request
+here instead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import grpc
 from opentelemetry import trace
 
 from decode_service.output import OutputProcessor
-from decode_service.prefill_client import PrefillFailed, PrefillRefused
+from decode_service.prefill_client import PrefillFailed, PrefillRefused, PrefillTimedOut
 from decode_service.routing import PrefillRouter, Route
 from decode_service.scheduler import (
     AlreadyExists,
@@ -218,6 +219,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         attrs = {"server.address": client.target, "pdserve.window_history": s.window_history}
         failed: str | None = None
         refused: str | None = None
+        timed_out: str | None = None
         metrics = self.telemetry.metrics
         with rt.client_call(_PREFILL, attrs) as (metadata, span):
             try:
@@ -229,6 +231,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 refused = str(e)
                 if span is not None:
                     span.set_status(trace.Status(trace.StatusCode.ERROR, refused))
+            except PrefillTimedOut as e:
+                timed_out = f"prefill service {client.target}: {e}"
+                if span is not None:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, timed_out))
             except PrefillFailed as e:
                 failed = f"prefill service {client.target}: {e}"
                 if span is not None:
@@ -249,6 +255,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if metrics is not None:
                 metrics.prefill_refused()
             s.scheduler.prefill_locally(rid)
+            return local
+        if timed_out is not None:  # the client's deadline has time left: the prompt is computed here
+            s.router.unavailable(timed_out)
+            local = Route(False, "prefill_unavailable")
+            rt.set_attributes(_route_attrs(local))
+            s.scheduler.prefill_locally(rid, written=True)  # cuda_ipc, nixl: late writes may still land
             return local
         if failed is not None:
             s.scheduler.abort(rid)  # releases the reservation on the scheduler thread

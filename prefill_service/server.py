@@ -42,6 +42,8 @@ async def serve(cfg: PrefillConfig) -> int:
     servicer, health_servicer = add_services(server, telemetry)
 
     def attach(serving: PrefillServing) -> Scheduler:
+        if telemetry.metrics is not None:
+            telemetry.metrics.bind_model(serving.loaded.name)  # before the first request is recorded
         servicer.serving = serving
         return serving.scheduler
 

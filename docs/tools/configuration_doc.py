@@ -44,9 +44,16 @@ OTHER_VARIABLES: tuple[tuple[str, str, str, str], ...] = (
     ),
     (
         "PDSERVE_TARGET",
-        "`pdserve generate`, `pdserve bench`",
+        "`pdserve generate`, `pdserve bench`, the OpenAI-compatible front",
         "`127.0.0.1:50051`",
-        "default `--target`: the decode service to call (`shared/client/cli.py`)",
+        "default `--target`: the decode service to call (`shared/client/cli.py`, "
+        "`shared/client/openai/server.py`)",
+    ),
+    (
+        "PDSERVE_API_KEY",
+        "the OpenAI-compatible front (`python -m shared.client.openai`)",
+        "empty (no key)",
+        "default `--api-key`: requests to `/v1/*` must send `Authorization: Bearer <key>` (docs/openai.md)",
     ),
     (
         "PDSERVE_TEST_FAULTS",

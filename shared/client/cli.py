@@ -1,191 +1,298 @@
-"""The `pdserve` command: `up` (run the services locally), `generate` (stream a completion) and
-`demo` (start, stream one answer from the embedded default model, shut down)."""
+"""The `pdserve` command: `up` (run both services locally), `generate` (stream a completion), `bench`
+(an open-loop load test) and `demo` (start the services on the embedded default model, stream one
+answer, stop them). The process supervision of `up` and `demo` lives in shared/client/up.py."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
-import subprocess
+import re
 import sys
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
 
 from shared.client.client import Client, GenerationError
+from shared.client.up import Services
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
+DEFAULT_TARGET = "127.0.0.1:50051"
+# The services' --dtype spellings (shared/serving/config.py DTYPES; a test keeps the two in step): the
+# client may not import the serving layer, and `pdserve up` refuses a bad value before starting anything.
+DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "half", "fp32", "float32", "float")
+_UP_EPILOG = """\
+Every other flag goes to the services (see `python -m prefill_service --help` and `python -m
+decode_service --help`): decode's own flags (--prefill-timeout, --kv-transfer,
+--local-prefill-max-tokens, ...) to decode alone, the rest to both, after the ones `up` sets, so
+yours win. Flags after `--` are passed on without being read here.
+
+  pdserve up --model /models/Qwen3-0.6B --device cuda --max-running 64 --prefill-timeout 60
+  pdserve up --port 6000 --prefill-port 0 -- --no-metrics
+
+Each line the services print is shown prefixed by its role ([prefill] ..., [decode] ...). Ctrl-C or
+SIGTERM drains decode, then prefill (a second one kills both); the exit code is the worst service's.
+"""
 
 
-def chatml(question: str) -> str:
-    """The embedded default (SmolLM2-Instruct) speaks ChatML; the public API takes raw text."""
-    return (
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-        f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
-    )
+def version() -> str:
+    """The installed package's version; from pyproject.toml in a source tree that is not installed."""
+    try:
+        return metadata.version("pdserve")
+    except metadata.PackageNotFoundError:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        try:
+            return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
 
 
-class _Child:
-    """One service in a child process on a loopback port; `target` once it listens."""
+def _bounded(
+    kind: type, low: float, high: float | None = None, *, above: bool = False
+) -> Callable[[str], Any]:
+    """An argparse type: `kind` at least `low` (above it, with `above`) and below `high`."""
 
-    def __init__(self, module: str, port: str, *extra: str, env: dict[str, str] | None = None) -> None:
-        self.module = module
-        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", port, *extra]
-        env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-        self.target = ""
-        self._ready = threading.Event()
-        threading.Thread(target=self._watch, daemon=True).start()
+    def convert(text: str) -> Any:
+        value = kind(text)
+        if not (value > low if above else value >= low) or (high is not None and not value < high):
+            rule = f"> {low:g}" if above else f">= {low:g}" if high is None else f"in [{low:g}, {high:g})"
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")  # NaN too
+        return value
 
-    def _watch(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if "listening on" in line:
-                self.target = line.strip().rsplit(" ", 1)[1]
-            if line.strip().endswith("ready"):
-                self._ready.set()
-        self._ready.set()  # stdout closed: the service exited, and waiting for "ready" would be in vain
-
-    def wait_ready(self, timeout: float) -> bool:
-        """True once the service is ready; False at once when it exited, or after `timeout`."""
-        if not self._ready.wait(timeout):
-            return False
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(0.2)  # stdout may close just before the exit code is there
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # graceful: drain, free, exit 0
-            try:
-                return self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait()
+    convert.__name__ = "integer" if kind is int else "number"  # argparse's "invalid <name> value"
+    return convert
 
 
-class LocalServices:
-    """The prefill service, then the decode service pointed at it, in child processes on loopback.
-
-    Prompts longer than `local_prefill_max_tokens` are prefilled by the prefill service (the demo's
-    ChatML prompt is), shorter ones locally by decode.
-    """
-
-    def __init__(
-        self, *extra: str, decode_port: str = "0", prefill_port: str = "0", local_prefill_max_tokens: int = 16
-    ) -> None:
-        self._extra = extra
-        self._decode_port = decode_port
-        self._local = local_prefill_max_tokens
-        self.prefill = _Child("prefill_service", prefill_port, *extra)
-        self.decode: _Child | None = None
-        self.target = ""
-
-    def wait_ready(self, timeout: float) -> None:
-        if not self.prefill.wait_ready(timeout):
-            self.stop()
-            raise SystemExit(f"pdserve: the prefill service did not become ready within {timeout:.0f}s")
-        remote = ("--prefill-target", self.prefill.target, "--local-prefill-max-tokens", str(self._local))
-        self.decode = _Child("decode_service", self._decode_port, *self._extra, *remote)
-        if not self.decode.wait_ready(timeout):
-            self.stop()
-            raise SystemExit(f"pdserve: the decode service did not become ready within {timeout:.0f}s")
-        self.target = self.decode.target
-
-    def wait(self) -> int:
-        """Until either service exits (or Ctrl-C)."""
-        procs = [c.proc for c in (self.decode, self.prefill) if c is not None]
-        while all(p.poll() is None for p in procs):
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                procs[0].wait(0.5)
-        return max(p.returncode or 0 for p in procs if p.poll() is not None)
-
-    def stop(self, timeout: float = 30) -> int:
-        """Decode first (it drains against prefill), then prefill; the worst exit code."""
-        codes = [c.stop(timeout) for c in (self.decode, self.prefill) if c is not None]
-        return max(codes, key=abs)
+_positive_int, _non_negative_int, _port = _bounded(int, 1), _bounded(int, 0), _bounded(int, 0, 65536)
+_non_negative_float, _positive_float = _bounded(float, 0), _bounded(float, 0, above=True)
 
 
-def stream(target: str, prompt: str, max_tokens: int, temperature: float) -> str:
+def _device(text: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _dtype(text: str) -> str:
+    if text.lower() not in DTYPES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(DTYPES)}, got {text!r}")
+    return text.lower()
+
+
+def stream(target: str, prompt: str, max_tokens: int, temperature: float, *, chat: bool = False) -> str:
+    """Print the completion as it streams, then how it ended; returns the finish reason."""
     with Client(target) as client:
-        result = client.generate(prompt, max_tokens=max_tokens, temperature=temperature)
+        if chat:
+            messages = [{"role": "user", "content": prompt}]
+            result = client.generate(messages=messages, max_tokens=max_tokens, temperature=temperature)
+        else:
+            result = client.generate(prompt, max_tokens=max_tokens, temperature=temperature)
         for chunk in result:
             print(chunk.text, end="", flush=True)
         print(f"\n[finish_reason={result.finish_reason}, usage={result.usage}]")
         return result.finish_reason or ""
 
 
+def run_up(args: argparse.Namespace, passthrough: Sequence[str]) -> int:
+    service_args = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, *passthrough]
+    services = Services(service_args, host=args.host, port=args.port, prefill_port=args.prefill_port)
+    model = args.model or "the embedded default model"
+    return services.run(f"prefill and decode on {model} (device {args.device}, dtype {args.dtype})")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    args_ = ["--device", "cpu", "--num-pages", "128", "--max-running", "4", "--no-metrics"]
+    services = Services(args_, port=0, prefill_port=0, echo=False)
+    with services.signals_forwarded():
+        try:
+            if not services.wait_ready(timeout=300):
+                if not services.stopping.is_set():
+                    services.show_tails()
+                    print("pdserve demo: the services did not become ready (their last lines above)")
+                return max(services.stop(timeout=30), 1)
+            print(
+                f"pdserve demo: decode service ready on {services.decode.target} "
+                f"(prefill on {services.prefill.target})\n> {args.question}",
+                flush=True,
+            )
+            stream(services.decode.target, args.question, args.max_tokens, 0.0, chat=True)
+        finally:
+            code = services.stop(timeout=30)
+    print(f"pdserve demo: services stopped (exit {code})")
+    return code
+
+
 def run_bench(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from shared.client.loadgen import AgenticTrace, run_load
+    from shared.client.loadgen import AgenticTrace, print_report, run_load
 
     trace = AgenticTrace(args.sessions, args.turns, args.prefix_tokens, args.turn_tokens, args.output_tokens)
-    result = asyncio.run(run_load(args.target, trace, args.rate))
-    for key, value in result.as_dict().items():
-        print(f"{key:>14s}: {value:.4f}" if isinstance(value, float) else f"{key:>14s}: {value}")
+    print(
+        f"pdserve bench: {trace.requests} requests at {args.rate:g} req/s (Poisson) to {args.target}: "
+        f"{args.sessions} sessions x {args.turns} turns, {args.prefix_tokens}-token shared prefix, "
+        f"+{args.turn_tokens} tokens a turn, {args.output_tokens} output tokens each",
+        flush=True,
+    )
+    show = lambda line: print(f"pdserve bench: {line}", file=sys.stderr, flush=True)
+    result = asyncio.run(run_load(args.target, trace, args.rate, timeout=args.timeout, progress=show))
+    print_report(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result.as_dict(), f, indent=1)
-    return 0 if not result.errors else 1
+    return 1 if result.errors else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"pdserve {version()}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{up,generate,bench,demo,openai}")
+    target = os.environ.get("PDSERVE_TARGET", DEFAULT_TARGET)
+    where = "from $PDSERVE_TARGET" if "PDSERVE_TARGET" in os.environ else "$PDSERVE_TARGET sets another"
+    target_help = f"decode service to call, HOST:PORT (default: {target}; {where})"
+
+    up = sub.add_parser(
+        "up",
+        help="run the prefill and decode services locally until Ctrl-C",
+        description="Run the prefill and the decode service (paired) as child processes until Ctrl-C.",
+        epilog=_UP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    up.add_argument(
+        "--model",
+        default="",
+        metavar="PATH",
+        help="Hugging Face directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    up.add_argument(
+        "--device",
+        type=_device,
+        default="auto",
+        help="auto, cpu, cuda or cuda:N; auto = cuda when a GPU is visible (default: auto)",
+    )
+    up.add_argument(
+        "--dtype",
+        type=_dtype,
+        default="auto",
+        metavar="DTYPE",
+        help=f"{', '.join(DTYPES)}; auto = the checkpoint's dtype on CUDA, float32 on most CPUs "
+        "(default: auto)",
+    )
+    up.add_argument("--host", default="127.0.0.1", help="address both services bind (default: 127.0.0.1)")
+    up.add_argument(
+        "--port",
+        type=_port,
+        default=50051,
+        help="decode service (the public API) port; 0 = a free one (default: 50051)",
+    )
+    up.add_argument(
+        "--prefill-port",
+        type=_port,
+        default=50052,
+        help="prefill service port; 0 = a free one (default: 50052)",
+    )
+
+    gen = sub.add_parser("generate", help="stream a completion from a running decode service")
+    gen.add_argument("prompt", help="the prompt (raw text; with --chat, the user's message)")
+    gen.add_argument("--target", default=target, help=target_help)
+    gen.add_argument(
+        "--max-tokens", type=_positive_int, default=64, help="tokens to generate at most (default: 64)"
+    )
+    gen.add_argument(
+        "--temperature",
+        type=_non_negative_float,
+        default=0.0,
+        help="sampling temperature; 0 = greedy (default: 0.0)",
+    )
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message, rendered with the served model's own chat template "
+        "(default: off: the prompt is sent as raw text)",
+    )
+
+    bench = sub.add_parser(
+        "bench",
+        help="open-loop load test (Poisson arrivals, agentic shared-prefix trace)",
+        description="Open-loop load: requests arrive at --rate whatever the server's speed. The defaults "
+        "are a load a 2-core CPU serves the embedded model at without errors; raise them on a GPU.",
+    )
+    bench.add_argument("--target", default=target, help=target_help)
+    bench.add_argument("--rate", type=_positive_float, default=2.0, help="requests per second (default: 2.0)")
+    bench.add_argument("--sessions", type=_positive_int, default=8, help="conversations (default: 8)")
+    bench.add_argument(
+        "--turns", type=_positive_int, default=2, help="requests per conversation (default: 2)"
+    )
+    bench.add_argument(
+        "--prefix-tokens",
+        type=_non_negative_int,
+        default=128,
+        help="system prefix the sessions share, tokens (default: 128)",
+    )
+    bench.add_argument(
+        "--turn-tokens",
+        type=_non_negative_int,
+        default=32,
+        help="tokens each turn appends to its session (default: 32)",
+    )
+    bench.add_argument(
+        "--output-tokens", type=_positive_int, default=16, help="tokens each request generates (default: 16)"
+    )
+    bench.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=120.0,
+        help="seconds one request may take before it counts as an error (default: 120)",
+    )
+    bench.add_argument("--json", metavar="FILE", help="also write the results to FILE (default: none)")
+
+    # Parsed by the front itself (shared/client/openai/server.py): `main` hands it the rest of argv.
+    sub.add_parser(
+        "openai",
+        add_help=False,
+        help="an OpenAI-compatible HTTP API in front of a decode service (pdserve openai --help)",
+    )
+    demo = sub.add_parser("demo", help="start the services on the embedded default model, stream, stop")
+    demo.add_argument("--question", default=DEMO_PROMPT, help=f"what to ask (default: {DEMO_PROMPT!r})")
+    demo.add_argument(
+        "--max-tokens", type=_positive_int, default=48, help="tokens to generate at most (default: 48)"
+    )
+    return ap
+
+
+def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`pdserve up ... -- X Y`: (argv before `--`, [X, Y]); other commands keep `--` (a prompt may follow)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command == "up" and "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="start the services on the embedded default model, stream, stop")
-    demo.add_argument("--question", default=DEMO_PROMPT)
-    demo.add_argument("--max-tokens", type=int, default=48)
-    gen = sub.add_parser("generate", help="stream a completion from a running decode service")
-    gen.add_argument("prompt")
-    gen.add_argument("--target", default=os.environ.get("PDSERVE_TARGET", "127.0.0.1:50051"))
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML template")
-    bench = sub.add_parser("bench", help="open-loop load (Poisson arrivals, agentic shared-prefix trace)")
-    bench.add_argument("--target", default=os.environ.get("PDSERVE_TARGET", "127.0.0.1:50051"))
-    bench.add_argument("--rate", type=float, default=2.0, help="requests per second")
-    bench.add_argument("--sessions", type=int, default=8)
-    bench.add_argument("--turns", type=int, default=4)
-    bench.add_argument("--prefix-tokens", type=int, default=1024)
-    bench.add_argument("--turn-tokens", type=int, default=256)
-    bench.add_argument("--output-tokens", type=int, default=32)
-    bench.add_argument("--json", help="also write the result here")
-    up = sub.add_parser("up", help="run the services locally until Ctrl-C (embedded default model, CPU)")
-    up.add_argument("--port", default="50051", help="decode service (the public API) port")
-    up.add_argument("--prefill-port", default="50052")
-    args = ap.parse_args(argv)
+    ap = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["openai"]:
+        from shared.client.openai.server import main as openai_main  # FastAPI loads only for it
 
+        return openai_main(argv[1:])
+    argv, after_dashes = _split_passthrough(argv)
+    args, unknown = ap.parse_known_args(argv)
+    if unknown and args.cmd != "up":
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        if args.cmd == "up":
+            return run_up(args, [*unknown, *after_dashes])
         if args.cmd == "bench":
             return run_bench(args)
         if args.cmd == "generate":
-            prompt = chatml(args.prompt) if args.chat else args.prompt
-            stream(args.target, prompt, args.max_tokens, args.temperature)
+            stream(args.target, args.prompt, args.max_tokens, args.temperature, chat=args.chat)
             return 0
-        if args.cmd == "up":
-            services = LocalServices("--device", "cpu", decode_port=args.port, prefill_port=args.prefill_port)
-            try:
-                services.wait_ready(timeout=300)
-                print(f"pdserve up: decode on {services.target}, prefill on {services.prefill.target}")
-                return services.wait()
-            except KeyboardInterrupt:
-                return 0
-            finally:
-                services.stop()
-        services = LocalServices("--device", "cpu", "--num-pages", "128", "--max-running", "4")
-        try:
-            services.wait_ready(timeout=300)
-            print(
-                f"pdserve demo: decode service ready on {services.target} "
-                f"(prefill on {services.prefill.target})\n> {args.question}"
-            )
-            stream(services.target, chatml(args.question), args.max_tokens, 0.0)
-        finally:
-            code = services.stop()
-        print(f"pdserve demo: services stopped (exit {code})")
-        return code
+        return run_demo(args)
     except GenerationError as err:
         print(f"pdserve: {err}", file=sys.stderr)
         return 1

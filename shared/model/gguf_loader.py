@@ -17,6 +17,14 @@ import torch
 from shared.model.config import ModelConfig, config_from_hf
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# general.file_type (llama.cpp's LlamaFileType) of the unquantized encodings; every other is quantized.
+_FILE_DTYPES = {0: torch.float32, 1: torch.float16, 32: torch.bfloat16}
+
+
+def gguf_file_dtype(meta: dict[str, Any]) -> torch.dtype | None:
+    """The dtype the file stores its weights in; None when quantized (or general.file_type is absent)."""
+    kind = meta.get("general.file_type")
+    return None if kind is None else _FILE_DTYPES.get(int(kind))
 
 
 def read_metadata(reader: Any) -> dict[str, Any]:

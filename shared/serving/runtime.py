@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import logging
 import signal
 import threading
@@ -23,10 +25,19 @@ from grpc_reflection.v1alpha import reflection
 
 from invariants import InvariantViolation, Violation
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.kv.cache import KVConfig
-from shared.model import LoadedModel
+from shared.engine.kv.cache import KVCache, KVConfig
+from shared.model import LoadedModel, Transformer
 from shared.serving.api.model_source import load_served_model
+from shared.serving.binding import bind
 from shared.serving.config import CommonConfig
+from shared.serving.kv_sizing import (
+    MemoryPlan,
+    Sizing,
+    SizingError,
+    cpu_available_bytes,
+    cuda_activation_bytes,
+    plan_pages,
+)
 from shared.serving.metrics import Metrics, serve_metrics
 from shared.serving.scheduler_base import Scheduler
 from shared.serving.telemetry import Telemetry
@@ -66,15 +77,18 @@ def resolve_device(name: str) -> torch.device:
 def build_engine(cfg: CommonConfig, role: str, *, mixed: bool = False) -> tuple[LoadedModel, Engine]:
     """Load the model, build its Engine and warm it up (blocking: run off the event loop). `role`
     names the log; `mixed`: decode tokens in every step beside prompt chunks (`EngineConfig.mixed`)."""
-    device, dtype = resolve_device(cfg.device), getattr(torch, cfg.dtype)
+    log = logging.getLogger(f"{role}_service")
+    device = resolve_device(cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this loading thread's kernels and graph captures go there
-    loaded = load_served_model(cfg.model, device=device, dtype=dtype)
+    # CPU auto sizing: the RAM free before the weights take theirs (they are subtracted as a whole).
+    ram = cpu_available_bytes() if device.type == "cpu" and not cfg.num_pages else 0
+    loaded = load_served_model(cfg.model, device=device, dtype=cfg.dtype)  # "auto" resolved there
     loaded.model.gemm_backend = cfg.gemm
     kv_dtype = next(loaded.model.parameters()).dtype
     kv = KVConfig(
         page_size=cfg.page_size,
-        num_pages=cfg.num_pages,
+        num_pages=cfg.num_pages or 1,
         max_requests=cfg.max_running,
         dtype=kv_dtype,
         device=str(device),
@@ -83,11 +97,42 @@ def build_engine(cfg: CommonConfig, role: str, *, mixed: bool = False) -> tuple[
         max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running, mixed=mixed,
         tune_gemms=cfg.tune_gemms,
     )  # fmt: skip
+    if not cfg.num_pages:
+        sizing = _size_pool(loaded.model, kv, engine_cfg, cfg.kv_memory_fraction, ram)
+        log.info("KV pool: %d pages, sized from memory (%s)", sizing.num_pages, sizing.why)
+        kv = dataclasses.replace(kv, num_pages=sizing.num_pages)
     engine = Engine(loaded.model, kv, engine_cfg)
     took = engine.warm_up()  # before ready: a first request must not wait on kernel compiles
     if took:
-        logging.getLogger(f"{role}_service").info("warmed up in %.1f s", took)
+        log.info("warmed up in %.1f s", took)
     return loaded, engine
+
+
+def _size_pool(
+    model: Transformer, kv: KVConfig, engine_cfg: EngineConfig, fraction: float, ram: int
+) -> Sizing:
+    """--num-pages 0: the pages --kv-memory-fraction leaves room for (shared/serving/kv_sizing.py)."""
+    mcfg, device = model.cfg, torch.device(kv.device)
+    free = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        weights = torch.cuda.memory_allocated(device)  # what loading left allocated
+        activations = cuda_activation_bytes(model, mcfg, kv, engine_cfg)
+        free, memory = torch.cuda.mem_get_info(device)
+    else:
+        tensors = itertools.chain(model.parameters(), model.buffers())
+        weights, activations, memory = sum(t.numel() * t.element_size() for t in tensors), 0, ram
+    plan = MemoryPlan(
+        device=device.type, memory=memory, fraction=fraction, weights=weights, activations=activations,
+        window_bytes=KVCache.window_pool_bytes(mcfg, kv.max_requests, kv.dtype),
+        page_bytes=KVCache.bytes_per_page(mcfg, kv.page_size, kv.dtype), page_size=kv.page_size,
+        max_context=mcfg.max_position_embeddings, max_running=min(engine_cfg.max_running, kv.max_requests),
+        free=free,
+    )  # fmt: skip
+    try:
+        return plan_pages(plan)
+    except SizingError as e:
+        raise StartupError(str(e)) from e
 
 
 def service_telemetry(role: str, cfg: CommonConfig) -> Telemetry:
@@ -158,7 +203,11 @@ async def run_service(
     and returns its scheduler. Returns the process exit code."""
     log = logging.getLogger(f"{role}_service")
     telemetry = telemetry or Telemetry(role)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    try:
+        port = bind(server, cfg.host, cfg.port)
+    except OSError as e:  # the port is taken: say so at once, before any model loads
+        log.error("%s", e.strerror or e)
+        return 1
     await health_servicer.set("", SERVING)  # liveness: the process answers
     await health_servicer.set(service_name, NOT_SERVING)  # readiness: not until the model is loaded
     await server.start()
@@ -211,7 +260,7 @@ async def run_service(
             if telemetry.metrics is not None:
                 telemetry.metrics.watch_pool(sched.pool_state)
             await health_servicer.set(service_name, SERVING)
-            log.info("ready (%s)", cfg.model or "embedded default")
+            log.info("ready (%s): %s", cfg.model or "embedded default", sched.capacity())
             print(f"pdserve {role} ready", flush=True)
             await stopping
             log.info("draining (timeout %.1fs)", cfg.drain_timeout)

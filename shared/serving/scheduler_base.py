@@ -28,6 +28,7 @@ from shared.engine.engine import Engine
 from shared.engine.request import Request
 from shared.engine.sampling import SamplingParams
 from shared.serving.faults import Faults
+from shared.serving.kv_sizing import capacity_text
 from shared.serving.scheduler_types import (
     AlreadyExists,
     Event,
@@ -178,6 +179,10 @@ class Scheduler:
     def pool_state(self) -> PoolState:
         with self._cond:
             return self._state
+
+    def capacity(self) -> str:
+        """The KV pool's capacity in words, for the start-up banner (fixed once the engine is built)."""
+        return capacity_text(self._engine)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort what is left, stop the thread. Streams still open get Finished("abort")."""

@@ -1,12 +1,13 @@
 """OpenTelemetry tracing for one service process: exporters from the standard OTEL_* variables, W3C
 `traceparent` over gRPC metadata, and invariant violations as span events.
 
-Exporters (`OTEL_TRACES_EXPORTER`, comma separated): `otlp` (protocol from
-`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL`: `grpc`, the default, or
-`http/protobuf`; endpoint, headers, timeouts and batching from the exporters' own OTEL_* variables),
-`console`, `none`. Unset: `otlp` when an OTLP endpoint variable is set, otherwise nothing. With no
-exporter there is no tracer at all: request handlers skip every span call, so tracing off costs
-nothing, and the scheduler thread never touches spans either way (it only stamps times on its events).
+The OpenTelemetry SDK reads the OTEL_* variables itself (`provider_from_env`): exporters by name from
+`OTEL_TRACES_EXPORTER` (comma separated: `otlp`, whose protocol `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` /
+`OTEL_EXPORTER_OTLP_PROTOCOL` picks, `grpc` by default or `http/protobuf`; `otlp_proto_grpc`,
+`otlp_proto_http`, `console`, `none`), the rest from each component's own variables. Unset: `otlp`
+when an OTLP endpoint variable is set, otherwise nothing. With no exporter there is no tracer at all:
+request handlers skip every span call, so tracing off costs nothing, and the scheduler thread never
+touches spans either way (it only stamps times on its events).
 `PDSERVE_TEST_SPAN_FILE=PATH` (tests only) adds an exporter writing each span as a JSON line.
 
 Spans are manual, not gRPC auto-instrumentation: the span tree names the serving phases (queue,
@@ -18,19 +19,21 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    ConsoleSpanExporter,
-    SimpleSpanProcessor,
-    SpanExporter,
+from opentelemetry.environment_variables import OTEL_TRACES_EXPORTER
+from opentelemetry.sdk._configuration import _get_exporter_entry_point, _get_exporter_names, _import_exporters
+from opentelemetry.sdk.environment_variables import (
+    OTEL_EXPORTER_OTLP_ENDPOINT,
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+    OTEL_SDK_DISABLED,
 )
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 import invariants
@@ -56,50 +59,40 @@ def inject_context(ctx: Context | None = None) -> list[tuple[str, str]]:
     return list(carrier.items())
 
 
-def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
-    proto = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
-    if proto == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    elif proto in ("http/protobuf", "http"):
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore
-    else:
-        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL: {proto!r} is not grpc or http/protobuf")
-    return OTLPSpanExporter()
+def _exporter_names() -> list[str]:
+    """The SDK's own reading of OTEL_TRACES_EXPORTER (and of the OTLP protocol variables: `otlp` becomes
+    the grpc or the http/protobuf exporter's entry point), with one default of ours: unset, it is `otlp`
+    only when an OTLP endpoint is set (the spec's `otlp` would export to a localhost collector that is
+    not there)."""
+    if OTEL_TRACES_EXPORTER in os.environ:
+        return _get_exporter_names("traces")
+    if os.environ.get(OTEL_EXPORTER_OTLP_ENDPOINT) or os.environ.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT):
+        return [_get_exporter_entry_point("otlp", "traces")]
+    return []
 
 
-def _processors(env: Mapping[str, str]) -> list[SpanProcessor]:
-    names = env.get("OTEL_TRACES_EXPORTER")
-    if names is None:
-        has_endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        names = "otlp" if has_endpoint else "none"
-    out: list[SpanProcessor] = []
-    for name in (n.strip() for n in names.split(",")):
-        if name in ("", "none"):
-            continue
-        if name == "otlp":
-            out.append(BatchSpanProcessor(_otlp_exporter(env)))
-        elif name == "console":
-            out.append(SimpleSpanProcessor(ConsoleSpanExporter()))
-        else:
-            log.warning("OTEL_TRACES_EXPORTER: unknown exporter %r ignored", name)
-    if env.get(SPAN_FILE_ENV):
+def provider_from_env(role: str) -> TracerProvider | None:
+    """A TracerProvider for `role` with the span exporters the OTEL_* environment names; None when there
+    are none (or OTEL_SDK_DISABLED=true). Everything else is the SDK's own configuration: the exporters
+    read OTEL_EXPORTER_OTLP_* (endpoint, headers, timeout, TLS), BatchSpanProcessor OTEL_BSP_*, the
+    TracerProvider OTEL_TRACES_SAMPLER(_ARG), and the resource OTEL_SERVICE_NAME and
+    OTEL_RESOURCE_ATTRIBUTES (over our default `pdserve-<role>`). A value the SDK cannot use (an
+    unknown exporter, an OTLP protocol other than grpc and http/protobuf) raises ValueError."""
+    if os.environ.get(OTEL_SDK_DISABLED, "").strip().lower() == "true":
+        return None
+    try:
+        exporters, _, _ = _import_exporters(_exporter_names(), [], [])
+    except RuntimeError as e:  # the SDK's word for a bad value
+        raise ValueError(f"OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_PROTOCOL: {e}") from e
+    processors: list[SpanProcessor] = [BatchSpanProcessor(exporter()) for exporter in exporters.values()]
+    if os.environ.get(SPAN_FILE_ENV):
         from shared.serving.span_file import JsonLinesExporter
 
-        out.append(SimpleSpanProcessor(JsonLinesExporter(env[SPAN_FILE_ENV])))
-    return out
-
-
-def provider_from_env(role: str, env: Mapping[str, str] | None = None) -> TracerProvider | None:
-    """A TracerProvider for `role` with the exporters the environment names; None when there are none."""
-    env = os.environ if env is None else env
-    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
-        return None
-    processors = _processors(env)
+        processors.append(SimpleSpanProcessor(JsonLinesExporter(os.environ[SPAN_FILE_ENV])))
     if not processors:
         return None
-    # Resource.create reads OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME (which wins over ours).
-    attrs = {"service.name": env.get("OTEL_SERVICE_NAME") or f"pdserve-{role}", "pdserve.role": role}
-    provider = TracerProvider(resource=Resource.create(attrs))
+    ours = Resource.create({"service.name": f"pdserve-{role}", "pdserve.role": role})
+    provider = TracerProvider(resource=ours.merge(OTELResourceDetector().detect()))  # the env's win
     for p in processors:
         provider.add_span_processor(p)
     return provider

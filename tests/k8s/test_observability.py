@@ -132,7 +132,7 @@ def test_podmonitor_scrapes_every_metrics_port(overlay: str, objs: tuple[Obj, ..
 def test_otel_settings_build_the_services_tracer(
     objs: tuple[Obj, ...], role: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The role's env through shared/telemetry.provider_from_env: spans are exported over OTLP to the
+    """The role's env through shared/serving/telemetry.provider_from_env: spans are exported over OTLP to the
     collector's Service, named by role, carrying the pod's resource attributes."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
@@ -143,7 +143,7 @@ def test_otel_settings_build_the_services_tracer(
         monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)  # the OTLP exporter reads its endpoint from os.environ
-    provider = provider_from_env(role, env)
+    provider = provider_from_env(role)
     assert provider is not None, f"{role}: no span exporter from {sorted(k for k in env if 'OTEL' in k)}"
     try:
         attrs = provider.resource.attributes

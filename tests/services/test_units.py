@@ -13,8 +13,8 @@ import torch
 from decode_service.config import ServiceConfig, parse_args
 from decode_service.output import OutputProcessor
 from prefill_service.config import parse_args as parse_prefill_args
-from shared.client.cli import _Child
 from shared.client.client import Client
+from shared.client.up import Services
 from shared.serving.api.model_source import load_served_model
 from shared.serving.runtime import StartupError, resolve_device
 from tests.services.service_testutil import ServerProcess, random_spec
@@ -121,13 +121,16 @@ def test_device_flag_takes_auto_cpu_cuda_or_an_index_and_resolves_to_an_exact_de
 
 
 def test_a_local_service_that_exits_at_start_up_is_noticed_at_once() -> None:
-    child = _Child("decode_service", "0", "--model", "/nonexistent/model.gguf", "--device", "cpu")
+    local = Services(
+        ["--model", "/nonexistent/model.gguf", "--device", "cpu"], port=0, prefill_port=0, echo=False
+    )
     try:
         start = time.monotonic()
-        assert child.wait_ready(120) is False
-        assert time.monotonic() - start < 60 and child.proc.returncode == 1
+        assert local.wait_ready(120) is False
+        assert time.monotonic() - start < 60
+        assert local.failed() is not None and local.failed().wait(10) == 1
     finally:
-        child.stop()
+        local.stop(30)
 
 
 def _cpu_seconds(pid: int) -> float:

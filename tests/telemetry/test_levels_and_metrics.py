@@ -68,9 +68,13 @@ def test_metrics_parse_and_move_with_traffic(tmp_path: Path) -> None:
         url = metrics_url(dec)
         before = scrape(url)
         assert not [name for name, _ in before if ":" in name or not name.startswith("pdserve_")]
+        labels = (("model_name", "random"), ("service", "decode"))  # the model GetModelInfo names
         for name in ("pdserve_requests_running", "pdserve_requests_waiting", "pdserve_kv_usage_ratio"):
-            assert (name, (("service", "decode"),)) in before
-        assert sample(before, "pdserve_kv_pages_total") > 0 and sample(before, "pdserve_kv_usage_ratio") == 0
+            assert (name, labels) in before
+        assert all(dict(ls)["model_name"] == "random" for (_, ls) in before)
+        assert (
+            sample(before, "pdserve_kv_pages_capacity") > 0 and sample(before, "pdserve_kv_usage_ratio") == 0
+        )
         n = 3
         with Client(dec.target) as c:
             for i in range(n):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from invariants import Severity, Violation
@@ -13,25 +17,54 @@ from shared.serving.metrics import Metrics
 from shared.serving.telemetry import Telemetry, extract_context, inject_context, provider_from_env
 
 
-def test_no_exporter_configured_means_no_tracer() -> None:
-    assert provider_from_env("decode", {}) is None
-    assert provider_from_env("decode", {"OTEL_TRACES_EXPORTER": "none"}) is None
-    assert not Telemetry("decode", provider_from_env("decode", {})).tracing
-    env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_SDK_DISABLED": "true"}
-    assert provider_from_env("decode", env) is None
+def _env(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
+    """Exactly these OTEL_* variables (the SDK reads os.environ)."""
+    for key in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
 
 
-def test_exporters_from_env() -> None:
-    p = provider_from_env("prefill", {"OTEL_TRACES_EXPORTER": "console"})
+def test_no_exporter_configured_means_no_tracer(monkeypatch: pytest.MonkeyPatch) -> None:
+    _env(monkeypatch)
+    assert provider_from_env("decode") is None
+    assert not Telemetry("decode", provider_from_env("decode")).tracing
+    _env(monkeypatch, OTEL_TRACES_EXPORTER="none", OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:1")
+    assert provider_from_env("decode") is None
+    _env(monkeypatch, OTEL_TRACES_EXPORTER="console", OTEL_SDK_DISABLED="true")
+    assert provider_from_env("decode") is None
+
+
+def _exporters(p: TracerProvider) -> list[SpanExporter]:
+    return [sp.span_exporter for sp in p._active_span_processor._span_processors]  # type: ignore[attr-defined]
+
+
+def test_exporters_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    _env(monkeypatch, OTEL_TRACES_EXPORTER="console")
+    p = provider_from_env("prefill")
     assert p is not None and p.resource.attributes["service.name"] == "pdserve-prefill"
+    assert [type(e) for e in _exporters(p)] == [ConsoleSpanExporter]
     p.shutdown()
-    for proto in ("grpc", "http/protobuf"):
-        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "OTEL_EXPORTER_OTLP_PROTOCOL": proto}
-        p = provider_from_env("decode", {**env, "OTEL_SERVICE_NAME": "dec"})
-        assert p is not None and p.resource.attributes["service.name"] == "dec"
+    for proto, exporter in (("grpc", GrpcExporter), ("http/protobuf", HttpExporter)):
+        # No OTEL_TRACES_EXPORTER but an endpoint: otlp, over the protocol the SDK reads
+        _env(monkeypatch, OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:1", OTEL_EXPORTER_OTLP_PROTOCOL=proto)
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "dec")
+        monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=other,k8s.pod.name=p0")
+        p = provider_from_env("decode")
+        assert p is not None and [type(e) for e in _exporters(p)] == [exporter]
+        attrs = p.resource.attributes  # OTEL_SERVICE_NAME over OTEL_RESOURCE_ATTRIBUTES over ours
+        assert (
+            attrs["service.name"] == "dec"
+            and attrs["k8s.pod.name"] == "p0"
+            and attrs["pdserve.role"] == "decode"
+        )
         p.shutdown()
+    _env(monkeypatch, OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_PROTOCOL="x")
     with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_PROTOCOL"):
-        provider_from_env("decode", {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "x"})
+        provider_from_env("decode")
+    _env(monkeypatch, OTEL_TRACES_EXPORTER="zipkin-typo")
+    with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER"):
+        provider_from_env("decode")
 
 
 def test_traceparent_round_trip() -> None:
@@ -58,6 +91,7 @@ def test_unattributed_violation_gets_a_service_span_and_is_counted() -> None:
     (event,) = span.events
     assert event.name == "invariant.violation" and event.attributes["invariant.total_hits"] == 5
     labels = {"invariant": "swa.history_present", "severity": "fatal_containable", "service": "decode"}
+    labels["model_name"] = ""  # none bound: a Metrics made outside a service
     assert metrics.registry.get_sample_value("pdserve_invariant_hits_total", labels) == 2
 
 

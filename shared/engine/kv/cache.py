@@ -101,7 +101,24 @@ class KVCache:
         return len(self.sliding_layers) * self.window * per_token
 
     def page_bytes(self) -> int:
-        return 2 * self.k_pages[:, 0].numel() * self.k_pages.element_size()
+        return self.bytes_per_page(self.model, self.page_size, self.cfg.dtype)
+
+    @staticmethod
+    def bytes_per_page(model: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        """Bytes one page takes across every full-attention layer, K and V (0 without full layers): what
+        each page of `num_pages` costs, for sizing the pool before it exists."""
+        n_full = sum(not model.is_sliding(i) for i in range(model.num_layers))
+        return 2 * n_full * page_size * model.num_kv_heads * model.head_dim * dtype.itemsize
+
+    @staticmethod
+    def window_pool_bytes(model: ModelConfig, max_requests: int, dtype: torch.dtype) -> int:
+        """Bytes of the sliding layers' rings, K, V and positions, for `max_requests` slots plus the
+        scratch one: fixed by W and the slots, whatever the number of pages."""
+        n_sliding = sum(model.is_sliding(i) for i in range(model.num_layers))
+        if not n_sliding:
+            return 0
+        rows = n_sliding * (max_requests + 1) * max(model.sliding_window or 0, 1)
+        return rows * (2 * model.num_kv_heads * model.head_dim * dtype.itemsize + 4)  # int32 ring_pos
 
     def usage(self) -> float:
         """Share of pages in use (the KV usage gauge)."""

@@ -5,7 +5,10 @@ The random models let service tests run real servers on CPU in milliseconds per 
 build the very same model in-process (same JSON, same seed) to compare the server with the Engine.
 JSON keys, all optional: layers ("SSFS": S sliding, F full), window, vocab, hidden, heads, kv_heads,
 head_dim, intermediate, max_context, seed, eos (list of ids), load_delay_s (sleep before loading, so
-tests can watch readiness flip).
+tests can watch readiness flip). A random model is a float32 checkpoint that `--dtype auto` serves in
+float32 on every host, so that a test's in-process copy (float32 by default) is the same model.
+
+`--dtype auto` is resolved here, where the checkpoint's own dtype is known (`auto_dtype`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from shared.model import FULL, SLIDING, LoadedModel, ModelConfig, Tokenizer, Transformer, load_model
 
-__all__ = ["RANDOM_PREFIX", "load_served_model", "random_model_config", "random_transformer"]
+__all__ = [
+    "RANDOM_PREFIX", "auto_dtype", "cpu_bf16_fast", "load_served_model", "random_model_config",
+    "random_transformer",
+]  # fmt: skip
 
 RANDOM_PREFIX = "random:"
 _PRINTABLE = [chr(c) for c in range(32, 127)]
@@ -86,10 +92,50 @@ def _random_model(spec: str, device: torch.device | str, dtype: torch.dtype) -> 
     return LoadedModel(cfg, model, _char_tokenizer(cfg.vocab_size, cfg.eos_token_ids), "random")
 
 
+def cpu_bf16_fast() -> bool:
+    """Whether this CPU runs the model faster in bfloat16 than in float32: where it has AMX.
+
+    Decided by the instruction set, not by timing a matmul at start-up: prefill and decode on one host
+    must resolve `auto` alike (their KV dtypes must agree at the handshake), and a timing on a busy
+    host is noise. AMX (Intel Sapphire Rapids and later) multiplies bfloat16 tiles several times faster
+    than float32 FMAs, which pays for the casts around them. AVX512_BF16 alone does not: on an AMD EPYC
+    with it, a 512-token prefill of SmolLM2-135M through the Engine took as long in bfloat16 as in
+    float32 (the GEMMs got faster, the elementwise ops and casts around them slower), and
+    `torch.backends.cpu.get_cpu_capability()` says "AVX512" either way."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private, hence the guard
+    return bool(probe is not None and probe())
+
+
+def auto_dtype(device: torch.device | str, stored: torch.dtype | None) -> torch.dtype:
+    """`--dtype auto` for a checkpoint stored in `stored` (None: quantized, or it does not say).
+
+    CUDA: the checkpoint's dtype, but bfloat16 for a float32 or quantized one (half the memory and the
+    tensor cores' rate; training ran in bf16 for most of them), and float16 on a GPU without bfloat16.
+    CPU: bfloat16 where it is faster (`cpu_bf16_fast`), else float32 (float16 is slow on CPUs)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if stored is torch.float16 or not torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.float16
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_bf16_fast() else torch.float32
+
+
 def load_served_model(
-    spec: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    spec: str, *, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32
 ) -> LoadedModel:
-    """`spec`: "" (embedded default), a checkpoint path (HF directory or .gguf), or `random:<json>`."""
+    """`spec`: "" (embedded default), a checkpoint path (HF directory or .gguf), or `random:<json>`.
+    `dtype`: a torch dtype, its name (`bfloat16`, as CommonConfig normalizes it), or `auto`."""
     if spec.startswith(RANDOM_PREFIX):
-        return _random_model(spec, device, dtype)
-    return load_model(spec or None, dtype=dtype, device=device)
+        return _random_model(spec, device, torch.float32 if dtype == "auto" else _dtype(dtype))
+    if dtype == "auto":
+        return load_model(spec or None, dtype=lambda stored: auto_dtype(device, stored), device=device)
+    return load_model(spec or None, dtype=_dtype(dtype), device=device)
+
+
+def _dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, dtype, None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"not a torch dtype: {dtype!r}")
+    return found

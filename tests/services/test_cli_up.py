@@ -1,0 +1,154 @@
+"""`pdserve up` as a user runs it: both services started at once, their output live and prefixed by
+role, flags passed through to the service that takes them, SIGTERM/SIGINT drained through both
+children (none left behind), and the worst child's exit code."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.client.client import Client
+from tests.services.service_testutil import ROOT, random_spec
+
+# A prompt longer than the 16 tokens `pdserve up` prefills locally: it goes to the prefill service.
+LONG_PROMPT = list(range(1, 41))
+
+
+class Up:
+    """`pdserve up ...` in a subprocess; every line of its stdout and stderr collected as it comes."""
+
+    def __init__(self, *args: str) -> None:
+        cmd = [sys.executable, "-m", "shared.client.cli", "up", "--port", "0", "--prefill-port", "0", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        for stream in (self.proc.stdout, self.proc.stderr):
+            threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:  # type: ignore[no-untyped-def]
+        for line in stream:
+            self.lines.put(line.rstrip("\n"))
+
+    def expect(self, text: str, timeout: float = 120) -> str:
+        """The first line (from now on, or already seen) containing `text`."""
+        found = next((line for line in self.seen if text in line), None)
+        deadline = time.monotonic() + timeout
+        while found is None:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                pytest.fail(f"no {text!r} within {timeout:.0f}s; output:\n" + "\n".join(self.seen[-60:]))
+            self.seen.append(line)
+            if text in line:
+                found = line
+        return found
+
+    def drain(self) -> list[str]:
+        while True:
+            try:
+                self.seen.append(self.lines.get(timeout=1))
+            except queue.Empty:
+                return self.seen
+
+    def children(self) -> list[int]:
+        """Pids whose parent is `pdserve up` (from /proc)."""
+        out = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid:
+                out.append(int(stat.parent.name))
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: list[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if alive(p)]}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_up_starts_both_serves_and_drains_both_on_a_signal(sig: signal.Signals) -> None:
+    # A model that takes 2 s to load: decode must not wait for prefill's to start its own.
+    up = Up("--model", random_spec(load_delay_s=2), "--no-metrics", "--max-running", "4",
+            "--prefill-timeout", "20")  # fmt: skip
+    try:
+        ready = up.expect("pdserve: ready: decode (the public API) on ")
+        target = ready.split(" on ")[1].split(",")[0]
+        lines = up.seen
+        decode_listening = next(
+            i for i, line in enumerate(lines) if "[decode] pdserve decode listening" in line
+        )
+        prefill_ready = next(i for i, line in enumerate(lines) if "[prefill] pdserve prefill ready" in line)
+        assert decode_listening < prefill_ready, "decode started only once prefill was ready"
+        assert any(line.startswith("[prefill] ") and "INFO prefill_service: ready" in line for line in lines)
+        assert any(line.startswith("[decode] ") and "INFO decode_service: ready" in line for line in lines)
+        with Client(target) as client:
+            done = client.complete(LONG_PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True)
+            assert done.usage.completion_tokens == 4
+        children = up.children()
+        assert len(children) == 2
+        up.proc.send_signal(sig)
+        assert up.proc.wait(60) == 0
+        wait_gone(children)
+        out = up.drain()
+        assert any("[decode] pdserve decode stopped" in line for line in out)
+        assert any("[prefill] pdserve prefill stopped" in line for line in out)
+        assert any("pdserve: stopped (exit 0)" in line for line in out)
+    finally:
+        up.close()
+
+
+def test_a_service_that_dies_stops_the_other_and_sets_the_exit_code() -> None:
+    up = Up("--model", random_spec(), "--no-metrics")
+    try:
+        up.expect("pdserve: ready")
+        children = up.children()
+        decode = next(p for p in children if "decode_service" in Path(f"/proc/{p}/cmdline").read_text())
+        os.kill(decode, signal.SIGKILL)
+        assert up.proc.wait(60) == 128 + signal.SIGKILL
+        wait_gone(children)
+        assert any("the decode service exited (137): stopping the other" in line for line in up.drain())
+    finally:
+        up.close()
+
+
+def test_a_bad_service_flag_fails_up_with_the_services_usage() -> None:
+    up = Up("--model", random_spec(), "--max-running", "0")
+    try:
+        assert up.proc.wait(120) == 2
+        out = up.drain()
+        # The first service to refuse it stops the other (which may not have read its flags yet).
+        roles = [r for r in ("prefill", "decode") if any(line.startswith(f"[{r}] usage: ") for line in out)]
+        assert roles, out
+        error = f"[{roles[0]}] python -m {roles[0]}_service: error: argument --max-running"
+        assert any(line.startswith(error) for line in out), out
+    finally:
+        up.close()
