@@ -33,7 +33,7 @@ def build_serving(cfg: ServiceConfig) -> Serving:
     loaded, engine = build_engine(cfg, "decode", mixed=cfg.mixed_steps)
     prefill = ipc = nixl = None
     if cfg.prefill_target:
-        layout = KVLayout.of(engine.cache, loaded.name)
+        layout = KVLayout.of(engine.cache, loaded.name, loaded.fingerprint)
         try:
             if cfg.kv_transfer == "cuda_ipc":
                 ipc = IpcReceiver(engine.cache)  # the pool's IPC handles, made once

@@ -25,7 +25,9 @@ def build_serving(cfg: PrefillConfig) -> PrefillServing:
     scheduler = PrefillScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue))
     scheduler.start()
     limits = Limits(vocab_size=loaded.config.vocab_size, max_context=engine.max_context())
-    return PrefillServing(loaded, scheduler, limits, KVLayout.of(engine.cache, loaded.name))
+    return PrefillServing(
+        loaded, scheduler, limits, KVLayout.of(engine.cache, loaded.name, loaded.fingerprint)
+    )
 
 
 def add_services(

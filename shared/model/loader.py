@@ -75,6 +75,9 @@ class LoadedModel:
     model: Transformer
     tokenizer: Tokenizer | None  # None for a checkpoint without tokenizer files (e.g. random test weights)
     name: str
+    # `shared/model/fingerprint.py` of the weights as loaded (before the engine folds its norms); ""
+    # until taken
+    fingerprint: str = ""
 
 
 def default_gguf_path() -> Path:

@@ -27,6 +27,7 @@ from invariants import InvariantViolation, Violation
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv.cache import KVCache, KVConfig
 from shared.model import LoadedModel, Transformer
+from shared.model.fingerprint import fingerprint
 from shared.serving.api.model_source import load_served_model
 from shared.serving.binding import bind
 from shared.serving.config import CommonConfig
@@ -84,6 +85,8 @@ def build_engine(cfg: CommonConfig, role: str, *, mixed: bool = False) -> tuple[
     # CPU auto sizing: the RAM free before the weights take theirs (they are subtracted as a whole).
     ram = cpu_available_bytes() if device.type == "cpu" and not cfg.num_pages else 0
     loaded = load_served_model(cfg.model, device=device, dtype=cfg.dtype)  # "auto" resolved there
+    # Before the engine rewrites any weight (its folded norms): what the KV handshake compares.
+    loaded = dataclasses.replace(loaded, fingerprint=fingerprint(loaded.model, loaded.tokenizer))
     loaded.model.gemm_backend = cfg.gemm
     kv_dtype = next(loaded.model.parameters()).dtype
     kv = KVConfig(

@@ -27,12 +27,16 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    # The weights and tokenizer (`shared/model/fingerprint.py`): the same layout with other weights
+    # hands over KV that decodes as garbage.
+    weights: str
 
     @classmethod
-    def of(cls, cache: KVCache, model_name: str) -> KVLayout:
+    def of(cls, cache: KVCache, model_name: str, weights: str) -> KVLayout:
         m = cache.model
         return cls(
             model_name=model_name,
+            weights=weights,
             dtype=str(cache.k_pages.dtype).removeprefix("torch."),
             page_size=cache.page_size,
             num_layers=m.num_layers,
@@ -52,14 +56,23 @@ class KVLayout:
         return cls(**{**values, "layer_types": tuple(msg.layer_types)})
 
 
+_SHOWN = 80  # characters of a value a mismatch message shows: a peer's field may be any size
+
+
 def mismatches(a: KVLayout, b: KVLayout) -> list[str]:
-    """Every field on which `a` and `b` differ, as "name: a != b" (empty when they agree)."""
+    """Every field on which `a` and `b` differ, as "name: a != b" (empty when they agree); values are
+    cut to a few dozen characters, since one side is whatever a caller sent."""
     out = []
     for f in fields(KVLayout):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if x != y:
-            out.append(f"{f.name}: {x!r} != {y!r}")
+            out.append(f"{f.name}: {_short(x)} != {_short(y)}")
     return out
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN else f"{text[: _SHOWN - 3]}..."
 
 
 @dataclass(frozen=True)

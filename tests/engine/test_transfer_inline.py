@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -76,11 +78,19 @@ def test_chunk_size_limit_respected_and_no_window_without_history():
 
 
 def test_layout_mismatches_name_every_field():
-    a = KVLayout.of(engines("SSFS")[0].cache, "m")
-    b = KVLayout.of(engines("SSSS")[0].cache, "n")
+    a = KVLayout.of(engines("SSFS")[0].cache, "m", "w1")
+    b = KVLayout.of(engines("SSSS")[0].cache, "n", "w2")
     got = mismatches(a, b)
-    assert [g.split(":")[0] for g in got] == ["model_name", "layer_types"]
+    assert [g.split(":")[0] for g in got] == ["model_name", "layer_types", "weights"]
     assert mismatches(a, KVLayout.from_pb(a.to_pb())) == []
+
+
+def test_a_mismatch_shows_a_peers_field_cut_short():
+    a = KVLayout.of(engines("SSFS")[0].cache, "m", "w")
+    b = KVLayout.from_pb(a.to_pb())
+    huge = dataclasses.replace(b, model_name="x" * 3_000_000)
+    (line,) = mismatches(huge, a)
+    assert line.startswith("model_name: 'xxx") and len(line) < 200
 
 
 @pytest.mark.gpu
@@ -112,7 +122,9 @@ def test_staging_and_applying_a_prompts_kv_on_cuda_never_waits_for_the_device():
             apply_chunk(decode.cache, d.pages, d.slot, chunk)
     from shared.transfer.inline import ChunkAssembler, apply_batch
 
-    kv = ChunkAssembler(KVLayout.of(decode.cache, "m"), n, window=True, pin=True)  # on decode's gRPC thread
+    kv = ChunkAssembler(
+        KVLayout.of(decode.cache, "m", "w"), n, window=True, pin=True
+    )  # on decode's gRPC thread
     batches = [b for c in want for b in kv.add(c.layer, c.window, c.token_start, c.token_count, c.k, c.v)]
     with no_host_sync():  # the batched path: pinned batches, one index copy per layer
         begin_receive(decode.cache, d.slot)
@@ -136,7 +148,9 @@ def _receive_both_ways(n: int, window: bool, max_batch_bytes: int = 16 << 20):  
     for chunk in chunks:
         apply_chunk(per_chunk.cache, a.pages, a.slot, chunk)
     begin_receive(batched.cache, b.slot)
-    kv = ChunkAssembler(KVLayout.of(batched.cache, "m"), n, window=window, max_batch_bytes=max_batch_bytes)
+    kv = ChunkAssembler(
+        KVLayout.of(batched.cache, "m", "w"), n, window=window, max_batch_bytes=max_batch_bytes
+    )
     batches = [x for c in chunks for x in kv.add(c.layer, c.window, c.token_start, c.token_count, c.k, c.v)]
     batches += kv.finish()
     layers = len(batched.cache.full_layers) + (len(batched.cache.sliding_layers) if window else 0)
@@ -177,7 +191,7 @@ def test_a_malformed_or_incomplete_stream_is_refused_where_it_is_read_and_ends_t
     p = _prefilled(prefill, random_tokens(n))
     chunks = list(extract_chunks(prefill.cache, p.pages, p.slot, n, max_chunk_bytes=700))
     prefill.release(p)
-    layout = KVLayout.of(decode.cache, "m")
+    layout = KVLayout.of(decode.cache, "m", "w")
     full = next(c for c in chunks if not c.window)
     assert full.token_start == 0 and full.token_count < n, "a layer of several chunks"
     second = next(c for c in chunks if c.layer == full.layer and c.token_start > 0)

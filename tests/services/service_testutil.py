@@ -25,6 +25,7 @@ from decode_service.server import add_services, build_serving
 from decode_service.servicer import SERVICE_NAME, Serving
 from shared.client.client import Client, GenerationError
 from shared.engine.kv.cache import KVCache, KVConfig
+from shared.model.fingerprint import fingerprint
 from shared.pb.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.serving.api.model_source import load_served_model
 from shared.transfer.base import KVLayout
@@ -46,7 +47,7 @@ def kv_layout(page_size: int, **overrides: Any) -> prefill_pb2.KVLayout:
     """The KV layout a service serving random_spec(**overrides) with --page-size announces."""
     loaded = load_served_model(random_spec(**overrides))
     cache = KVCache(loaded.config, KVConfig(page_size=page_size, num_pages=1, max_requests=1))
-    return KVLayout.of(cache, loaded.name).to_pb()
+    return KVLayout.of(cache, loaded.name, fingerprint(loaded.model, loaded.tokenizer)).to_pb()
 
 
 class ServerProcess:

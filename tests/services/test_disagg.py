@@ -123,6 +123,19 @@ def test_handshake_mismatch_exits_naming_the_fields(prefill):
         decode.kill()
 
 
+def test_a_prefill_with_the_same_layout_but_other_weights_is_refused(prefill):
+    # Same architecture, shapes, dtype and page size: only the random weights' seed differs. Its KV
+    # would decode as garbage, so the handshake must tell them apart by the weights themselves.
+    decode = ServerProcess(random_spec(seed=1), *COMMON, "--prefill-target", prefill.target, wait_ready=False)
+    try:
+        assert decode.wait(60) == 1
+        log = decode.log()
+        assert "refused the handshake" in log and "weights: '" in log, log[-2000:]
+        assert "page_size" not in log.split("refused the handshake", 1)[1]
+    finally:
+        decode.kill()
+
+
 def test_dead_or_hung_prefill_is_bypassed_and_the_pool_freed():
     """A prefill that does not answer within --prefill-timeout: decode computes the prompt itself (the
     client still gets its tokens), and keeps prefilling locally, without waiting on prefill again, until

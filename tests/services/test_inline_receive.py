@@ -55,7 +55,7 @@ def _finished(events: queue.Queue) -> Finished:
 def test_a_request_aborted_half_received_frees_its_reservation_and_not_the_others(sched):
     prompt = random_tokens(20)
     first, chunks = _chunks(prompt)
-    layout = KVLayout.of(sched._engine.cache, "m")
+    layout = KVLayout.of(sched._engine.cache, "m", "w")
     streams = {}
     for rid in ("good", "cut"):
         events: queue.Queue = queue.Queue()

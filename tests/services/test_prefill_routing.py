@@ -147,9 +147,10 @@ def test_prefill_done_reports_the_prompt_tokens_still_queued() -> None:
     pf = _prefill("--max-batch-tokens", "16", env=SLOW)  # 40-token prompts take several steps each
     info = PrefillInfo(pf.target)
     dones: list[tuple[float, int]] = []
+    layout = kv_layout(4)  # once: random weights drawn in three threads at once would differ
 
     def call(i: int) -> None:
-        req = pb.PrefillRequest(request_id=f"q{i}", prompt=_prompt(40, i), layout=kv_layout(4))
+        req = pb.PrefillRequest(request_id=f"q{i}", prompt=_prompt(40, i), layout=layout)
         *_, last = info.stub.Prefill(req, timeout=60)
         dones.append((time.monotonic(), last.done.queued_prompt_tokens))
 

@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_name", "dtype", "page_size", "num_layers", "layer_types", "sliding_window", "num_kv_heads", "head_dim", "vocab_size")
+    __slots__ = ("model_name", "dtype", "page_size", "num_layers", "layer_types", "sliding_window", "num_kv_heads", "head_dim", "vocab_size", "weights")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class KVLayout(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     dtype: str
     page_size: int
@@ -30,7 +31,8 @@ class KVLayout(_message.Message):
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_types: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    weights: str
+    def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_types: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weights: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("layout", "backend", "cuda_ipc_pool", "nixl_pool")
