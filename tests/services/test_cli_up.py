@@ -152,3 +152,49 @@ def test_a_bad_service_flag_fails_up_with_the_services_usage() -> None:
         assert any(line.startswith(error) for line in out), out
     finally:
         up.close()
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_hf_checkpoint(path: Path) -> None:
+    """A tiny random Llama checkpoint as Hugging Face writes one: config.json, safetensors weights, and a
+    character-level tokenizer whose tokenizer_config.json carries a ChatML chat template."""
+    import json
+
+    from shared.serving.api.model_source import _char_tokenizer
+    from tests.model.model_testutil import save_hf_model
+
+    save_hf_model(path, "LlamaConfig", vocab_size=100, max_position_embeddings=256)
+    tok = _char_tokenizer(98, ())  # + the two turn markers: the model's 100
+    tok.backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.backend.save(str(path / "tokenizer.json"))
+    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def test_up_serves_a_hugging_face_checkpoint_and_its_chat_template(tmp_path: Path) -> None:
+    from shared.model import Tokenizer
+
+    ckpt = tmp_path / "tiny-llama"
+    write_hf_checkpoint(ckpt)
+    up = Up("--model", str(ckpt), "--device", "cpu", "--no-metrics", "--max-running", "2")
+    try:
+        ready = up.expect("pdserve: ready: decode (the public API) on ")
+        target = ready.split(" on ")[1].split(",")[0]
+        messages = [{"role": "user", "content": "What is the capital of France? " * 2}]
+        with Client(target) as client:
+            info = client.model_info()
+            assert info.model_name == "tiny-llama" and info.has_chat_template and info.dtype == "float32"
+            reply = client.complete(messages=messages, max_tokens=6, temperature=0.0)
+        # The server rendered the checkpoint's own template: the prompt it counted is that rendering.
+        rendered = Tokenizer.from_hf_dir(ckpt).encode_chat(messages)
+        assert reply.usage.prompt_tokens == len(rendered) > 16  # > 16: prefilled by the prefill service
+        assert reply.finish_reason in ("stop", "length")
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+    finally:
+        up.close()

@@ -225,3 +225,11 @@ def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized() -> 
 def test_a_chat_reply_without_max_tokens_may_run_to_the_end_of_the_context() -> None:
     prompt, p = validate_generate(chat_req(("user", "hi")), LIMITS, _encode, CHAT)
     assert p.max_tokens == LIMITS.max_context - len(prompt)
+
+
+def test_a_tokenizer_that_names_ids_past_the_vocabulary_is_refused_by_field() -> None:
+    wide = lambda text: [ord(c) for c in text]  # 'h' is 104: past the 97-token vocabulary
+    with pytest.raises(InvalidRequest) as exc:
+        validate_generate(req(text="hi"), LIMITS, wide)
+    assert [v.field for v in exc.value.violations] == ["text"]
+    assert "outside the model's vocabulary [0, 97): 104, 105" in exc.value.violations[0].description

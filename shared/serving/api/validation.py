@@ -67,6 +67,19 @@ def _bad_ids(field: str, ids: Sequence[int], vocab: int, out: list[FieldViolatio
         out.append(FieldViolation(field, f"{len(bad) - _MAX_LISTED} more token ids outside [0, {vocab})"))
 
 
+def _tokenizer_ids(field: str, ids: Sequence[int], vocab: int, out: list[FieldViolation]) -> None:
+    """The tokenizer's ids must be the model's: a tokenizer with more tokens than the model's
+    vocabulary (a checkpoint that added tokens without resizing) would crash the step, not one request."""
+    outside = sorted({t for t in ids if t >= vocab})
+    if outside:
+        shown = ", ".join(map(str, outside[:_MAX_LISTED]))
+        out.append(
+            FieldViolation(
+                field, f"encodes to token ids outside the model's vocabulary [0, {vocab}): {shown}"
+            )
+        )
+
+
 def _messages(
     req: pb.GenerateRequest, limits: Limits, chat: Chat | None, out: list[FieldViolation]
 ) -> list[int]:
@@ -112,7 +125,9 @@ def _prompt(
         out.append(FieldViolation("input", "set one of text, token_ids or messages"))
         return "", []
     if kind == "messages":
-        return "messages", _messages(req, limits, chat, out)
+        ids = _messages(req, limits, chat, out)
+        _tokenizer_ids("messages", ids, limits.vocab_size, out)
+        return "messages", ids
     if kind == "text":
         if not req.text:
             out.append(FieldViolation("text", "must not be empty"))
@@ -126,6 +141,7 @@ def _prompt(
         ids = encode(req.text)
         if not ids:
             out.append(FieldViolation("text", "encodes to no tokens"))
+        _tokenizer_ids("text", ids, limits.vocab_size, out)
         return "text", ids
     ids = list(req.token_ids.ids)
     if not ids:
