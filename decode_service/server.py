@@ -56,17 +56,20 @@ def build_serving(cfg: ServiceConfig) -> Serving:
     )  # fmt: skip
 
 
-def add_services(server: grpc.aio.Server, telemetry: Telemetry | None = None):  # type: ignore[no-untyped-def]
-    """Generation, grpc.health.v1 and reflection on `server` (also how tests build in-process servers)."""
+def add_services(  # type: ignore[no-untyped-def]
+    server: grpc.aio.Server, telemetry: Telemetry | None = None, *, with_reflection: bool = False
+):
+    """Generation, grpc.health.v1 and (asked) reflection on `server` (also how tests build in-process
+    servers)."""
     servicer = GenerationServicer(telemetry)
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
-    return servicer, add_health(server, SERVICE_NAME)
+    return servicer, add_health(server, SERVICE_NAME, with_reflection=with_reflection)
 
 
 async def serve(cfg: ServiceConfig) -> int:
     server = grpc.aio.server()
     telemetry = service_telemetry("decode", cfg)
-    servicer, health_servicer = add_services(server, telemetry)
+    servicer, health_servicer = add_services(server, telemetry, with_reflection=cfg.reflection)
 
     def attach(serving: Serving) -> Scheduler:
         if telemetry.metrics is not None:

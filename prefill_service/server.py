@@ -31,17 +31,17 @@ def build_serving(cfg: PrefillConfig) -> PrefillServing:
 
 
 def add_services(
-    server: grpc.aio.Server, telemetry: Telemetry | None = None
+    server: grpc.aio.Server, telemetry: Telemetry | None = None, *, with_reflection: bool = False
 ) -> tuple[PrefillServicer, health.aio.HealthServicer]:
     servicer = PrefillServicer(telemetry)
     pb_grpc.add_PrefillServicer_to_server(servicer, server)
-    return servicer, add_health(server, SERVICE_NAME)
+    return servicer, add_health(server, SERVICE_NAME, with_reflection=with_reflection)
 
 
 async def serve(cfg: PrefillConfig) -> int:
     server = grpc.aio.server()
     telemetry = service_telemetry("prefill", cfg)
-    servicer, health_servicer = add_services(server, telemetry)
+    servicer, health_servicer = add_services(server, telemetry, with_reflection=cfg.reflection)
 
     def attach(serving: PrefillServing) -> Scheduler:
         if telemetry.metrics is not None:

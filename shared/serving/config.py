@@ -55,6 +55,7 @@ class CommonConfig:
     metrics_port: int = 9090  # Prometheus /metrics; 0: any free port (printed); the prefill role: 9091
     metrics_host: str = ""  # "" = --host; "::" / "[::]" = every IPv4 and IPv6 address (IPv4 without IPv6)
     metrics: bool = True  # --no-metrics: no /metrics endpoint
+    reflection: bool = False  # gRPC server reflection: off unless asked (it lists every method)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))  # frozen: normalized once, here
@@ -106,6 +107,8 @@ COMMON_HELP = {
     "metrics_host": "address /metrics binds; empty = the --host address. [::] (or ::) = every IPv4 and "
     "IPv6 address (every IPv4 address where the host has no IPv6)",
     "metrics": "serve Prometheus /metrics (--no-metrics: off)",
+    "reflection": "serve gRPC server reflection (grpcurl and the like can list and call every method "
+    "without the protos); off unless asked",
 }
 
 C = TypeVar("C", bound=CommonConfig)

@@ -152,12 +152,16 @@ async def ready(context: grpc.aio.ServicerContext, serving: T | None) -> T:
     return serving
 
 
-def add_health(server: grpc.aio.Server, service_name: str) -> health.aio.HealthServicer:
-    """grpc.health.v1 and server reflection (for `service_name`, health and reflection itself)."""
+def add_health(
+    server: grpc.aio.Server, service_name: str, *, with_reflection: bool = False
+) -> health.aio.HealthServicer:
+    """grpc.health.v1 and, when asked (`--reflection`), server reflection for `service_name`, health and
+    reflection itself: off by default, since it hands any caller the whole API."""
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    reflection.enable_server_reflection((service_name, health_name, reflection.SERVICE_NAME), server)
+    if with_reflection:
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable_server_reflection((service_name, health_name, reflection.SERVICE_NAME), server)
     return health_servicer
 
 

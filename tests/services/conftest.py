@@ -12,7 +12,9 @@ from tests.services.service_testutil import ServerProcess, random_spec
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(random_spec(), "--max-running", "4", "--max-queue", "8", "--page-size", "4")
+    srv = ServerProcess(
+        random_spec(), "--max-running", "4", "--max-queue", "8", "--page-size", "4", "--reflection"
+    )
     try:
         yield srv
         srv.terminate()

@@ -87,7 +87,18 @@ def _reflect(
         return next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
 
 
-def test_reflection_lists_the_services(server: ServerProcess) -> None:
+def test_reflection_is_off_unless_asked() -> None:
+    srv = ServerProcess(random_spec(), "--no-metrics")
+    try:
+        with pytest.raises(grpc.RpcError) as exc:
+            _reflect(srv.target, reflection_pb2.ServerReflectionRequest(list_services=""))
+        assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        srv.terminate()
+        assert srv.wait() == 0
+
+
+def test_reflection_lists_the_services(server: ServerProcess) -> None:  # the fixture's --reflection
     resp = _reflect(server.target, reflection_pb2.ServerReflectionRequest(list_services=""))
     names = {s.name for s in resp.list_services_response.service}
     assert {SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
