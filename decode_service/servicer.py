@@ -104,6 +104,21 @@ def _genai_attrs(model: str, rid: str, params: SamplingParams, route: Route, cha
     }
 
 
+_DEADLINE_SLACK_S = 0.25
+
+
+def _ended_early(context: grpc.aio.ServicerContext, left: bool) -> tuple[str, grpc.StatusCode, str]:
+    """Why a stream ended before its Complete: its deadline passed, the client cancelled (`left`: grpc
+    cancelled the handler), or it failed."""
+    remaining = context.time_remaining()
+    # A client gives up at its own deadline, a moment before the server's copy of it runs out.
+    if remaining is not None and remaining <= _DEADLINE_SLACK_S:
+        return "deadline", grpc.StatusCode.DEADLINE_EXCEEDED, "past its deadline"
+    if left or context.cancelled():
+        return "cancelled", grpc.StatusCode.CANCELLED, "cancelled by the client"
+    return "error", grpc.StatusCode.UNKNOWN, "the stream failed"
+
+
 async def _fail(
     context: grpc.aio.ServicerContext, rt: RequestTrace, code: grpc.StatusCode, msg: str, *usage: int
 ) -> None:
@@ -152,6 +167,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         out = OutputProcessor(tok, params.stop)
         done = False
         final = route  # where the prompt was prefilled in the end
+        left = False  # grpc cancelled this handler: the client went away, or its deadline passed
         try:
             first: Any = None
             if route.remote:
@@ -189,6 +205,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     done = True
                     rt.finish(finish.reason, finish.prompt_tokens, finish.completion_tokens)
                     yield _complete(rid, finish.reason, finish.prompt_tokens, finish.completion_tokens)
+        except asyncio.CancelledError:
+            left = True
+            raise
         finally:
             s.router.done(route)  # a remote prefill that never ran (aborted while waiting for pages)
             if self.telemetry.metrics is not None:
@@ -196,7 +215,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if not done:  # cancelled, past its deadline, or the stream failed: free its KV now
                 s.scheduler.abort(rid)
             if not rt.ended:
-                rt.fail(grpc.StatusCode.CANCELLED, "cancelled, past its deadline, or failed", len(prompt))
+                reason, code, why = _ended_early(context, left)
+                rt.fail(code, why, len(prompt), reason=reason)
 
     async def _remote_prefill(
         self, s: Serving, rid: str, prompt: list[int], request: pb.GenerateRequest,

@@ -145,9 +145,12 @@ class RequestTrace:
         self._end(reason, prompt_tokens, completion_tokens, None, "")
 
     def fail(
-        self, code: grpc.StatusCode, message: str, prompt_tokens: int = 0, completion_tokens: int = 0
-    ) -> None:
-        self._end("error", prompt_tokens, completion_tokens, code, message)
+        self, code: grpc.StatusCode, message: str, prompt_tokens: int = 0, completion_tokens: int = 0,
+        *, reason: str = "error",
+    ) -> None:  # fmt: skip
+        """The request ended without a Complete: `reason` "error", or "cancelled" / "deadline" when the
+        client left or its deadline passed (counted apart: neither is the server's failure)."""
+        self._end(reason, prompt_tokens, completion_tokens, code, message)
 
     def _end(
         self,

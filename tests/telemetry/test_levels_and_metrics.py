@@ -5,6 +5,7 @@ Decode-only processes (local prefill) with the SWA-history fault on prompts that
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grpc
@@ -103,5 +104,34 @@ def test_no_metrics_flag(tmp_path: Path) -> None:
     dec = start("decode_service", tmp_path / "spans.jsonl", "off", "--no-metrics")
     try:
         assert not [line for line in dec.lines if " metrics on " in line]
+    finally:
+        stop_all(dec)
+
+
+def test_a_client_that_leaves_and_a_passed_deadline_are_counted_apart_from_errors(tmp_path: Path) -> None:
+    dec = start("decode_service", tmp_path / "spans.jsonl", "off", PDSERVE_TEST_FAULTS="step_delay:0.2")
+    try:
+        url = metrics_url(dec)
+        with Client(dec.target) as c:
+            stream = c.generate([5, 6, 7], max_tokens=50, **GREEDY)
+            next(iter(stream))  # running: its first token is out
+            stream.cancel()
+            with pytest.raises(GenerationError) as err:
+                c.complete([5, 6, 8], max_tokens=50, timeout=1.0, **GREEDY)
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_pool_idle(c)
+        deadline = time.monotonic() + 10
+        while True:
+            m = scrape(url)
+            counts = {
+                r: sample(m, "pdserve_requests_total", finish_reason=r) for r in ("cancelled", "deadline")
+            }
+            if counts == {"cancelled": 1, "deadline": 1} or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert counts == {"cancelled": 1, "deadline": 1}, {
+            k: v for k, v in m.items() if "requests_total" in k[0]
+        }
+        assert sample(m, "pdserve_requests_total", finish_reason="error") == 0
     finally:
         stop_all(dec)
