@@ -67,7 +67,7 @@ def add_services(  # type: ignore[no-untyped-def]
 
 
 async def serve(cfg: ServiceConfig) -> int:
-    server = grpc.aio.server()
+    server = grpc.aio.server(maximum_concurrent_rpcs=cfg.max_calls)
     telemetry = service_telemetry("decode", cfg)
     servicer, health_servicer = add_services(server, telemetry, with_reflection=cfg.reflection)
 

@@ -39,7 +39,7 @@ def add_services(
 
 
 async def serve(cfg: PrefillConfig) -> int:
-    server = grpc.aio.server()
+    server = grpc.aio.server(maximum_concurrent_rpcs=cfg.max_calls)
     telemetry = service_telemetry("prefill", cfg)
     servicer, health_servicer = add_services(server, telemetry, with_reflection=cfg.reflection)
 

@@ -51,6 +51,7 @@ class CommonConfig:
     max_running: int = 32
     max_batch_tokens: int = 256
     max_queue: int = 128
+    max_calls: int = 1024  # concurrent RPCs of any kind; grpc answers RESOURCE_EXHAUSTED beyond it
     drain_timeout: float = 30.0  # seconds SIGTERM waits for running requests before aborting them
     metrics_port: int = 9090  # Prometheus /metrics; 0: any free port (printed); the prefill role: 9091
     metrics_host: str = ""  # "" = --host; "::" / "[::]" = every IPv4 and IPv6 address (IPv4 without IPv6)
@@ -59,7 +60,7 @@ class CommonConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))  # frozen: normalized once, here
-        for name in ("page_size", "max_running", "max_batch_tokens"):
+        for name in ("page_size", "max_running", "max_batch_tokens", "max_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages < 0:
@@ -102,6 +103,8 @@ COMMON_HELP = {
     "max_running": "requests running at once (also the number of sliding-window slots)",
     "max_batch_tokens": "prefill token budget per step",
     "max_queue": "requests waiting to run beyond which new calls answer RESOURCE_EXHAUSTED",
+    "max_calls": "calls in progress at once, of any method (streams that never send their request "
+    "included), beyond which new calls answer RESOURCE_EXHAUSTED",
     "drain_timeout": "seconds SIGTERM waits for running requests before aborting them",
     "metrics_port": "port of the Prometheus /metrics endpoint; 0 picks a free one (printed)",
     "metrics_host": "address /metrics binds; empty = the --host address. [::] (or ::) = every IPv4 and "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -11,7 +12,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from decode_service.servicer import SERVICE_NAME
 from shared.client.client import Client, GenerationError, Stream
-from tests.services.service_testutil import ServerProcess, health_status, random_spec, wait_health
+from tests.services.service_testutil import (
+    ServerProcess,
+    health_status,
+    random_spec,
+    wait_health,
+    wait_pool_idle,
+)
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 LONG = {"max_tokens": 500, "temperature": 0.0, "ignore_eos": True}
@@ -114,3 +121,32 @@ def test_health_when_ready(server: ServerProcess) -> None:
     with pytest.raises(grpc.RpcError) as exc:
         health_status(server.target, "no.such.Service")
     assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_calls_past_the_cap_are_refused_resource_exhausted() -> None:
+    srv = ServerProcess(
+        random_spec(), "--no-metrics", "--max-calls", "2", env={"PDSERVE_TEST_FAULTS": "step_delay:0.2"}
+    )
+    try:
+        with Client(srv.target) as c:
+            slow = [c.generate([1, 2, 3], max_tokens=40, temperature=0.0) for _ in range(2)]
+            firsts = [next(iter(s)) for s in slow]  # both running: the cap is reached
+            assert all(f.token_ids for f in firsts)
+            with pytest.raises(GenerationError) as exc:
+                c.complete([4, 5], max_tokens=2)
+            assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for s in slow:
+                s.cancel()
+            deadline = time.monotonic() + 10
+            while True:  # the cancelled calls end on the server a moment after the client leaves them
+                try:
+                    done = c.complete([4, 5], max_tokens=2)
+                    break
+                except GenerationError as e:
+                    assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                    time.sleep(0.1)
+            assert done.finish_reason in ("stop", "length")  # room again
+            wait_pool_idle(c)
+    finally:
+        srv.terminate()
+        assert srv.wait() == 0
