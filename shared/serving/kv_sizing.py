@@ -36,6 +36,7 @@ from shared.model.config import ModelConfig
 
 __all__ = [
     "CPU_KV_CAP_BYTES",
+    "CUDA_HEADROOM_BYTES",
     "MemoryPlan",
     "Sizing",
     "SizingError",
@@ -46,6 +47,10 @@ __all__ = [
 ]
 
 CPU_KV_CAP_BYTES = 2 << 30
+# What the probe does not see on CUDA, counted with the activations: the tuned GEMMs' cuBLASLt
+# workspaces, the decode graphs' own buffers beyond the step's peak, the caching allocator's rounding.
+# Without it a pool the fraction limits ran ~1% past the fraction at full load on an H200.
+CUDA_HEADROOM_BYTES = 512 << 20
 
 
 class SizingError(ValueError):
@@ -145,14 +150,17 @@ def cuda_activation_bytes(
     model: torch.nn.Module, model_cfg: ModelConfig, kv: KVConfig, engine_cfg: EngineConfig
 ) -> int:
     """Peak memory the engine's largest steps take beyond the weights and the pool, measured with the
-    caching allocator's statistics on a throwaway engine with a pool just big enough: one prompt chunk
-    of max_batch_tokens (the largest step), then a decode step of max_running rows. A throwaway engine
+    caching allocator's statistics (what it reserves) on a throwaway engine with a pool just big enough:
+    one prompt of the model's whole context in max_batch_tokens chunks, then a decode step of
+    max_running rows. A throwaway engine
     rather than the model alone, so that the measure runs the very code (runner, attention, sampler)
     serving runs; without CUDA graphs, which would pin the memory they capture. The decode graphs the
     real engine captures keep a private pool about the size of that decode step's peak: it is counted
     once more."""
     device = torch.device(kv.device)
-    n = max(min(engine_cfg.max_batch_tokens, model_cfg.max_position_embeddings - 1), 1)
+    # A prompt of the whole context: its last chunk (max_batch_tokens queries) attends over the longest
+    # history, the step whose scratch (attention's splits, the chunk's activations) is largest.
+    n = max(model_cfg.max_position_embeddings - 2, 1)
     rows = min(engine_cfg.max_running, kv.max_requests)
     pages = -(-(n + 1) // kv.page_size) + rows * -(-3 // kv.page_size)
     probe_cfg = dataclasses.replace(engine_cfg, cuda_graph_sizes=(), tune_gemms=False)
@@ -160,22 +168,24 @@ def cuda_activation_bytes(
     gc.collect()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(device)
+    reserved = torch.cuda.memory_reserved(device)
     probe = Engine(model, dataclasses.replace(kv, num_pages=pages), probe_cfg)  # type: ignore[arg-type]
     held = torch.cuda.memory_allocated(device) - before  # the probe's own small pool
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    chunk, decode = [[0] * n], [[0] for _ in range(rows)]  # a max_batch_tokens chunk; max_running rows
+    chunk, decode = [[0] * n], [[0] for _ in range(rows)]  # max_batch_tokens chunks; max_running rows
     peaks = []
     for prompts, params in ((chunk, greedy), (decode, dataclasses.replace(greedy, max_tokens=2))):
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         probe.generate(prompts, params)
         torch.cuda.synchronize(device)
-        peaks.append(max(torch.cuda.max_memory_allocated(device) - before - held, 0))
+        # Reserved, not allocated: the caching allocator's segments are what the device gives up.
+        peaks.append(max(torch.cuda.max_memory_reserved(device) - reserved - held, 0))
     del probe
     gc.collect()
     torch.cuda.empty_cache()
     graphs = engine_cfg.cuda_graph_sizes and any(b <= rows for b in engine_cfg.cuda_graph_sizes)
-    return max(peaks) + (peaks[1] if graphs else 0)
+    return max(peaks) + (peaks[1] if graphs else 0) + CUDA_HEADROOM_BYTES
 
 
 def capacity_text(engine: Engine) -> str:
