@@ -51,6 +51,7 @@ CPU_KV_CAP_BYTES = 2 << 30
 # workspaces, the decode graphs' own buffers beyond the step's peak, the caching allocator's rounding.
 # Without it a pool the fraction limits ran ~1% past the fraction at full load on an H200.
 CUDA_HEADROOM_BYTES = 512 << 20
+PROBE_MAX_TOKENS = 32768  # the longest prompt the activation probe prefills
 
 
 class SizingError(ValueError):
@@ -159,8 +160,9 @@ def cuda_activation_bytes(
     once more."""
     device = torch.device(kv.device)
     # A prompt of the whole context: its last chunk (max_batch_tokens queries) attends over the longest
-    # history, the step whose scratch (attention's splits, the chunk's activations) is largest.
-    n = max(model_cfg.max_position_embeddings - 2, 1)
+    # history, the step whose scratch (attention's splits, the chunk's activations) is largest. Past
+    # PROBE_MAX_TOKENS the scratch no longer grows (the split count is capped), only the probe's time.
+    n = max(min(model_cfg.max_position_embeddings - 2, PROBE_MAX_TOKENS), 1)
     rows = min(engine_cfg.max_running, kv.max_requests)
     pages = -(-(n + 1) // kv.page_size) + rows * -(-3 // kv.page_size)
     probe_cfg = dataclasses.replace(engine_cfg, cuda_graph_sizes=(), tune_gemms=False)
