@@ -25,6 +25,10 @@ class ServiceConfig(CommonConfig):
     # inline | cuda_ipc (same node, CUDA: prefill writes into this pool) | nixl (cross node, NIXL/UCX)
     kv_transfer: str = "inline"
     mixed_steps: bool = False  # decode in every step beside local prompt chunks (bounded inter-token gaps)
+    auth_tokens_file: str = ""  # bearer tokens of the public API (shared/serving/security/tokens.py)
+    prefill_tls_ca: str = ""  # the channel to prefill speaks TLS, verified against this CA
+    prefill_tls_cert: str = ""  # the certificate decode presents to prefill (mutual TLS)
+    prefill_tls_key: str = ""
 
     @property
     def queue_limit(self) -> int | None:
@@ -44,6 +48,10 @@ class ServiceConfig(CommonConfig):
         if self.kv_transfer not in KV_TRANSFERS:
             choices = ", ".join(KV_TRANSFERS)
             raise ValueError(f"kv_transfer must be one of {choices}, got {self.kv_transfer!r}")
+        if (self.prefill_tls_cert or self.prefill_tls_key) and not self.prefill_tls_ca:
+            raise ValueError("prefill_tls_cert and prefill_tls_key need prefill_tls_ca (TLS to prefill)")
+        if bool(self.prefill_tls_cert) != bool(self.prefill_tls_key):
+            raise ValueError("prefill_tls_cert and prefill_tls_key go together: give both or neither")
         if self.kv_transfer == "cuda_ipc" and self.device == "cpu":
             raise ValueError("kv_transfer cuda_ipc needs a CUDA device (--device cuda[:N] or auto)")
 
@@ -68,6 +76,16 @@ _HELP = {
     "into this service's pool, GPU or CPU, with NIXL over UCX; needs pdserve[nixl] on both services)",
     "mixed_steps": "decode every running request in every step, beside the prompt chunks computed "
     "here (a token waits at most one step); default: prompts first, then decode steps (CUDA graphs)",
+    "auth_tokens_file": "file of bearer tokens the public API accepts, one `name:token` (or "
+    "`name:token:admin`) per line; re-read when it changes. Tokens may also come from the "
+    "PDSERVE_AUTH_TOKENS variable (comma-separated). With either, every call but health checks must send "
+    "`authorization: Bearer <token>` (else UNAUTHENTICATED), and Abort stops only the caller's own "
+    "requests, or any for an admin (else PERMISSION_DENIED). Empty and no variable: no token needed",
+    "prefill_tls_ca": "PEM CA bundle the prefill service's certificate must be signed by: the channel to "
+    "prefill (and the KV, pool handles and agent metadata it carries) speaks TLS; empty = plaintext",
+    "prefill_tls_cert": "PEM certificate chain decode presents to the prefill service (mutual TLS; "
+    "needs --prefill-tls-key); re-read when it changes",
+    "prefill_tls_key": "PEM private key of --prefill-tls-cert",
     "window_history": "ask prefill for the sliding-window rings (--no-window-history: rebuild them here "
     "by bounded replay)",
 }

@@ -14,10 +14,12 @@ answers FAILED_PRECONDITION before any work (`PrefillRefused`).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import grpc
 
@@ -25,6 +27,8 @@ from shared.pb.pdserve.v1 import generation_pb2 as gen_pb
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.serving.runtime import StartupError
+from shared.serving.security.files import WatchedFiles
+from shared.serving.security.tls import ClientTLS
 from shared.transfer.base import KVLayout
 from shared.transfer.cuda_ipc import IpcTarget, PoolExport
 from shared.transfer.inline import ChunkAssembler, KVBatch
@@ -32,9 +36,11 @@ from shared.transfer.nixl import NixlPool, NixlTarget
 
 __all__ = [
     "DrainRate",
+    "PrefillBusy",
     "PrefillClient",
     "PrefillFailed",
     "PrefillRefused",
+    "PrefillRejected",
     "PrefillResult",
     "PrefillTimedOut",
     "handshake",
@@ -57,6 +63,15 @@ class PrefillFailed(Exception):
 
 class PrefillRefused(PrefillFailed):
     """FAILED_PRECONDITION: the prefill service's KV layout differs from decode's (nothing was computed)."""
+
+
+class PrefillBusy(PrefillFailed):
+    """RESOURCE_EXHAUSTED: the prefill service's queue is full (nothing was computed)."""
+
+
+class PrefillRejected(PrefillFailed):
+    """INVALID_ARGUMENT: the prefill service cannot take this prompt (longer than its context, say),
+    though decode accepted it (nothing was computed)."""
 
 
 class PrefillTimedOut(PrefillFailed):
@@ -113,8 +128,9 @@ def _handshake_request(layout: pb.KVLayout, pool: Pool | None) -> pb.HandshakeRe
 
 
 def handshake(
-    target: str, layout: KVLayout, wait_s: float = _HANDSHAKE_WAIT_S, pool: Pool | None = None
-) -> None:
+    target: str, layout: KVLayout, wait_s: float = _HANDSHAKE_WAIT_S, pool: Pool | None = None,
+    tls: ClientTLS | None = None,
+) -> None:  # fmt: skip
     """Agree on the KV layout (and, with `pool`, the cuda_ipc or nixl backend) with the prefill service
     at `target`, or raise StartupError.
 
@@ -122,7 +138,11 @@ def handshake(
     """
     deadline = time.monotonic() + wait_s
     req = _handshake_request(layout.to_pb(), pool)
-    with grpc.insecure_channel(target) as channel:
+    if tls is None:
+        channel = grpc.insecure_channel(target)
+    else:
+        channel = grpc.secure_channel(target, ClientTLS.credentials(tls.watch().contents))
+    with channel:
         stub = pb_grpc.PrefillStub(channel)
         while True:
             try:
@@ -140,6 +160,10 @@ def handshake(
 def _failure(e: grpc.RpcError) -> PrefillFailed:
     if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
         return PrefillRefused(e.details() or "KV layout mismatch")
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return PrefillBusy(e.details() or "queue full")
+    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return PrefillRejected(e.details() or "prompt refused")
     return PrefillFailed(f"{e.code().name}: {e.details()}")
 
 
@@ -155,9 +179,13 @@ def _received(take: Callable[[], list[KVBatch]]) -> list[KVBatch]:
 
 class PrefillClient:
     def __init__(
-        self, target: str, timeout: float, layout: KVLayout, pool: Pool | None = None, *, pin: bool = False
-    ) -> None:
+        self, target: str, timeout: float, layout: KVLayout, pool: Pool | None = None, *, pin: bool = False,
+        tls: ClientTLS | None = None,
+    ) -> None:  # fmt: skip
         self.target = target
+        self._tls: WatchedFiles | None = tls.watch() if tls is not None else None
+        self._retired: set[Any] = set()  # channels closing after a certificate rotation
+        self._channel: Any = None
         self.pin = pin  # inline: received KV in pinned memory (decode's cache is on a GPU)
         self.timeout = timeout
         self.layout = layout
@@ -172,8 +200,21 @@ class PrefillClient:
         self.queued_tokens: Callable[[], int] = lambda: 0
 
     def _get_stub(self) -> pb_grpc.PrefillStub:
-        if self._stub is None:  # created on first use: an aio channel belongs to the running loop
-            self._stub = pb_grpc.PrefillStub(grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS))
+        rotated = False
+        if self._tls is not None:
+            _, rotated = self._tls.read()  # a stat a second at most
+        if self._stub is None or rotated:  # created on first use: an aio channel belongs to the running loop
+            if self._stub is not None:  # new calls take the new certificate; running ones end on the old
+                old = self._channel
+                task = asyncio.get_running_loop().create_task(old.close(grace=self.own_timeout()))
+                self._retired.add(task)
+                task.add_done_callback(self._retired.discard)
+            if self._tls is None:
+                self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+            else:
+                creds = ClientTLS.credentials(self._tls.contents)
+                self._channel = grpc.aio.secure_channel(self.target, creds, options=_CHANNEL_OPTIONS)
+            self._stub = pb_grpc.PrefillStub(self._channel)
         return self._stub
 
     def own_timeout(self) -> float:

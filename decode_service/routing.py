@@ -8,15 +8,19 @@ the request span (`pdserve.prefill` = local | remote, `pdserve.prefill.reason`) 
     short_prompt      the prompt has at most --local-prefill-max-tokens tokens
     prefill_mismatch  a prefill service refused decode's KV layout (FAILED_PRECONDITION): remote prefill
                       is off until a background Handshake succeeds again (every few seconds)
-    prefill_unavailable  a remote prefill ran out of its time (the prefill service is dead, hung or far
-                      slower than measured): that request and the next ones prefill here until a
-                      background Handshake succeeds again (a circuit breaker)
+    prefill_unavailable  a remote prefill ran out of its time, could not reach the prefill service or
+                      broke off (it is dead, hung, far slower than measured or restarting): that request
+                      and the next ones prefill here until a background Handshake succeeds again (a
+                      circuit breaker)
+    prefill_busy      the prefill service's queue was full (RESOURCE_EXHAUSTED): this request prefills here
+    prefill_rejected  the prefill service refused this prompt (INVALID_ARGUMENT: longer than its context,
+                      say): this request prefills here
     queue_deep        the prefill queue estimate + this prompt exceed the queue limit
     remote            the prefill service computes it
 
-A request that was sent remotely and refused for a layout mismatch, or that timed out there while its
-client's deadline still has time, is prefilled here too (its route becomes local / prefill_mismatch or
-prefill_unavailable): the client sees a normal completion.
+A request whose remote prefill failed in any of these ways is prefilled here (its route becomes local
+and the reason one of prefill_mismatch, prefill_unavailable, prefill_busy, prefill_rejected): the
+client sees a normal completion, never an error caused by the prefill service.
 
 The queue limit (`queue_limit`) is --remote-prefill-max-queued-tokens, by default `auto`: what the
 prefill service drains in half the prefill timeout, at the rate decode measured on its own calls
@@ -50,7 +54,7 @@ REPORT_TTL_S = 2.0
 @dataclass(frozen=True)
 class Route:
     remote: bool
-    reason: str  # no_prefill | short_prompt | prefill_mismatch | prefill_unavailable | queue_deep | remote
+    reason: str  # one of the reasons above
     ticket: int = 0  # a remote route's place in the queue estimate (QueueEstimate.add)
 
     @property

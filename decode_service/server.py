@@ -10,6 +10,8 @@ caught per request: every Prefill carries decode's layout (decode_service/routin
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from decode_service.config import ServiceConfig
@@ -19,7 +21,16 @@ from decode_service.scheduler import DecodeScheduler, Scheduler, SchedulerConfig
 from decode_service.servicer import SERVICE_NAME, GenerationServicer, Serving
 from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from shared.serving.api.validation import Limits
-from shared.serving.runtime import StartupError, add_health, build_engine, run_service, service_telemetry
+from shared.serving.runtime import (
+    StartupError,
+    add_health,
+    build_engine,
+    new_server,
+    run_service,
+    service_telemetry,
+)
+from shared.serving.security.tls import ClientTLS, TLSError
+from shared.serving.security.tokens import TokenError, Tokens
 from shared.serving.telemetry import Telemetry
 from shared.transfer.base import KVLayout
 from shared.transfer.cuda_ipc import IpcReceiver, IpcUnavailable
@@ -42,9 +53,10 @@ def build_serving(cfg: ServiceConfig) -> Serving:
         except (IpcUnavailable, NixlUnavailable) as e:
             raise StartupError(f"--kv-transfer {cfg.kv_transfer}: {e}") from e
         pool = ipc.export if ipc is not None else nixl.export if nixl is not None else None
-        handshake(cfg.prefill_target, layout, pool=pool)
+        tls = _prefill_tls(cfg)
+        handshake(cfg.prefill_target, layout, pool=pool, tls=tls)
         pin = engine.cache.device.type == "cuda"  # inline batches upload to it without a host wait
-        prefill = PrefillClient(cfg.prefill_target, cfg.prefill_timeout, layout, pool, pin=pin)
+        prefill = PrefillClient(cfg.prefill_target, cfg.prefill_timeout, layout, pool, pin=pin, tls=tls)
     router = PrefillRouter(prefill, cfg.local_prefill_max_tokens, cfg.queue_limit)
     scheduler = DecodeScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue), ipc, nixl)
     scheduler.start()
@@ -54,6 +66,17 @@ def build_serving(cfg: ServiceConfig) -> Serving:
         loaded, scheduler, limits, cfg.page_size, kv_dtype,
         router=router, window_history=cfg.window_history,
     )  # fmt: skip
+
+
+def _prefill_tls(cfg: ServiceConfig) -> ClientTLS | None:
+    if not cfg.prefill_tls_ca:
+        return None
+    try:
+        tls = ClientTLS(cfg.prefill_tls_ca, cfg.prefill_tls_cert, cfg.prefill_tls_key)
+        tls.watch()  # the files exist and hold what their flags say, before any call
+    except TLSError as e:
+        raise StartupError(str(e)) from e
+    return tls
 
 
 def add_services(  # type: ignore[no-untyped-def]
@@ -67,7 +90,12 @@ def add_services(  # type: ignore[no-untyped-def]
 
 
 async def serve(cfg: ServiceConfig) -> int:
-    server = grpc.aio.server(maximum_concurrent_rpcs=cfg.max_calls)
+    try:
+        tokens = Tokens.configured(cfg.auth_tokens_file)
+    except TokenError as e:
+        logging.getLogger("decode_service").error("%s", e)
+        return 1
+    server = new_server(cfg, tokens)
     telemetry = service_telemetry("decode", cfg)
     servicer, health_servicer = add_services(server, telemetry, with_reflection=cfg.reflection)
 

@@ -3,10 +3,11 @@
 The servicer never touches the engine: it holds a scheduler. The router (decode_service/routing.py)
 says where each prompt is prefilled and why. A remote one: the scheduler reserves KV and emits Reserved,
 this coroutine runs the Prefill call and hands each chunk to the scheduler thread, then lets it admit
-the request. A prefill failure releases the reservation and the client gets UNAVAILABLE naming the
-prefill service; a layout refusal (FAILED_PRECONDITION, nothing computed), or a call that ran out of
-decode's time for it while the client's deadline still has time, has the scheduler prefill the request
-here instead.
+the request. A call that fails has the scheduler prefill the request here instead, and the client sees a
+normal completion (the route on its span says why): a layout refusal (FAILED_PRECONDITION), a full
+prefill queue (RESOURCE_EXHAUSTED) or a prompt prefill cannot take (INVALID_ARGUMENT) computed nothing
+there; a call that ran out of decode's time for it, could not reach prefill or broke off mid-stream also
+opens the router's circuit (decode_service/routing.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ import grpc
 from opentelemetry import trace
 
 from decode_service.output import OutputProcessor
-from decode_service.prefill_client import PrefillFailed, PrefillRefused, PrefillTimedOut
+from decode_service.prefill_client import (
+    PrefillBusy,
+    PrefillFailed,
+    PrefillRefused,
+    PrefillRejected,
+    PrefillTimedOut,
+)
 from decode_service.routing import PrefillRouter, Route
 from decode_service.scheduler import (
     AlreadyExists,
@@ -48,6 +55,8 @@ from shared.serving.api.model_info import model_info
 from shared.serving.api.validation import Chat, Limits, validate_generate
 from shared.serving.request_trace import RequestTrace, transfer_attrs
 from shared.serving.runtime import ready
+from shared.serving.security.guard import caller
+from shared.serving.security.tokens import Identity
 from shared.serving.telemetry import Telemetry
 from shared.transfer.cuda_ipc import IpcTarget, PoolExport
 from shared.transfer.nixl import NixlPool, NixlTarget
@@ -105,6 +114,14 @@ def _genai_attrs(model: str, rid: str, params: SamplingParams, route: Route, cha
 
 
 _DEADLINE_SLACK_S = 0.25
+# A remote prefill that failed without a layout refusal: the route the request takes instead. Busy and
+# rejected calls computed nothing; any other failure (timed out, unreachable, a stream cut short) also
+# opens the router's circuit.
+_FALLBACK: dict[type[PrefillFailed], str] = {
+    PrefillBusy: "prefill_busy",
+    PrefillRejected: "prefill_rejected",
+    PrefillTimedOut: "prefill_unavailable",
+}
 
 
 def _ended_early(context: grpc.aio.ServicerContext, left: bool) -> tuple[str, grpc.StatusCode, str]:
@@ -133,6 +150,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # Tokenization and chat templates run here, off the event loop: a long text must not stall
         # every other stream (and the health service) while it is encoded.
         self._tokenize = ThreadPoolExecutor(max_workers=2, thread_name_prefix="decode-tokenize")
+        # Who started each running request (None: anonymous, no auth configured): Abort checks it.
+        self._owners: dict[str, Identity | None] = {}
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -164,6 +183,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except SubmitError as e:
             s.router.done(route)
             await _fail(context, rt, _SUBMIT_CODES[type(e)], str(e))
+        self._owners[rid] = caller()
         out = OutputProcessor(tok, params.stop)
         done = False
         final = route  # where the prompt was prefilled in the end
@@ -209,6 +229,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             left = True
             raise
         finally:
+            self._owners.pop(rid, None)
             s.router.done(route)  # a remote prefill that never ran (aborted while waiting for pages)
             if self.telemetry.metrics is not None:
                 self.telemetry.metrics.prefill_route(final.where, final.reason)
@@ -237,9 +258,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             elif isinstance(client.pool, NixlPool):
                 target = NixlTarget(client.pool, reserved.pages, reserved.slot, deadline)
         attrs = {"server.address": client.target, "pdserve.window_history": s.window_history}
-        failed: str | None = None
         refused: str | None = None
-        timed_out: str | None = None
+        fallback: tuple[str, str] | None = None  # (route reason, why): nothing usable came back
         metrics = self.telemetry.metrics
         with rt.client_call(_PREFILL, attrs) as (metadata, span):
             try:
@@ -247,18 +267,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     rid, prompt, request.sampling, s.window_history, context.time_remaining(),
                     lambda batches: s.scheduler.deliver(rid, batches), metadata, target,
                 )  # fmt: skip
-            except PrefillRefused as e:
-                refused = str(e)
-                if span is not None:
-                    span.set_status(trace.Status(trace.StatusCode.ERROR, refused))
-            except PrefillTimedOut as e:
-                timed_out = f"prefill service {client.target}: {e}"
-                if span is not None:
-                    span.set_status(trace.Status(trace.StatusCode.ERROR, timed_out))
             except PrefillFailed as e:
-                failed = f"prefill service {client.target}: {e}"
+                why = str(e) if isinstance(e, PrefillRefused) else f"prefill service {client.target}: {e}"
+                if isinstance(e, PrefillRefused):
+                    refused = why
+                else:
+                    fallback = (_FALLBACK.get(type(e), "prefill_unavailable"), why)
                 if span is not None:
-                    span.set_status(trace.Status(trace.StatusCode.ERROR, failed))
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, why))
             else:
                 s.router.done(route, res.queued_tokens)
                 if res.first_chunk_ns:
@@ -276,21 +292,29 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 metrics.prefill_refused()
             s.scheduler.prefill_locally(rid)
             return local
-        if timed_out is not None:  # the client's deadline has time left: the prompt is computed here
-            s.router.unavailable(timed_out)
-            local = Route(False, "prefill_unavailable")
+        if fallback is not None:  # the client still waits for tokens: the prompt is computed here
+            reason, why = fallback
+            if reason == "prefill_unavailable":  # dead, hung or cut off: stop sending until it answers
+                s.router.unavailable(why)
+            local = Route(False, reason)
             rt.set_attributes(_route_attrs(local))
-            s.scheduler.prefill_locally(rid, written=True)  # cuda_ipc, nixl: late writes may still land
+            # cuda_ipc, nixl: a call that timed out or broke may still write until its lease has passed.
+            s.scheduler.prefill_locally(rid, written=reason == "prefill_unavailable")
             return local
-        if failed is not None:
-            s.scheduler.abort(rid)  # releases the reservation on the scheduler thread
-            await _fail(context, rt, grpc.StatusCode.UNAVAILABLE, failed, len(prompt))
         s.scheduler.prefilled(rid, res.first_token, s.window_history, res.cuda_ipc_event)
         return route
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         s = await ready(context, self.serving)
-        return pb.AbortResponse(found=s.scheduler.abort(request.request_id))
+        rid = request.request_id
+        if rid in self._owners:
+            owner, who = self._owners[rid], caller()
+            if owner is not None and (who is None or (who.name != owner.name and not who.admin)):
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"request {rid[:80]!r} was started by another caller: only it or an admin may abort it",
+                )
+        return pb.AbortResponse(found=s.scheduler.abort(rid))
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext

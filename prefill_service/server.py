@@ -11,7 +11,7 @@ from prefill_service.scheduler import PrefillScheduler
 from prefill_service.servicer import SERVICE_NAME, PrefillServicer, PrefillServing
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.serving.api.validation import Limits
-from shared.serving.runtime import add_health, build_engine, run_service, service_telemetry
+from shared.serving.runtime import add_health, build_engine, new_server, run_service, service_telemetry
 from shared.serving.scheduler_base import Scheduler, SchedulerConfig
 from shared.serving.telemetry import Telemetry
 from shared.transfer.base import KVLayout
@@ -39,7 +39,7 @@ def add_services(
 
 
 async def serve(cfg: PrefillConfig) -> int:
-    server = grpc.aio.server(maximum_concurrent_rpcs=cfg.max_calls)
+    server = new_server(cfg)
     telemetry = service_telemetry("prefill", cfg)
     servicer, health_servicer = add_services(server, telemetry, with_reflection=cfg.reflection)
 

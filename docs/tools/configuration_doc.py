@@ -43,6 +43,14 @@ OTHER_VARIABLES: tuple[tuple[str, str, str, str], ...] = (
         "wins; a malformed value stops the process at import (`invariants/levels.py`, docs/invariants.md)",
     ),
     (
+        "PDSERVE_AUTH_TOKENS",
+        "the decode service",
+        "empty",
+        "bearer tokens of the public API, as `--auth-tokens-file` lists them (`name:token` or "
+        "`name:token:admin`), comma-separated; a variable, not a flag, so that no token shows on a command "
+        "line. Both sources together are the accepted tokens (`shared/serving/security/tokens.py`)",
+    ),
+    (
         "PDSERVE_TARGET",
         "`pdserve generate`, `pdserve bench`, the OpenAI-compatible front",
         "`127.0.0.1:50051`",

@@ -1,10 +1,11 @@
 """Binding a service's gRPC port, and saying so plainly when it is taken.
 
-gRPC on Linux binds with SO_REUSEPORT, so a second server on a port another gRPC server holds does not
-fail: the two silently split the connections (a second `pdserve up` would answer half the first one's
-calls). A plain socket, bound first without SO_REUSEPORT, finds the port taken; a port taken by
-anything else fails gRPC's own bind, whose RuntimeError names no cause. Both become one OSError that
-says which address and what to do.
+gRPC on Linux binds with SO_REUSEPORT unless told not to, so a second server on a port another gRPC
+server holds would not fail: the two would silently split the connections. The services' servers turn
+it off (`grpc.so_reuseport` 0, shared/serving/runtime.py), and a plain socket, bound first, finds the
+port taken by anything (a gRPC server of another program included) and says so: gRPC's own bind
+failure is a RuntimeError that names no cause. Both become one OSError that says which address and
+what to do.
 """
 
 from __future__ import annotations
@@ -45,13 +46,16 @@ def port_taken(host: str, port: int) -> bool:
     return False
 
 
-def bind(server: Any, host: str, port: int) -> int:
-    """`server.add_insecure_port(HOST:PORT)`, returning the bound port; OSError when it is taken."""
+def bind(server: Any, host: str, port: int, credentials: Any = None) -> int:
+    """`server.add_insecure_port(HOST:PORT)` (`add_secure_port` with `credentials`), returning the bound
+    port; OSError when it is taken."""
     address = f"{host}:{port}"
     hint = "another process listens there (another pdserve?): stop it or choose another --port"
     if port_taken(host, port):
         raise OSError(errno.EADDRINUSE, f"cannot listen on {address}: address already in use; {hint}")
     try:
+        if credentials is not None:
+            return server.add_secure_port(address, credentials)
         return server.add_insecure_port(address)
     except RuntimeError as e:  # gRPC's "Failed to bind to address ..."
         raise OSError(errno.EADDRINUSE, f"cannot listen on {address}: {e}; {hint}") from e

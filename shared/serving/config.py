@@ -38,7 +38,7 @@ def normalize_dtype(name: str) -> str:
 
 @dataclass(frozen=True)
 class CommonConfig:
-    host: str = "[::]"
+    host: str = "localhost"  # loopback unless asked: [::] = every address (Kubernetes sets it)
     port: int = 50051  # 0: any free port (the bound one is printed on the "listening" line)
     model: str = ""  # checkpoint path; "" = the embedded default; random:<json> = a tiny test model
     device: str = "auto"  # auto = cuda when available, else cpu
@@ -57,6 +57,16 @@ class CommonConfig:
     metrics_host: str = ""  # "" = --host; "::" / "[::]" = every IPv4 and IPv6 address (IPv4 without IPv6)
     metrics: bool = True  # --no-metrics: no /metrics endpoint
     reflection: bool = False  # gRPC server reflection: off unless asked (it lists every method)
+    tls_cert: str = ""  # PEM certificate chain: the gRPC port serves TLS (with tls_key)
+    tls_key: str = ""
+    tls_client_ca: str = ""  # PEM CA bundle: callers must present a certificate it signed (mutual TLS)
+    tls_client_names: str = ""  # comma-separated: a caller's certificate must carry one of these names
+    first_message_timeout: float = 10.0  # seconds a call may stay open before its request arrives
+    max_request_bytes: int = 4 << 20  # a request message's size limit
+
+    @property
+    def client_names(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.tls_client_names.split(",") if n.strip())
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))  # frozen: normalized once, here
@@ -79,10 +89,21 @@ class CommonConfig:
             raise ValueError(f"gemm must be auto, cublas or skinny, got {self.gemm!r}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key: mutual TLS is TLS first")
+        if self.client_names and not self.tls_client_ca:
+            raise ValueError("tls_client_names needs tls_client_ca (names come from verified certificates)")
+        if self.first_message_timeout <= 0:
+            raise ValueError(f"first_message_timeout must be > 0, got {self.first_message_timeout}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
 
 
 COMMON_HELP = {
-    "host": "address to bind",
+    "host": "address the gRPC port binds: localhost (the default) serves this machine only; [::] = every "
+    "IPv4 and IPv6 address (what a container or a pod needs)",
     "port": "port to bind; 0 picks a free one",
     "model": "HF directory or .gguf file; empty = the embedded SmolLM2-135M-Instruct. "
     "Testing aid: random:<json> serves a tiny random model (see shared/serving/api/model_source.py)",
@@ -112,6 +133,18 @@ COMMON_HELP = {
     "metrics": "serve Prometheus /metrics (--no-metrics: off)",
     "reflection": "serve gRPC server reflection (grpcurl and the like can list and call every method "
     "without the protos); off unless asked",
+    "tls_cert": "PEM certificate chain the gRPC port serves TLS with (needs --tls-key); re-read at the next "
+    "TLS handshake after the file changes (Secret rotation); empty = plaintext",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM CA bundle: every caller must present a certificate it signed (mutual TLS); "
+    "health checks too",
+    "tls_client_names": "comma-separated names; a caller's certificate must carry one of them (a SAN or "
+    "the CN), else PERMISSION_DENIED; health checks are exempt. The prefill service sets decode's "
+    "certificate name here, so that only decode can call it. Needs --tls-client-ca",
+    "first_message_timeout": "seconds a call may stay open before its request message arrives; then "
+    "DEADLINE_EXCEEDED (a client that opens streams and sends nothing holds no call slot for long)",
+    "max_request_bytes": "size limit of a request message: INVALID_ARGUMENT naming this flag above it "
+    "(gRPC itself refuses, RESOURCE_EXHAUSTED, what is more than twice over)",
 }
 
 C = TypeVar("C", bound=CommonConfig)

@@ -41,9 +41,14 @@ from shared.serving.kv_sizing import (
 )
 from shared.serving.metrics import Metrics, serve_metrics
 from shared.serving.scheduler_base import Scheduler
+from shared.serving.security.guard import Guard, GuardConfig
+from shared.serving.security.tls import ServerTLS, TLSError
+from shared.serving.security.tokens import Tokens
 from shared.serving.telemetry import Telemetry
 
-__all__ = ["NOT_SERVING", "SERVING", "StartupError", "add_health", "build_engine", "run_service"]
+__all__ = [
+    "NOT_SERVING", "SERVING", "StartupError", "add_health", "build_engine", "new_server", "run_service",
+]  # fmt: skip
 
 EXIT_INVARIANT = 3  # STRICT: an invariant failed, the engine's state cannot be trusted
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -138,6 +143,29 @@ def _size_pool(
         raise StartupError(str(e)) from e
 
 
+def new_server(cfg: CommonConfig, tokens: Tokens | None = None) -> grpc.aio.Server:
+    """A service's gRPC server: every call through the guard (shared/serving/security/guard.py), at most
+    --max-calls at once, and a port no other process can share (SO_REUSEPORT off)."""
+    guard = Guard(
+        GuardConfig(
+            tokens=tokens, client_names=cfg.client_names,
+            first_message_timeout=cfg.first_message_timeout, max_request_bytes=cfg.max_request_bytes,
+        )
+    )  # fmt: skip
+    options = [
+        ("grpc.so_reuseport", 0),
+        # The guard names --max-request-bytes for what is over it; gRPC drops what is far over unread.
+        ("grpc.max_receive_message_length", 2 * cfg.max_request_bytes),
+    ]
+    return grpc.aio.server(interceptors=[guard], maximum_concurrent_rpcs=cfg.max_calls, options=options)
+
+
+def server_tls(cfg: CommonConfig) -> ServerTLS | None:
+    if not cfg.tls_cert:
+        return None
+    return ServerTLS(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca, cfg.client_names)
+
+
 def service_telemetry(role: str, cfg: CommonConfig) -> Telemetry:
     """Tracing from the OTEL_* environment, metrics unless --no-metrics."""
     return Telemetry.from_env(role, Metrics(role) if cfg.metrics else None)
@@ -210,8 +238,12 @@ async def run_service(
     and returns its scheduler. Returns the process exit code."""
     log = logging.getLogger(f"{role}_service")
     telemetry = telemetry or Telemetry(role)
+    tls = server_tls(cfg)
     try:
-        port = bind(server, cfg.host, cfg.port)
+        port = bind(server, cfg.host, cfg.port, tls.credentials() if tls is not None else None)
+    except TLSError as e:  # a missing or wrong file: before any model loads
+        log.error("%s", e)
+        return 1
     except OSError as e:  # the port is taken: say so at once, before any model loads
         log.error("%s", e.strerror or e)
         return 1
@@ -219,6 +251,10 @@ async def run_service(
     await health_servicer.set(service_name, NOT_SERVING)  # readiness: not until the model is loaded
     await server.start()
     print(f"pdserve {role} listening on {cfg.host}:{port}", flush=True)
+    if tls is not None:
+        mode = "mutual TLS" if tls.mutual else "TLS"
+        names = f", callers named {', '.join(tls.client_names)}" if tls.client_names else ""
+        log.info("the port serves %s (%s%s)", mode, cfg.tls_cert, names)
     if cfg.metrics and telemetry.metrics is not None:
         serve_metrics(telemetry.metrics, cfg.metrics_host or cfg.host, cfg.metrics_port, role)
 
