@@ -158,7 +158,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         s = await ready(context, self.serving)
         tok = s.loaded.tokenizer
-        encode = tok.encode if tok is not None else None
+        # A prompt over the context is refused by its token count, before its ids are made.
+        encode = functools.partial(tok.encode, max_tokens=s.limits.max_context) if tok is not None else None
         check = functools.partial(validate_generate, request, s.limits, encode, Chat.of(tok))
         try:
             prompt, params = await asyncio.get_running_loop().run_in_executor(self._tokenize, check)

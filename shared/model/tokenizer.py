@@ -113,6 +113,19 @@ def _token_text(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+_SLICE_CHARS = 1 << 16
+
+
+class PromptTooLong(ValueError):
+    """A text that encodes to more tokens than the caller takes: `tokens` of them, or (not `exact`)
+    more than `tokens`."""
+
+    def __init__(self, tokens: int, exact: bool = True) -> None:
+        super().__init__(f"{'' if exact else 'over '}{tokens} tokens")
+        self.tokens = tokens
+        self.exact = exact
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -170,8 +183,32 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """The ids of `text`; PromptTooLong when there are more than `max_tokens`.
+
+        A long text goes through `encode_batch`, which lets go of the GIL while it runs (plain `encode`
+        holds it throughout: seconds for a few MB, every other thread of the server frozen). Making and
+        freeing the ids of millions of tokens holds the GIL too, so with `max_tokens` a long text is
+        first counted slice by slice and refused once it is clearly over."""
+        if max_tokens is not None and len(text) > _SLICE_CHARS:
+            self._refuse_far_over(text, max_tokens)
+        if len(text) > _SLICE_CHARS:
+            enc = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            enc = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        if max_tokens is not None and len(enc) > max_tokens:
+            raise PromptTooLong(len(enc))
+        return enc.ids
+
+    def _refuse_far_over(self, text: str, max_tokens: int) -> None:
+        # Slices may tokenize a little differently from the whole at their cuts: only twice the limit
+        # is clearly over; below that the exact count decides.
+        counted = 0
+        for start in range(0, len(text), _SLICE_CHARS):
+            piece = [text[start : start + _SLICE_CHARS]]
+            counted += len(self.backend.encode_batch(piece, add_special_tokens=False)[0])
+            if counted > 2 * max_tokens:
+                raise PromptTooLong(2 * max_tokens, exact=False)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

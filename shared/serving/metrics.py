@@ -77,8 +77,8 @@ class Metrics:
         )  # fmt: skip
         self._prefill_route = Counter(
             "pdserve_prefill_route", "Requests by where their prompt was prefilled (local, remote) and why "
-            "(no_prefill, short_prompt, prefill_mismatch, prefill_unavailable, prefill_busy, prefill_rejected, "
-            "queue_deep, remote)",
+            "(no_prefill, short_prompt, prefill_mismatch, prefill_unavailable, prefill_busy, "
+            "prefill_rejected, queue_deep, remote)",
             (*s, "prefill", "reason"), registry=r,
         )  # fmt: skip
         self._prefill_refused = Counter(

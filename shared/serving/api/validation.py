@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.engine.sampling import SamplingParams
-from shared.model.tokenizer import Tokenizer
+from shared.model.tokenizer import PromptTooLong, Tokenizer
 from shared.pb.pdserve.v1 import generation_pb2 as pb
 from shared.serving.api.errors import FieldViolation, InvalidRequest
 
@@ -138,7 +138,11 @@ def _prompt(
         if len(req.text) > limits.max_text_chars:
             out.append(FieldViolation("text", f"longer than {limits.max_text_chars} characters"))
             return "text", []
-        ids = encode(req.text)
+        try:
+            ids = encode(req.text)
+        except PromptTooLong as e:  # counted without materializing millions of ids
+            out.append(FieldViolation("text", _too_long(e.tokens if e.exact else f"over {e.tokens}", limits)))
+            return "text", []
         if not ids:
             out.append(FieldViolation("text", "encodes to no tokens"))
         _tokenizer_ids("text", ids, limits.vocab_size, out)
@@ -184,16 +188,17 @@ def _sampling(s: pb.SamplingParams, limits: Limits, has_tokenizer: bool, out: li
     _bad_ids("sampling.stop_token_ids", list(s.stop_token_ids), limits.vocab_size, out)
 
 
+def _too_long(n_prompt: int | str, limits: Limits) -> str:
+    return (
+        f"the prompt has {n_prompt} tokens; the context holds {limits.max_context}, "
+        "prompt and at least one generated token included"
+    )
+
+
 def _max_tokens(s: pb.SamplingParams, prompt_field: str, n_prompt: int, limits: Limits, out: list) -> int:
     room = limits.max_context - n_prompt
     if room < 1:
-        out.append(
-            FieldViolation(
-                prompt_field,
-                f"the prompt has {n_prompt} tokens; the context holds {limits.max_context}, "
-                "prompt and at least one generated token included",
-            )
-        )
+        out.append(FieldViolation(prompt_field, _too_long(n_prompt, limits)))
         return 1
     if not s.HasField("max_tokens"):
         # A chat reply runs to the end of its turn, as OpenAI's chat API does: the context's room.
