@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,24 @@ def render(path: str) -> tuple[Obj, ...]:
         [tool("kubectl"), "kustomize", str(K8S / path)], check=True, capture_output=True, text=True
     ).stdout
     return tuple(d for d in yaml.safe_load_all(out) if d)
+
+
+@functools.cache
+def render_with(overlay: str, components: tuple[str, ...], extra: str = "") -> tuple[Obj, ...]:
+    """An overlay plus components under k8s/components/ (in this order), as an operator's own
+    kustomization adds them; `extra` is more of that kustomization's YAML (e.g. its patches)."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-k8s-") as tmp:
+        rel = os.path.relpath(K8S, tmp)
+        kustomization = {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "resources": [f"{rel}/overlays/{overlay}"],
+            "components": [f"{rel}/components/{c}" for c in components],
+            **(yaml.safe_load(extra) if extra else {}),
+        }
+        (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+        out = subprocess.run([tool("kubectl"), "kustomize", tmp], check=True, capture_output=True, text=True)
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 
 
 def find(objs: Sequence[Obj], kind: str, name: str | None = None) -> list[Obj]:
@@ -121,14 +141,26 @@ def selects(selector: Obj, labels: dict[str, str]) -> bool:
     return True
 
 
+# What the downward API gives a running pod, for the fields the manifests read (a pod IP that is a bare
+# address, as the services' --metrics-host takes it).
+DOWNWARD_SAMPLES = {
+    "metadata.name": "pdserve-decode-5d8f7c9b4-x2x7q",
+    "spec.nodeName": "node-1",
+    "status.podIP": "10.244.1.17",
+}
+
+
 def container_env(objs: Sequence[Obj], ctr: Obj) -> dict[str, str]:
-    """What the process sees: envFrom ConfigMaps in order, then env (valueFrom as a placeholder)."""
+    """What the process sees: envFrom ConfigMaps in order, then env (a downward-API field as a sample of
+    what the kubelet would put there; another valueFrom as a placeholder)."""
     env: dict[str, str] = {}
     for source in ctr.get("envFrom", []):
         assert set(source) == {"configMapRef"}, f"only ConfigMap envFrom is expected: {source}"
         env.update(one(objs, "ConfigMap", source["configMapRef"]["name"]).get("data", {}))
     for var in ctr.get("env", []):
-        env[var["name"]] = var.get("value", f"<{var['name']} from the downward API>")
+        field = var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        default = DOWNWARD_SAMPLES.get(field, f"<{var['name']} from the downward API>")
+        env[var["name"]] = var.get("value", default)
     return env
 
 

@@ -45,6 +45,9 @@ OTEL_ALLOWLIST = frozenset({
 # Read by PyTorch in the service process: the CUDA caching allocator's settings (the generic name and the
 # older CUDA one). cuda_ipc forbids some of them (tests/k8s/test_kv_transfer.py).
 TORCH_ALLOWLIST = frozenset({"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"})
+# Read by the libraries in the process: $HOME places Triton's kernel cache, CUDA's JIT cache and ~/.cache in
+# the writable emptyDir (the root filesystem is read-only).
+RUNTIME_ALLOWLIST = frozenset({"HOME"})
 # PDSERVE_* variables read outside the config dataclasses.
 EXTRA_PDSERVE = frozenset({module_constant("invariants/levels.py", "ENV_VAR")})
 READINESS_NAME = {"decode": "pdserve.v1.Generation", "prefill": "pdserve.v1.Prefill"}
@@ -95,7 +98,8 @@ def test_env_is_read_by_the_service(objs: tuple[Obj, ...], role: str) -> None:
     helpers = referenced_vars([v.get("value", "") for v in ctr.get("env", [])])
     # A plain helper (e.g. the pod name from the downward API) may exist only to be expanded into another.
     helpers = {k for k in helpers if not k.startswith(("PDSERVE_", "OTEL_"))}
-    unread = sorted(k for k in env if k not in readable | OTEL_ALLOWLIST | TORCH_ALLOWLIST | helpers)
+    known = readable | OTEL_ALLOWLIST | TORCH_ALLOWLIST | RUNTIME_ALLOWLIST | helpers
+    unread = sorted(k for k in env if k not in known)
     assert not unread, f"{role} sets variables {role}_service does not read: {unread}"
     assert env.get("OTEL_SERVICE_NAME") == f"pdserve-{role}"
     from invariants.levels import parse

@@ -1,7 +1,7 @@
 """The cpu-demo overlay's settings boot the real services: each process gets exactly the env and args
-its container would (envFrom ConfigMaps + env), only the bind addresses moved to free loopback ports and
-the prefill target to the local prefill. Both become ready on their readiness names, serve /metrics,
-answer one remote-prefilled request, and drain to exit 0 on SIGTERM."""
+its container would (envFrom ConfigMaps + env), only the bind addresses moved to free loopback ports, the
+prefill target to the local prefill and $HOME to the runner's. Both become ready on their readiness
+names, serve /metrics, answer one remote-prefilled request, and drain to exit 0 on SIGTERM."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ def spawn(role: str, overrides: dict[str, str], log: Path) -> subprocess.Popen:
     ctr = container(objs, role)
     env = {**os.environ, **container_env(objs, ctr), **overrides}
     env.update({"PDSERVE_HOST": "127.0.0.1", "PDSERVE_PORT": "0", "PDSERVE_METRICS_PORT": "0"})
+    # The pod's IP (downward API) and its emptyDir home exist only in the pod.
+    env.update({"PDSERVE_METRICS_HOST": "127.0.0.1", "HOME": os.environ.get("HOME", str(log.parent))})
     env.update({"OTEL_TRACES_EXPORTER": "none", "PYTHONUNBUFFERED": "1"})  # no collector here
     cmd = [sys.executable, "-m", *ctr["args"]]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)

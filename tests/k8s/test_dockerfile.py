@@ -9,7 +9,7 @@ import subprocess
 import tomllib
 
 import pytest
-from k8s_render import OVERLAYS, ROOT, container, deployment, render, tool
+from k8s_render import OVERLAYS, ROOT, container, container_env, deployment, render, tool
 
 DOCKERFILE = ROOT / "Dockerfile"
 
@@ -48,6 +48,36 @@ def test_runs_as_a_numeric_non_root_user() -> None:
         for role in ("prefill", "decode"):
             pod = deployment(render(f"overlays/{overlay}"), role)["spec"]["template"]["spec"]
             assert pod["securityContext"]["runAsUser"] == int(uid)
+
+
+def test_manifests_home_is_the_users_home() -> None:
+    """HOME in the pods (the emptyDir that takes the caches under a read-only root) is the home directory
+    `useradd --create-home` gives the image's user."""
+    [useradd] = [args for word, args in instructions() if word == "RUN" and "useradd" in args]
+    name = useradd.split()[-1]
+    uid = re.search(r"--uid (\d+)", useradd).group(1)
+    assert uid == users_uid() and "--home-dir" not in useradd and " -d " not in useradd
+    for overlay in OVERLAYS:
+        objs = render(f"overlays/{overlay}")
+        for role in ("prefill", "decode"):
+            assert container_env(objs, container(objs, role))["HOME"] == f"/home/{name}", (overlay, role)
+
+
+def users_uid() -> str:
+    return [args for word, args in instructions() if word == "USER"][-1].split(":")[0]
+
+
+def test_pdserve_command_is_on_path() -> None:
+    """The TLS probes run `pdserve health` (k8s/components/tls): the package's console script lands in the
+    venv's bin/, which the image puts first on PATH."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"]["pdserve"] == "shared.client.cli:main"
+    env = " ".join(args for word, args in instructions() if word == "ENV")
+    venv = re.search(r"VIRTUAL_ENV=(\S+)", env).group(1)
+    path = re.search(r"PATH=(\S+)", env).group(1).split(":")
+    assert path[0] == f"{venv}/bin"
+    runs = " ".join(args for word, args in instructions() if word == "RUN")
+    assert f"python3 -m venv {venv}" in runs and 'pip install ".[gpu,nixl]"' in runs
 
 
 def test_entrypoint_runs_either_service() -> None:

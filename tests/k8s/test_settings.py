@@ -37,6 +37,11 @@ from shared.serving.config import CommonConfig
 # Set inline in the pod template, not in a ConfigMap: it carries the pod and node names, which only
 # `env` can expand ($(K8S_POD_NAME) from the downward API; envFrom does not expand references).
 INLINE_ALLOWED = frozenset({"OTEL_RESOURCE_ATTRIBUTES"})
+# Settings the pod template overrides from the downward API (envFrom cannot read it): the ConfigMap keeps
+# the setting with its documented default, the pod's env wins with the pod's own value.
+INLINE_DOWNWARD = {"PDSERVE_METRICS_HOST": "status.podIP"}
+# Not a setting: where the read-only root filesystem's writable emptyDir is (k8s/base/*.yaml).
+INLINE_RUNTIME = frozenset({"HOME"})
 
 
 def service_containers(objs: tuple[Obj, ...]) -> list[tuple[str, Obj]]:
@@ -157,7 +162,8 @@ def test_a_value_the_service_rejects_fails_the_check(
 def test_every_setting_lives_in_a_configmap(objs: tuple[Obj, ...], role: str) -> None:
     """Every PDSERVE_* variable the role reads is set in a ConfigMap it loads (an operator sees and
     tunes every setting there; a new flag without an entry fails here), and the pod template sets none
-    inline except the downward-API resource attributes."""
+    inline except the downward-API resource attributes and the pod's IP for /metrics (which overrides
+    the ConfigMap's entry), plus $HOME."""
     ctr = container(objs, role)
     from_maps: set[str] = set()
     for source in ctr.get("envFrom", []):
@@ -166,8 +172,11 @@ def test_every_setting_lives_in_a_configmap(objs: tuple[Obj, ...], role: str) ->
     assert not missing, f"{role}: settings missing from its ConfigMaps: {missing}"
     assert {"OTEL_SERVICE_NAME", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT"} <= from_maps
     inline = {v["name"] for v in ctr.get("env", []) if v["name"].startswith(("PDSERVE_", "OTEL_"))}
-    assert inline <= INLINE_ALLOWED, (
-        f"{role}: set these in a ConfigMap, not the pod: {sorted(inline - INLINE_ALLOWED)}"
-    )
-    for var in ctr.get("env", []):  # the rest only feed OTEL_RESOURCE_ATTRIBUTES
-        assert var["name"] in INLINE_ALLOWED or "fieldRef" in var.get("valueFrom", {}), var
+    allowed = INLINE_ALLOWED | INLINE_DOWNWARD.keys()
+    assert inline <= allowed, f"{role}: set these in a ConfigMap, not the pod: {sorted(inline - allowed)}"
+    for var in ctr.get("env", []):
+        if var["name"] in INLINE_DOWNWARD:
+            assert var["valueFrom"]["fieldRef"]["fieldPath"] == INLINE_DOWNWARD[var["name"]], var
+            continue
+        # The rest only feed OTEL_RESOURCE_ATTRIBUTES, or place the runtime's files.
+        assert var["name"] in INLINE_ALLOWED | INLINE_RUNTIME or "fieldRef" in var.get("valueFrom", {}), var
