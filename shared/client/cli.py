@@ -1,6 +1,7 @@
 """The `pdserve` command: `up` (run both services locally), `generate` (stream a completion), `bench`
-(an open-loop load test) and `demo` (start the services on the embedded default model, stream one
-answer, stop them). The process supervision of `up` and `demo` lives in shared/client/up.py."""
+(an open-loop load test), `health` (a grpc.health.v1 check, TLS-capable: a Kubernetes exec probe) and
+`demo` (start the services on the embedded default model, stream one answer, stop them). The process
+supervision of `up` and `demo` lives in shared/client/up.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from shared.client.client import Client, GenerationError
+from shared.client.credentials import (
+    Credentials,
+    CredentialsError,
+    add_credential_flags,
+    credentials_from_args,
+)
 from shared.client.up import Services
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -81,9 +87,14 @@ def _dtype(text: str) -> str:
     return text.lower()
 
 
-def stream(target: str, prompt: str, max_tokens: int, temperature: float, *, chat: bool = False) -> str:
+def stream(
+    target: str, prompt: str, max_tokens: int, temperature: float, *, chat: bool = False,
+    credentials: Credentials | None = None,
+) -> str:  # fmt: skip
     """Print the completion as it streams, then how it ended; returns the finish reason."""
-    with Client(target) as client:
+    from shared.client.client import Client
+
+    with Client(target, credentials=credentials) as client:
         if chat:
             messages = [{"role": "user", "content": prompt}]
             result = client.generate(messages=messages, max_tokens=max_tokens, temperature=temperature)
@@ -124,7 +135,7 @@ def run_demo(args: argparse.Namespace) -> int:
     return code
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def run_bench(args: argparse.Namespace, credentials: Credentials | None = None) -> int:
     import asyncio
     import json
 
@@ -138,7 +149,9 @@ def run_bench(args: argparse.Namespace) -> int:
         flush=True,
     )
     show = lambda line: print(f"pdserve bench: {line}", file=sys.stderr, flush=True)
-    result = asyncio.run(run_load(args.target, trace, args.rate, timeout=args.timeout, progress=show))
+    result = asyncio.run(
+        run_load(args.target, trace, args.rate, timeout=args.timeout, progress=show, credentials=credentials)
+    )
     print_report(result)
     if args.json:
         with open(args.json, "w") as f:
@@ -146,10 +159,21 @@ def run_bench(args: argparse.Namespace) -> int:
     return 1 if result.errors else 0
 
 
+def run_health(args: argparse.Namespace, credentials: Credentials | None) -> int:
+    """0 when the health service answers SERVING (a line on stdout), 1 otherwise (why, on stderr)."""
+    if "grpc" not in sys.modules:  # grpc reads it on import: its INFO lines (a failed TLS handshake) off
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    from shared.client.health import check
+
+    result = check(args.target, service=args.service, credentials=credentials, timeout=args.timeout)
+    print(f"pdserve health: {result.message}", file=sys.stdout if result.serving else sys.stderr)
+    return 0 if result.serving else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     ap.add_argument("--version", action="version", version=f"pdserve {version()}")
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{up,generate,bench,demo,openai}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{up,generate,bench,health,demo,openai}")
     target = os.environ.get("PDSERVE_TARGET", DEFAULT_TARGET)
     where = "from $PDSERVE_TARGET" if "PDSERVE_TARGET" in os.environ else "$PDSERVE_TARGET sets another"
     target_help = f"decode service to call, HOST:PORT (default: {target}; {where})"
@@ -214,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the prompt as a user message, rendered with the served model's own chat template "
         "(default: off: the prompt is sent as raw text)",
     )
+    add_credential_flags(gen)
 
     bench = sub.add_parser(
         "bench",
@@ -249,6 +274,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds one request may take before it counts as an error (default: 120)",
     )
     bench.add_argument("--json", metavar="FILE", help="also write the results to FILE (default: none)")
+    add_credential_flags(bench)
+
+    health = sub.add_parser(
+        "health",
+        help="grpc.health.v1 Check of a service, over TLS if asked: exit 0 if SERVING, else 1",
+        description="One grpc.health.v1 Check: exit 0 if SERVING, 1 otherwise (NOT_SERVING, unknown "
+        "service, unreachable, TLS refused, timeout) with one line on stderr saying why. A Kubernetes "
+        "exec probe for ports that serve TLS (the kubelet's own gRPC probe has no TLS).",
+    )
+    health.add_argument(
+        "--target", default=target, help=f"service to check, HOST:PORT: decode or prefill (default: {target})"
+    )
+    health.add_argument(
+        "--service",
+        default="",
+        metavar="NAME",
+        help="the service to ask about, e.g. pdserve.v1.Generation for readiness (default: '': the "
+        "server as a whole, i.e. liveness)",
+    )
+    health.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="give up (exit 1) after this long; keep it below the probe's timeoutSeconds (default: 5)",
+    )
+    add_credential_flags(health, token=False)  # health checks need no token (the services exempt them)
 
     # Parsed by the front itself (shared/client/openai/server.py): `main` hands it the rest of argv.
     sub.add_parser(
@@ -284,13 +336,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = ap.parse_known_args(argv)
     if unknown and args.cmd != "up":
         ap.error(f"unrecognized arguments: {' '.join(unknown)}")
+    credentials = None
+    if args.cmd in ("generate", "bench", "health"):
+        try:
+            credentials = credentials_from_args(args)
+        except CredentialsError as err:  # a usage error, as argparse's: exit 2
+            print(f"pdserve {args.cmd}: {err.for_flag()}", file=sys.stderr)
+            return 2
+    if args.cmd == "health":
+        return run_health(args, credentials)
+    from shared.client.client import GenerationError
+
     try:
         if args.cmd == "up":
             return run_up(args, [*unknown, *after_dashes])
         if args.cmd == "bench":
-            return run_bench(args)
+            return run_bench(args, credentials)
         if args.cmd == "generate":
-            stream(args.target, args.prompt, args.max_tokens, args.temperature, chat=args.chat)
+            stream(
+                args.target, args.prompt, args.max_tokens, args.temperature, chat=args.chat,
+                credentials=credentials,
+            )  # fmt: skip
             return 0
         return run_demo(args)
     except GenerationError as err:

@@ -10,6 +10,11 @@ Sampling keywords are the proto's SamplingParams fields (max_tokens, temperature
 seed, stop, stop_token_ids, ignore_eos). Failures raise `GenerationError` with the gRPC status code and,
 for INVALID_ARGUMENT, the field violations. A call made inside an OpenTelemetry span carries its
 W3C `traceparent`, so the server's spans join the caller's trace.
+
+A service that serves TLS or asks for a bearer token: `Client(target, credentials=...)` with
+`Credentials.from_files(tls_ca=..., tls_cert=..., tls_key=..., token_file=...)` (shared/client/
+credentials.py). A call's `token=` replaces the client's token for that call alone (the OpenAI front
+forwards each HTTP caller's key that way).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Any, NamedTuple
 import grpc
 from opentelemetry import propagate
 
+from shared.client.credentials import CallAuth, Credentials, aio_channel
+from shared.client.credentials import channel as sync_channel
 from shared.client.errors import FieldViolation, field_violations
 from shared.pb.pdserve.v1 import generation_pb2 as pb
 from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -32,6 +39,7 @@ __all__ = [
     "Chunk",
     "Client",
     "Completion",
+    "Credentials",
     "GenerationError",
     "Message",
     "Stream",
@@ -73,6 +81,16 @@ def _trace_metadata() -> tuple[tuple[str, str], ...] | None:
     carrier: dict[str, str] = {}
     propagate.inject(carrier)  # the globally configured propagator (OTEL_PROPAGATORS; W3C by default)
     return tuple(carrier.items()) or None
+
+
+def _call(auth: CallAuth, token: str | None) -> dict[str, Any]:
+    """A call's keywords: the trace context, and the token (`token`, else the client's)."""
+    return auth.call_kwargs(_trace_metadata(), token)
+
+
+def _check_channel(channel: object, credentials: Credentials | None) -> None:
+    if channel is not None and credentials is not None and credentials.tls is not None:
+        raise TypeError("give TLS credentials or a channel of your own (with its TLS), not both")
 
 
 Message = Mapping[str, str]  # {"role": ..., "content": ...}, as OpenAI's chat API
@@ -180,9 +198,16 @@ def _completion(chunks: list[Chunk], stream: _Result) -> Completion:
 
 
 class Client:
-    def __init__(self, target: str, *, channel: grpc.Channel | None = None) -> None:
-        self.channel = channel or grpc.insecure_channel(target)
+    """`credentials`: TLS and a bearer token (None: plaintext, no token). With `channel` (your own, TLS
+    or not) the credentials may carry a token alone, sent as metadata."""
+
+    def __init__(
+        self, target: str, *, channel: grpc.Channel | None = None, credentials: Credentials | None = None
+    ) -> None:
+        _check_channel(channel, credentials)
+        self.channel = channel or sync_channel(target, credentials)
         self._stub = pb_grpc.GenerationStub(self.channel)
+        self._auth = CallAuth(credentials)
 
     def generate(
         self,
@@ -191,26 +216,30 @@ class Client:
         messages: Sequence[Message] | None = None,
         request_id: str = "",
         timeout: float | None = None,
+        token: str | None = None,
         **sampling: Any,
     ) -> Stream:
-        """Stream a completion of `prompt`, or the assistant's reply to `messages`."""
+        """Stream a completion of `prompt`, or the assistant's reply to `messages`; `token`: this call's
+        bearer token instead of the client's."""
         req = build_request(prompt, request_id, messages=messages, **sampling)
-        return Stream(self._stub.Generate(req, timeout=timeout, metadata=_trace_metadata()))
+        return Stream(self._stub.Generate(req, timeout=timeout, **_call(self._auth, token)))
 
     def complete(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Completion:
         """The whole generation: (text, finish_reason, usage, token_ids)."""
         stream = self.generate(prompt, **kwargs)
         return _completion(list(stream), stream)
 
-    def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+    def abort(self, request_id: str, *, timeout: float | None = None, token: str | None = None) -> bool:
+        req = pb.AbortRequest(request_id=request_id)
         try:
-            return self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout).found
+            return self._stub.Abort(req, timeout=timeout, **_call(self._auth, token)).found
         except grpc.RpcError as e:
             raise GenerationError(e) from e
 
-    def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+    def model_info(self, *, timeout: float | None = None, token: str | None = None) -> pb.ModelInfo:
+        req = pb.GetModelInfoRequest()
         try:
-            return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+            return self._stub.GetModelInfo(req, timeout=timeout, **_call(self._auth, token))
         except grpc.RpcError as e:
             raise GenerationError(e) from e
 
@@ -227,9 +256,13 @@ class Client:
 class AsyncClient:
     """Create inside a running event loop (grpc.aio channels belong to one)."""
 
-    def __init__(self, target: str, *, channel: grpc.aio.Channel | None = None) -> None:
-        self.channel = channel or grpc.aio.insecure_channel(target)
+    def __init__(
+        self, target: str, *, channel: grpc.aio.Channel | None = None, credentials: Credentials | None = None
+    ) -> None:
+        _check_channel(channel, credentials)
+        self.channel = channel or aio_channel(target, credentials)
         self._stub = pb_grpc.GenerationStub(self.channel)
+        self._auth = CallAuth(credentials)
 
     def generate(
         self,
@@ -238,26 +271,30 @@ class AsyncClient:
         messages: Sequence[Message] | None = None,
         request_id: str = "",
         timeout: float | None = None,
+        token: str | None = None,
         **sampling: Any,
     ) -> AsyncStream:
-        """Stream a completion of `prompt`, or the assistant's reply to `messages`."""
+        """Stream a completion of `prompt`, or the assistant's reply to `messages`; `token`: this call's
+        bearer token instead of the client's."""
         req = build_request(prompt, request_id, messages=messages, **sampling)
-        return AsyncStream(self._stub.Generate(req, timeout=timeout, metadata=_trace_metadata()))
+        return AsyncStream(self._stub.Generate(req, timeout=timeout, **_call(self._auth, token)))
 
     async def complete(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Completion:
         stream = self.generate(prompt, **kwargs)
         chunks = [c async for c in stream]
         return _completion(chunks, stream)
 
-    async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+    async def abort(self, request_id: str, *, timeout: float | None = None, token: str | None = None) -> bool:
+        req = pb.AbortRequest(request_id=request_id)
         try:
-            return (await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout)).found
+            return (await self._stub.Abort(req, timeout=timeout, **_call(self._auth, token))).found
         except grpc.RpcError as e:
             raise GenerationError(e) from e
 
-    async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+    async def model_info(self, *, timeout: float | None = None, token: str | None = None) -> pb.ModelInfo:
+        req = pb.GetModelInfoRequest()
         try:
-            return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+            return await self._stub.GetModelInfo(req, timeout=timeout, **_call(self._auth, token))
         except grpc.RpcError as e:
             raise GenerationError(e) from e
 

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import IO
 
 from shared.client.client import AsyncClient, GenerationError
+from shared.client.credentials import Credentials
 
 __all__ = ["AgenticTrace", "LoadResult", "RequestStats", "print_report", "run_load", "summarize"]
 
@@ -135,11 +136,12 @@ async def _report_progress(
 async def run_load(
     target: str, trace: AgenticTrace, rate: float, *, vocab: int | None = None,
     timeout: float | None = None, progress: Callable[[str], None] | None = None,
-    progress_every: float = PROGRESS_EVERY_S,
+    progress_every: float = PROGRESS_EVERY_S, credentials: Credentials | None = None,
 ) -> LoadResult:  # fmt: skip
     """Send the trace's requests at Poisson(rate) arrival times; wait for all of them. `timeout`: each
-    request's deadline (DEADLINE_EXCEEDED past it); `progress` gets a line every `progress_every` s."""
-    async with AsyncClient(target) as client:
+    request's deadline (DEADLINE_EXCEEDED past it); `progress` gets a line every `progress_every` s;
+    `credentials`: TLS and a bearer token for the connection (None: plaintext, no token)."""
+    async with AsyncClient(target, credentials=credentials) as client:
         vocab = vocab or (await client.model_info(timeout=30)).vocab_size
         prompts = trace.prompts(vocab)
         rng = random.Random(trace.seed + 1)

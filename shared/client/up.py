@@ -45,6 +45,10 @@ DECODE_FLAGS = {
     "--kv-transfer": True,
     "--mixed-steps": False,
     "--no-mixed-steps": False,
+    "--auth-tokens-file": True,
+    "--prefill-tls-ca": True,
+    "--prefill-tls-cert": True,
+    "--prefill-tls-key": True,
 }
 _TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1

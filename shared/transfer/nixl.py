@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +43,12 @@ PROBE_BYTES = 64
 # Prefill gives up on (cancels) a WRITE still running this long after its lease; decode frees the pages of
 # an abandoned transfer only after a longer grace (decode_service/scheduler.py WRITE_GRACE_S).
 ABANDON_AFTER_LEASE_S = 2.0
+# The UCX progress thread's poll() timeout (NIXL's pthrDelay, microseconds). NIXL's Python API starts it
+# with 0: a poll() that never blocks, a whole core per process even idle. UCX wakes the thread through
+# its event fd whenever a worker has work (a WRITE landing over TCP, a connection being set up), so the
+# timeout only bounds a missed wake-up; at 1 ms an idle agent costs ~3% of a core.
+PROGRESS_POLL_US = 1000
+_config_lock = threading.Lock()
 
 
 class NixlUnavailable(RuntimeError):
@@ -69,12 +77,36 @@ def load_api() -> tuple[Any, Any]:
     raise NixlUnavailable("the nixl backend needs the NIXL package: pip install 'pdserve[nixl]'")
 
 
+def _construct(agent_cls: Any, config_cls: Any, name: str) -> Any:
+    """`agent_cls(name, config)`, its progress thread polling every PROGRESS_POLL_US.
+
+    nixl_agent builds its binding's config itself and sets `pthrDelay = 0` on it, with no argument to
+    change that; while it runs, the binding's config class is swapped for one whose pthrDelay keeps
+    ours (agents are made once per process, at start-up). A NIXL without that binding (another
+    version) gets NIXL's own behaviour."""
+    bindings = getattr(sys.modules.get(agent_cls.__module__), "nixlBind", None)
+    base = getattr(bindings, "nixlAgentConfig", None)
+    delay = getattr(base, "pthrDelay", None)
+    if delay is None:
+        return agent_cls(name, config_cls(backends=["UCX"]))
+
+    class _PolledConfig(base):
+        pthrDelay = property(delay.__get__, lambda self, _: delay.__set__(self, PROGRESS_POLL_US))
+
+    with _config_lock:
+        bindings.nixlAgentConfig = _PolledConfig
+        try:
+            return agent_cls(name, config_cls(backends=["UCX"]))
+        finally:
+            bindings.nixlAgentConfig = base
+
+
 def new_agent(role: str) -> Any:
     """A NIXL agent with the UCX backend, named uniquely for this process (`pdserve-ROLE-<hex>`)."""
     agent_cls, config_cls = load_api()
     name = f"pdserve-{role}-{uuid.uuid4().hex[:12]}"
     try:
-        agent = agent_cls(name, config_cls(backends=["UCX"]))
+        agent = _construct(agent_cls, config_cls, name)
     except Exception as e:  # NIXL's errors share no base class but Exception
         raise NixlUnavailable(f"cannot start a NIXL agent with the UCX backend: {e!r}") from e
     if "UCX" not in agent.backends:  # a missing plugin is only logged by NIXL

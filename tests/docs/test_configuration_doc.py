@@ -148,7 +148,8 @@ def _service_command_lines() -> list[tuple[str, str, list[str]]]:
     """(file, service, args) of every `python -m <service> ...` command line in the docs."""
     out = []
     for path in USER_DOCS:
-        for line in path.read_text().splitlines():
+        text = path.read_text().replace("\\\n", " ")  # a shell line continued with a backslash
+        for line in text.splitlines():
             m = re.search(r"python -m (decode_service|prefill_service)\b(.*)", line)
             if m is None or "..." in m.group(2) or "`" in m.group(2):
                 continue  # prose (a name in backticks) or an elided command

@@ -1,9 +1,11 @@
-"""The front's mappings, without processes: gRPC field paths -> OpenAI parameters, and request models."""
+"""The front's mappings, without processes: gRPC field paths -> OpenAI parameters, request models, and
+the Authorization header -> the bearer token forwarded to decode."""
 
 from __future__ import annotations
 
 import pytest
 
+from shared.client.openai.edge import bearer_token
 from shared.client.openai.errors import openai_param
 from shared.client.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -64,3 +66,22 @@ def test_chat_messages_and_max_completion_tokens() -> None:
         "messages.[0].content.[0]",
         "content of type 'image_url' is not supported",
     )
+
+
+@pytest.mark.parametrize(
+    ("header", "token"),
+    [
+        ("Bearer sk-abc.DEF_123~+/=", "sk-abc.DEF_123~+/="),
+        ("bearer  sk-abc ", "sk-abc"),  # the scheme in any case (RFC 9110), spaces around the key
+        ("BEARER sk-abc", "sk-abc"),
+        (None, None),
+        ("", None),
+        ("Bearer", None),
+        ("Bearer ", None),
+        ("Basic c2stYWJj", None),  # not a bearer key: nothing forwarded
+        ("Bearer two words", None),  # gRPC metadata could not carry it
+        ("Bearer tökén", None),
+    ],
+)
+def test_the_bearer_token_forwarded_to_decode(header: str | None, token: str | None) -> None:
+    assert bearer_token(header) == token

@@ -40,7 +40,7 @@ def test_version_is_the_package_version() -> None:
 
 def test_every_flag_of_every_subcommand_has_help_showing_its_default() -> None:
     commands = subcommands(cli.build_parser())
-    assert set(commands) == {"up", "generate", "bench", "demo", "openai"}
+    assert set(commands) == {"up", "generate", "bench", "health", "demo", "openai"}
     del commands["openai"]  # the front parses its own flags: checked through `pdserve openai --help` below
     for name, parser in commands.items():
         for action in parser._actions:

@@ -1,6 +1,7 @@
 """The nixl backend between real processes: prefill writes into decode's pool with one NIXL WRITE.
 
-Needs NIXL (pip install 'pdserve[nixl]'); without it only the clear start-up failure is checked. CPU
+Needs NIXL (pdserve[nixl]: `make test` installs it and requires it; a bare pytest without it checks
+only the clear start-up failure, which runs with NIXL too, hidden from decode). CPU
 (DRAM pools over UCX, here): greedy tokens equal an inline decode's against the same prefill, with and
 without window history; window bytes do not grow with the prompt, and what lands equals the inline
 chunks; a WRITE NIXL refuses fails the call UNAVAILABLE; a client cancel while prefill computes or
@@ -12,8 +13,10 @@ cuda:0, decode on cuda:1, VRAM pools): the tokens and the cancel again.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -27,7 +30,8 @@ from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.serving.api.model_source import load_served_model
 from shared.transfer.base import Chunk
 from shared.transfer.inline import apply_chunk, begin_receive
-from shared.transfer.nixl import NixlPool, NixlTarget, NixlTensor, nixl_available
+from shared.transfer.nixl import NixlPool, NixlTarget, NixlTensor
+from tests.engine.test_transfer_nixl import requires_nixl
 from tests.services.service_testutil import (
     PrefillInfo,
     ServerProcess,
@@ -41,7 +45,6 @@ from tests.services.test_disagg import COMMON, GREEDY, LENGTHS, W, _prefill, _pr
 from tests.telemetry.telemetry_testutil import metrics_url, sample, scrape
 
 NAMES = ("k_pages", "v_pages", "k_ring", "v_ring", "ring_pos")
-requires_nixl = pytest.mark.skipif(not nixl_available(), reason="needs NIXL (pip install 'pdserve[nixl]')")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -52,11 +55,12 @@ def _decode_device(kind: str) -> str:
 
 
 def _decode(
-    prefill: ServerProcess, transfer: str, device: str, *extra: str, ready: bool = True
-) -> ServerProcess:
+    prefill: ServerProcess, transfer: str, device: str, *extra: str, ready: bool = True,
+    env: dict[str, str] | None = None,
+) -> ServerProcess:  # fmt: skip
     return ServerProcess(
         random_spec(), *COMMON, "--device", device, "--prefill-target", prefill.target,
-        "--local-prefill-max-tokens", "0", "--kv-transfer", transfer, *extra, wait_ready=ready,
+        "--local-prefill-max-tokens", "0", "--kv-transfer", transfer, *extra, wait_ready=ready, env=env,
     )  # fmt: skip
 
 
@@ -68,11 +72,19 @@ def prefill(request: pytest.FixtureRequest) -> Iterator[tuple[ServerProcess, str
     stop_all(p)
 
 
-@pytest.mark.skipif(nixl_available(), reason="NIXL is installed")
-def test_without_nixl_decode_start_up_says_what_to_install():
+def _without_nixl(tmp: Path) -> dict[str, str]:
+    """An environment in which no NIXL package imports: a stub that raises ImportError ahead of each
+    module shared/transfer/nixl.py tries, installed or not."""
+    for module in ("nixl", "nixl_cu13", "nixl_cu12"):
+        (tmp / module).mkdir()
+        (tmp / module / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(tmp), os.environ.get("PYTHONPATH")) if p)}
+
+
+def test_without_nixl_decode_start_up_says_what_to_install(tmp_path):
     pf = _prefill()
     try:
-        decode = _decode(pf, "nixl", "cpu", ready=False)
+        decode = _decode(pf, "nixl", "cpu", ready=False, env=_without_nixl(tmp_path))
         assert decode.wait(timeout=120) == 1
         log = decode.log()
         assert "--kv-transfer nixl" in log and "pdserve[nixl]" in log, log[-2000:]

@@ -1,5 +1,10 @@
 """The ASGI app: OpenAI's /v1/models, /v1/completions and /v1/chat/completions over the decode service's
-`pdserve.v1.Generation`, plus /health and /metrics. `create_app(Settings(target=...))`."""
+`pdserve.v1.Generation`, plus /health and /metrics. `create_app(Settings(target=...))`.
+
+Each request's `Authorization: Bearer <key>` goes on to decode as the gRPC bearer token of its calls,
+so decode's own authentication (and per-identity rules: aborting only one's own requests) applies to
+OpenAI callers too; its UNAUTHENTICATED is a 401 here, PERMISSION_DENIED a 403. The front's own token
+(`Settings.credentials.token`) is used for its own calls alone (/health), never for a caller's."""
 
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.client.client import AsyncClient, GenerationError
-from shared.client.openai.edge import Edge, Metrics
+from shared.client.credentials import Credentials
+from shared.client.openai.edge import Edge, Metrics, bearer_token
 from shared.client.openai.errors import APIError, from_generation_error, from_validation_error
 from shared.client.openai.generate import Generation, run_generation
 from shared.client.openai.protocol import (
@@ -42,6 +48,7 @@ class Settings:
     api_key: str | None = None  # None: no key asked for
     served_model_name: str | None = None  # None: the decode service's model_name
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    credentials: Credentials | None = None  # to decode: TLS; the token: the front's own, for /health
 
 
 class _State:
@@ -52,22 +59,29 @@ class _State:
         self.created = int(time.time())
         self.client: AsyncClient | None = None
         self._name = settings.served_model_name
+        creds = settings.credentials
+        self.own_token = creds.token if creds is not None else None
 
-    async def model_info(self) -> Any:
+    def connect(self) -> AsyncClient:
+        """The client of decode: TLS as configured, no token of its own (each call says whose)."""
+        creds = self.settings.credentials
+        return AsyncClient(self.settings.target, credentials=creds.without_token() if creds else None)
+
+    async def model_info(self, token: str | None) -> Any:
         assert self.client is not None
         try:
-            return await self.client.model_info(timeout=_INFO_TIMEOUT_S)
+            return await self.client.model_info(timeout=_INFO_TIMEOUT_S, token=token)
         except GenerationError as e:
             raise from_generation_error(e) from e
 
-    async def model_name(self) -> str:
+    async def model_name(self, token: str | None) -> str:
         """The name requests must use: --served-model-name, else decode's model (asked once)."""
         if self._name is None:
-            self._name = (await self.model_info()).model_name
+            self._name = (await self.model_info(token)).model_name
         return self._name
 
-    async def check_model(self, model: str | None) -> str:
-        name = await self.model_name()
+    async def check_model(self, model: str | None, token: str | None) -> str:
+        name = await self.model_name(token)
         if model and model != name:
             msg = f"the model {model!r} does not exist; this server serves {name!r}"
             raise APIError(404, msg, "invalid_request_error", "model", "model_not_found")
@@ -81,7 +95,7 @@ def create_app(settings: Settings) -> Any:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state.client = AsyncClient(settings.target)  # grpc.aio channels belong to the running loop
+        state.client = state.connect()  # grpc.aio channels belong to the running loop
         try:
             yield
         finally:
@@ -110,8 +124,9 @@ def create_app(settings: Settings) -> Any:
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the decode service answers GetModelInfo (it does once its model is loaded)."""
-        await state.model_info()
+        """200 while the decode service answers GetModelInfo (it does once its model is loaded), asked
+        with the front's own token."""
+        await state.model_info(state.own_token)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -125,19 +140,21 @@ def create_app(settings: Settings) -> Any:
         }  # fmt: skip
 
     @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        info = await state.model_info()
-        return {"object": "list", "data": [model_card(await state.model_name(), info)]}
+    async def list_models(request: Request) -> dict[str, Any]:
+        token = _caller_token(request)
+        info = await state.model_info(token)
+        return {"object": "list", "data": [model_card(await state.model_name(token), info)]}
 
     @app.get("/v1/models/{model:path}")
-    async def get_model(model: str) -> dict[str, Any]:
-        info = await state.model_info()
-        return model_card(await state.check_model(model), info)
+    async def get_model(model: str, request: Request) -> dict[str, Any]:
+        token = _caller_token(request)
+        info = await state.model_info(token)
+        return model_card(await state.check_model(model, token), info)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _refuse(body.refusal())
-        model = await state.check_model(body.model)
+        model = await state.check_model(body.model, _caller_token(request))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         g = Generation(
             endpoint="/v1/completions", rid=rid, model=model, stream=body.stream,
@@ -151,7 +168,7 @@ def create_app(settings: Settings) -> Any:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _refuse(body.refusal())
-        model = await state.check_model(body.model)
+        model = await state.check_model(body.model, _caller_token(request))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
@@ -171,9 +188,14 @@ def create_app(settings: Settings) -> Any:
 
     async def _generate(request: Request, g: Generation) -> Response:
         assert state.client is not None
-        return await run_generation(request, state.client, g, metrics.ttft.labels(g.endpoint))
+        ttft = metrics.ttft.labels(g.endpoint)
+        return await run_generation(request, state.client, g, ttft, _caller_token(request))
 
     return Edge(app, metrics, settings.api_key, settings.max_body_bytes)
+
+
+def _caller_token(request: Request) -> str | None:
+    return bearer_token(request.headers.get("authorization"))
 
 
 def _refuse(refusal: tuple[str, str] | None) -> None:

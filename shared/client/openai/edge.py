@@ -16,9 +16,10 @@ from fastapi import HTTPException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shared.client.credentials import valid_token
 from shared.client.openai.errors import APIError
 
-__all__ = ["Edge", "Metrics"]
+__all__ = ["Edge", "Metrics", "bearer_token"]
 
 # Seconds: 5 ms .. 120 s (a CPU test model's whole answer to a large GPU model's long one).
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
@@ -118,6 +119,15 @@ class Edge:
             return message
 
         return bounded
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header (what OpenAI clients send as api_key), which
+    the front forwards to decode as the gRPC bearer token; None without one, or for a key gRPC metadata
+    cannot carry (decode, if it asks for a token, then answers 401 as for a missing one)."""
+    scheme, _, key = (authorization or "").strip().partition(" ")
+    key = key.strip()
+    return key if scheme.lower() == "bearer" and valid_token(key) else None
 
 
 def _bearer(value: bytes) -> bytes:

@@ -21,6 +21,8 @@ _MEMBER = re.compile(r"[\[\]]|^(str|int|float|bool|list|dict|function-\w+)$")  #
 # protos/pdserve/v1/generation.proto); anything else is the server's fault (500).
 _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error"),  # decode's bearer token check
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),  # e.g. decode refused our certificate
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
@@ -30,6 +32,8 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
 }
+# The `code` of an error, where OpenAI's differs from the gRPC status's name (lower case).
+_CODES = {grpc.StatusCode.UNAUTHENTICATED: "invalid_api_key"}
 
 
 class APIError(Exception):
@@ -72,7 +76,7 @@ def from_generation_error(err: GenerationError, aliases: dict[str, str] | None =
     """The decode service's refusal as an OpenAI error; `aliases` renames parameters (e.g. `max_tokens`
     -> `max_completion_tokens` when the chat request used that name)."""
     status, type_ = _GRPC_TO_HTTP.get(err.code, (500, "server_error"))
-    code = err.code.name.lower()
+    code = _CODES.get(err.code, err.code.name.lower())
     if err.violations:
         params = [openai_param(v.field, aliases) for v in err.violations]
         parts = [f"{p or v.field}: {v.description}" for p, v in zip(params, err.violations, strict=True)]

@@ -58,12 +58,15 @@ class Generation:
     opening: dict[str, Any] | None = None  # a first stream chunk before any text (chat's role delta)
 
 
-async def run_generation(request: Request, client: AsyncClient, g: Generation, ttft: Any) -> Response:
-    """Start the call under the caller's trace context and answer with its result."""
+async def run_generation(
+    request: Request, client: AsyncClient, g: Generation, ttft: Any, bearer: str | None = None
+) -> Response:
+    """Start the call under the caller's trace context and with their `bearer` token (None: no token),
+    and answer with its result."""
     t0 = state_t0(request.scope)
     token = context.attach(propagate.extract(request.headers))  # W3C traceparent -> the gRPC metadata
     try:
-        stream = client.generate(request_id=g.rid, **g.gen_kwargs)
+        stream = client.generate(request_id=g.rid, token=bearer, **g.gen_kwargs)
     finally:
         context.detach(token)
     it = aiter(stream)

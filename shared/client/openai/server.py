@@ -1,5 +1,6 @@
 """`python -m shared.client.openai --target HOST:PORT [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-[--served-model-name NAME]`: the OpenAI-compatible front under uvicorn. `main(argv) -> int`."""
+[--served-model-name NAME] [--tls-ca FILE [--tls-cert FILE --tls-key FILE] [--tls-server-name NAME]]
+[--token-file FILE]`: the OpenAI-compatible front under uvicorn. `main(argv) -> int`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import uvicorn
 
+from shared.client.credentials import CredentialsError, add_credential_flags, credentials_from_args
 from shared.client.openai.app import DEFAULT_MAX_BODY_BYTES, Settings, create_app
 
 __all__ = ["main"]
@@ -51,6 +53,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies are refused with 413 (default: %(default)s)",
     )  # fmt: skip
+    add_credential_flags(
+        p, token_help="the front's own bearer token to decode, in FILE, for its /health; callers' requests "
+        "carry their own API key on as the token (default: $PDSERVE_TOKEN if set, else none)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536 or args.max_body_bytes < 1:
         p.error("--port must be in [0, 65535] and --max-body-bytes >= 1")
@@ -79,7 +85,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _is_loopback(args.host) and args.api_key is None:
         log.warning("binding %s without an API key: anyone who reaches it can generate", args.host)
-    settings = Settings(args.target, args.api_key, args.served_model_name, args.max_body_bytes)
+    try:
+        credentials = credentials_from_args(args)
+    except CredentialsError as e:
+        print(f"pdserve openai: {e.for_flag()}", file=sys.stderr)
+        return 2
+    settings = Settings(args.target, args.api_key, args.served_model_name, args.max_body_bytes, credentials)
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
@@ -87,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"pdserve openai: decode at {args.target}; listening on {shown}:{port}", flush=True)
+    over = " over TLS" if credentials.tls is not None else ""
+    print(f"pdserve openai: decode at {args.target}{over}; listening on {shown}:{port}", flush=True)
     config = uvicorn.Config(
         create_app(settings), log_level="info", timeout_graceful_shutdown=_GRACEFUL_S, lifespan="on"
     )
