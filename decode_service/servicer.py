@@ -212,7 +212,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 step = out.feed(tokens)
                 text = step.text
                 if step.stopped:
-                    s.scheduler.abort(rid)  # the engine may run a step more; those tokens are dropped
+                    if s.scheduler.abort(rid):  # the engine may run a step more; those tokens are dropped
+                        await _ended(events)  # the id is free once it ends: the client may reuse it at once
                     finish = Finished("stop", len(prompt), out.num_tokens)
                 elif finish is not None:
                     if finish.error is not None:
@@ -323,6 +324,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         s = await ready(context, self.serving)
         pool = s.scheduler.pool_state()
         return model_info(s.loaded, s.limits.max_context, s.page_size, s.kv_dtype, pool)
+
+
+async def _ended(events: asyncio.Queue[Any], timeout: float = 10.0) -> None:
+    """Wait for the scheduler's Finished of an aborted request (the tokens before it are dropped)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            while not isinstance(await events.get(), Finished):
+                pass
 
 
 async def _unless_finished(

@@ -88,6 +88,16 @@ def test_duplicate_request_id_is_already_exists(client: Client) -> None:
     assert client.complete([2, 2], request_id="dup", max_tokens=2).finish_reason == "length"
 
 
+def test_a_request_id_is_free_again_as_soon_as_a_stop_string_ends_it(client: Client) -> None:
+    probe = client.complete("hello", max_tokens=8, temperature=0.0, ignore_eos=True)
+    stop = probe.text[2:4]  # what the model writes third and fourth: the stream stops there
+    assert stop, probe
+    for _ in range(5):
+        done = client.complete("hello", request_id="again", stop=[stop], max_tokens=50, temperature=0.0)
+        assert done.finish_reason == "stop"  # the next one, same id at once, is not ALREADY_EXISTS
+    wait_pool_idle(client)
+
+
 def test_server_assigns_request_ids(client: Client) -> None:
     a, b = client.generate([1], max_tokens=2), client.generate([1], max_tokens=2)
     list(a), list(b)
