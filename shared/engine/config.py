@@ -30,3 +30,6 @@ class EngineConfig:
     # beats torch's pick (`shared/model/gemm_tuning.py`; needs nvmath-python, the gpu extra). False
     # forgets earlier engines' choices on the same model: torch's GEMMs.
     tune_gemms: bool = True
+    # Requests share the KV pages of prompt prefixes computed before (shared/engine/kv/prefix_index.py):
+    # a hit computes only the rest of its prompt. Models with sliding layers do not cache yet.
+    prefix_cache: bool = False

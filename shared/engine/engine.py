@@ -31,6 +31,7 @@ from shared.engine.batch import ChunkItem, ForwardBatch, Mode
 from shared.engine.config import EngineConfig
 from shared.engine.decode_batch import DecodeBatcher
 from shared.engine.kv.cache import KVCache, KVConfig
+from shared.engine.kv.prefix_index import PrefixIndex
 from shared.engine.kv.window import replay_start
 from shared.engine.kv_ownership import KVOwnership
 from shared.engine.request import Phase, Request
@@ -70,7 +71,10 @@ class Engine:
         )
         self.checker = invariants.checker(self.cache.device)
         max_pages = self.cache.pages_needed(self.max_context())
-        self.kv = KVOwnership(self.cache, max_pages)
+        prefix = None
+        if self.cfg.prefix_cache and not self.cache.sliding_layers:
+            prefix = PrefixIndex(self.cache.page_size)
+        self.kv = KVOwnership(self.cache, max_pages, prefix)
         self.decoder = DecodeBatcher(self.cache, self.kv.page_table)
         most = min(self.cfg.max_running, kv.max_requests)
         sizes = [b for b in self.cfg.cuda_graph_sizes if b <= most]
@@ -116,6 +120,10 @@ class Engine:
             and not self.kv.owes
         )
 
+    def _allocate(self, req: Request) -> bool:
+        # A held request's KV goes to another process whole: it computes its prompt itself.
+        return self.kv.allocate(req, share=self.kv.prefix is not None and not req.hold_kv)
+
     def _new_request(self, prompt: list[int], params: SamplingParams) -> Request:
         limit = self.max_context()
         if not prompt:
@@ -142,7 +150,7 @@ class Engine:
 
     def _step(self) -> list[tuple[Request, int]]:
         self.free_finished()
-        admit(self.waiting, self.running, self.cfg.max_running, self.kv.allocate)
+        admit(self.waiting, self.running, self.cfg.max_running, self._allocate)
         launched = self._launch(schedule(self.running, self.cfg.max_batch_tokens, self.cfg.mixed))
         done, self._inflight = self._inflight, launched
         produced = self._complete(done) if done is not None else []
@@ -311,6 +319,8 @@ class Engine:
             req.pending -= 1
             if req.phase is finished:  # aborted or stopped while this step ran: its token is dropped
                 continue
+            if req.phase is not decode and self.kv.prefix is not None and not req.hold_kv:
+                self.kv.cache_prompt(req)  # its prompt's KV is written: later prompts may share it
             req.phase = decode
             req.output.append(tok)
             produced.append((req, tok))

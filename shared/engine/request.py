@@ -27,6 +27,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     phase: Phase = Phase.WAITING
     pages: list[int] = field(default_factory=list)
+    shared_pages: int = 0  # the leading pages it reads from the prefix cache (referenced there)
     window: RequestWindow | None = None
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_scheduled: int = 0  # tokens whose K/V are in the cache or being computed by a step in flight

@@ -88,6 +88,23 @@ class UnitAllocator:
             return "out of range"
         return next((str(o) for o, us in self._held.items() if unit in us), "no one (free)")
 
+    def transfer(self, owner: int, to: int, units: Sequence[int]) -> None:
+        """Hand `units` that `owner` holds to `to` (the prefix cache keeps a finished prompt's pages)."""
+        held = self._held.get(owner, [])
+        going = set(units)
+        if not going <= set(held):
+            u = min(going.difference(held))
+            raise IntegrityError(f"{self.what} {u} handed on by {owner} but held by {self._holder(u)}")
+        rest = [u for u in held if u not in going]
+        if rest:
+            self._held[owner] = rest
+        else:
+            self._held.pop(owner, None)
+        self._held.setdefault(to, []).extend(units)
+
+    def free_units(self) -> list[int]:
+        return list(self._free)
+
     def owned_by(self, owner: int) -> list[int]:
         return sorted(self._held.get(owner, []))
 
