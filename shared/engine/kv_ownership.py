@@ -63,6 +63,8 @@ class KVOwnership:
             req.pages = hits + self.cache.pages.alloc(req.rid, need - len(hits))
         except OutOfCapacity:
             self.free(req)
+            if hits:
+                self.prefix.release(hits)  # type: ignore[union-attr]
             return False
         req.shared_pages = len(hits)
         req.num_computed = req.num_scheduled = len(hits) * self.cache.page_size
