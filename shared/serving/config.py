@@ -51,6 +51,7 @@ class CommonConfig:
     max_running: int = 32
     max_batch_tokens: int = 256
     max_queue: int = 128
+    prefix_cache: bool = True  # share the KV pages of prompt prefixes computed before (EngineConfig)
     max_calls: int = 1024  # concurrent RPCs of any kind; grpc answers RESOURCE_EXHAUSTED beyond it
     drain_timeout: float = 30.0  # seconds SIGTERM waits for running requests before aborting them
     metrics_port: int = 9090  # Prometheus /metrics; 0: any free port (printed); the prefill role: 9091
@@ -124,6 +125,10 @@ COMMON_HELP = {
     "max_running": "requests running at once (also the number of sliding-window slots)",
     "max_batch_tokens": "prefill token budget per step",
     "max_queue": "requests waiting to run beyond which new calls answer RESOURCE_EXHAUSTED",
+    "prefix_cache": "keep the KV pages of computed prompts and let later prompts that start the same "
+    "way read them, computing only the rest (the pool evicts unused cached pages, least recently used, "
+    "when it is short). Models with sliding-window layers do not cache yet; on the prefill service, and "
+    "for prompts decode receives from it, caching is not used yet. --no-prefix-cache: off",
     "max_calls": "calls in progress at once, of any method (streams that never send their request "
     "included), beyond which new calls answer RESOURCE_EXHAUSTED",
     "drain_timeout": "seconds SIGTERM waits for running requests before aborting them",

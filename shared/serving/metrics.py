@@ -106,7 +106,14 @@ class Metrics:
         self._waiting = Gauge(
             "pdserve_requests_waiting", "Requests queued for KV pages or a slot", s, registry=r
         )
-        self._pages_used = Gauge("pdserve_kv_pages_used", "KV pool pages in use", s, registry=r)
+        self._pages_used = Gauge(
+            "pdserve_kv_pages_used", "KV pool pages in use by requests (the prefix cache's not counted)", s,
+            registry=r,
+        )  # fmt: skip
+        self._pages_cached = Gauge(
+            "pdserve_kv_pages_cached", "KV pool pages the prefix cache keeps (evictable when unused)", s,
+            registry=r,
+        )  # fmt: skip
         self._pages_capacity = Gauge("pdserve_kv_pages_capacity", "KV pool pages in all", s, registry=r)
         self._kv_usage = Gauge(
             "pdserve_kv_usage_ratio", "Fraction of KV pool pages in use (0..1)", s, registry=r
@@ -138,10 +145,13 @@ class Metrics:
         m = (self.service, self.model_name)
         self._running.labels(*m).set_function(pick(lambda p: p.running))
         self._waiting.labels(*m).set_function(pick(lambda p: p.waiting))
-        self._pages_used.labels(*m).set_function(pick(lambda p: p.pages_total - p.pages_free))
+        self._pages_used.labels(*m).set_function(
+            pick(lambda p: p.pages_total - p.pages_free - p.pages_cached)
+        )
+        self._pages_cached.labels(*m).set_function(pick(lambda p: p.pages_cached))
         self._pages_capacity.labels(*m).set_function(pick(lambda p: p.pages_total))
         self._kv_usage.labels(*m).set_function(
-            pick(lambda p: (p.pages_total - p.pages_free) / max(p.pages_total, 1))
+            pick(lambda p: (p.pages_total - p.pages_free - p.pages_cached) / max(p.pages_total, 1))
         )
 
     def watch_prefill(

@@ -103,7 +103,7 @@ def build_engine(cfg: CommonConfig, role: str, *, mixed: bool = False) -> tuple[
     )
     engine_cfg = EngineConfig(
         max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running, mixed=mixed,
-        tune_gemms=cfg.tune_gemms,
+        tune_gemms=cfg.tune_gemms, prefix_cache=cfg.prefix_cache,
     )  # fmt: skip
     if not cfg.num_pages:
         sizing = _size_pool(loaded.model, kv, engine_cfg, cfg.kv_memory_fraction, ram)

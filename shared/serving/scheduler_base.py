@@ -324,6 +324,7 @@ class Scheduler:
             slots_free=cache.slots.num_free,
             running=len(self._engine.running),
             waiting=max(queued, 0),
+            pages_cached=len(self._engine.kv.prefix) if self._engine.kv.prefix is not None else 0,
         )
 
     def _fail(self, exc: BaseException, active: dict[str, _Entry]) -> None:

@@ -67,3 +67,4 @@ class PoolState:
     slots_free: int
     running: int
     waiting: int  # not yet running: in the inbox or the engine's waiting queue
+    pages_cached: int = 0  # kept by the prefix cache: reused by later prompts, evicted when short

@@ -184,12 +184,13 @@ def abandon_then_idle(
 
 
 def wait_pool_idle(client: Client, timeout: float = 10) -> None:
-    """Every page and window slot back, nothing running or waiting: the pool's idle baseline."""
+    """Every page and window slot back (free, or kept by the prefix cache), nothing running or waiting:
+    the pool's idle baseline."""
     deadline = time.monotonic() + timeout
     while True:
         pool = client.model_info().kv_pool
         if (
-            pool.pages_free == pool.pages_total
+            pool.pages_free + pool.pages_cached == pool.pages_total
             and pool.window_slots_free == pool.window_slots_total
             and pool.running == pool.waiting == 0
         ):

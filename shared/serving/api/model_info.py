@@ -31,5 +31,6 @@ def model_info(
             window_slots_free=pool.slots_free,
             running=pool.running,
             waiting=pool.waiting,
+            pages_cached=pool.pages_cached,
         ),
     )

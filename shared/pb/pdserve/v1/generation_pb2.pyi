@@ -114,20 +114,22 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVPoolState(_message.Message):
-    __slots__ = ("pages_total", "pages_free", "window_slots_total", "window_slots_free", "running", "waiting")
+    __slots__ = ("pages_total", "pages_free", "window_slots_total", "window_slots_free", "running", "waiting", "pages_cached")
     PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     pages_total: int
     pages_free: int
     window_slots_total: int
     window_slots_free: int
     running: int
     waiting: int
-    def __init__(self, pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., window_slots_total: _Optional[int] = ..., window_slots_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+    pages_cached: int
+    def __init__(self, pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., window_slots_total: _Optional[int] = ..., window_slots_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_cached: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_name", "vocab_size", "max_context", "layer_types", "sliding_window", "page_size", "dtype", "eos_token_ids", "has_tokenizer", "kv_pool", "has_chat_template")
