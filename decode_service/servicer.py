@@ -91,8 +91,12 @@ def _chunk(rid: str, token_ids: list[int], text: str) -> pb.GenerateResponse:
     return pb.GenerateResponse(request_id=rid, chunk=pb.Chunk(token_ids=token_ids, text=text))
 
 
-def _complete(rid: str, reason: str, prompt_tokens: int, completion_tokens: int) -> pb.GenerateResponse:
-    usage = pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+def _complete(rid: str, finish: Finished) -> pb.GenerateResponse:
+    usage = pb.Usage(
+        prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens,
+        cached_prompt_tokens=finish.cached_tokens,
+    )  # fmt: skip
+    reason = finish.reason
     return pb.GenerateResponse(request_id=rid, complete=pb.Complete(finish_reason=reason, usage=usage))
 
 
@@ -212,9 +216,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 step = out.feed(tokens)
                 text = step.text
                 if step.stopped:
+                    cached = finish.cached_tokens if finish is not None else 0
                     if s.scheduler.abort(rid):  # the engine may run a step more; those tokens are dropped
-                        await _ended(events)  # the id is free once it ends: the client may reuse it at once
-                    finish = Finished("stop", len(prompt), out.num_tokens)
+                        cached = await _ended(events)  # the id is free once it ends: the client may reuse it
+                    finish = Finished("stop", len(prompt), out.num_tokens, cached_tokens=cached)
                 elif finish is not None:
                     if finish.error is not None:
                         done = True  # the engine has already let it go
@@ -225,8 +230,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     yield _chunk(rid, step.token_ids, text)
                 if finish is not None:
                     done = True
+                    rt.set_attributes({"pdserve.prefix_cache.hit_tokens": finish.cached_tokens})
                     rt.finish(finish.reason, finish.prompt_tokens, finish.completion_tokens)
-                    yield _complete(rid, finish.reason, finish.prompt_tokens, finish.completion_tokens)
+                    yield _complete(rid, finish)
         except asyncio.CancelledError:
             left = True
             raise
@@ -326,12 +332,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return model_info(s.loaded, s.limits.max_context, s.page_size, s.kv_dtype, pool)
 
 
-async def _ended(events: asyncio.Queue[Any], timeout: float = 10.0) -> None:
-    """Wait for the scheduler's Finished of an aborted request (the tokens before it are dropped)."""
+async def _ended(events: asyncio.Queue[Any], timeout: float = 10.0) -> int:
+    """Wait for the scheduler's Finished of an aborted request (the tokens before it are dropped);
+    returns its prompt tokens read from the prefix cache."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(timeout):
-            while not isinstance(await events.get(), Finished):
+            while not isinstance(ev := await events.get(), Finished):
                 pass
+            return ev.cached_tokens
+    return 0
 
 
 async def _unless_finished(

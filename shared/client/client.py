@@ -59,6 +59,7 @@ class Chunk:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int = 0  # of prompt_tokens, read from the server's prefix cache
 
 
 class Completion(NamedTuple):
@@ -136,7 +137,7 @@ class _Result:
             return Chunk(tuple(msg.chunk.token_ids), msg.chunk.text)
         u = msg.complete.usage
         self.finish_reason = msg.complete.finish_reason
-        self.usage = Usage(u.prompt_tokens, u.completion_tokens)
+        self.usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
         return None
 
 

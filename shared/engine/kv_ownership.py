@@ -67,7 +67,7 @@ class KVOwnership:
                 self.prefix.release(hits)  # type: ignore[union-attr]
             return False
         req.shared_pages = len(hits)
-        req.num_computed = req.num_scheduled = len(hits) * self.cache.page_size
+        req.cached_tokens = req.num_computed = req.num_scheduled = len(hits) * self.cache.page_size
         self.page_table.assign(req.window.slot, req.pages)
         return True
 

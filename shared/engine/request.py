@@ -28,6 +28,7 @@ class Request:
     phase: Phase = Phase.WAITING
     pages: list[int] = field(default_factory=list)
     shared_pages: int = 0  # the leading pages it reads from the prefix cache (referenced there)
+    cached_tokens: int = 0  # prompt tokens it read from the prefix cache (not computed)
     window: RequestWindow | None = None
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_scheduled: int = 0  # tokens whose K/V are in the cache or being computed by a step in flight

@@ -295,7 +295,8 @@ class Scheduler:
         for entry in done:
             req = entry.req
             assert req is not None and req.finish_reason is not None
-            self._finish(entry, Finished(req.finish_reason, len(req.prompt), len(req.output), req.error))
+            done = Finished(req.finish_reason, len(req.prompt), len(req.output), req.error, req.cached_tokens)
+            self._finish(entry, done)
         if done and self._engine.idle:
             self._engine.check_idle_integrity()  # host-only; every page and slot must be back
         self._publish()

@@ -33,6 +33,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None  # the engine failed: the request ends with an error, not a reason
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache
 
 
 Event = Tokens | Finished

@@ -79,7 +79,12 @@ def test_chat_streamed_equals_whole(oai: openai.OpenAI) -> None:
     assert deltas[0].role == "assistant"
     assert "".join(d.content or "" for d in deltas) == choice.message.content
     assert [c.choices[0].finish_reason for c in events if c.choices][-1] == "stop"
-    assert events[-1].usage == whole.usage
+    use = events[-1].usage
+    assert use is not None
+    assert use.prompt_tokens == whole.usage.prompt_tokens
+    assert use.completion_tokens == whole.usage.completion_tokens
+    # The same prompt a second time: its whole pages come from the prefix cache.
+    assert use.prompt_tokens_details is not None and use.prompt_tokens_details.cached_tokens > 0
 
 
 def test_chat_content_parts_and_developer_role(oai: openai.OpenAI) -> None:

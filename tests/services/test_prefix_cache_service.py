@@ -1,6 +1,6 @@
 """The prefix cache behind a real decode process (a full-attention random model): on by default, the
-same greedy tokens as a decode started with --no-prefix-cache, and GetModelInfo reporting the pages
-it keeps (an idle pool: free + cached = total)."""
+same greedy tokens as a decode started with --no-prefix-cache, Usage counting the prompt tokens read
+from the cache, and GetModelInfo the pages it keeps (an idle pool: free + cached = total)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,14 @@ def test_prompts_sharing_a_prefix_get_the_tokens_they_get_without_the_cache() ->
     try:
         prompts = [[*SYSTEM, 50 + i] for i in range(4)] + [SYSTEM[:21], [*SYSTEM, 50, 60]]
         with Client(cached.target) as c, Client(plain.target) as p:
+            cached_tokens = []
             for prompt in prompts:
-                assert c.complete(prompt, **GREEDY).token_ids == p.complete(prompt, **GREEDY).token_ids
+                done = c.complete(prompt, **GREEDY)
+                assert done.token_ids == p.complete(prompt, **GREEDY).token_ids
+                cached_tokens.append(done.usage.cached_prompt_tokens)
+            # Usage says what was read from the cache: nothing at first, then the shared 10 pages (the
+            # 21-token prompt: its 5 whole pages).
+            assert cached_tokens == [0, 40, 40, 40, 20, 40]
             wait_pool_idle(c)
             wait_pool_idle(p)
             assert c.model_info().kv_pool.pages_cached >= 10

@@ -14,6 +14,7 @@ not a 200 followed by an error event. Failures after that arrive as an error eve
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -92,7 +93,7 @@ def _whole(g: Generation, stream: AsyncStream, chunks: list[Chunk]) -> Response:
     if stream.finish_reason == "abort" or stream.usage is None or stream.finish_reason is None:
         return _ABORTED.response()
     text = "".join(c.text for c in chunks)
-    use = usage(stream.usage.prompt_tokens, stream.usage.completion_tokens)
+    use = usage(*dataclasses.astuple(stream.usage))
     return JSONResponse(g.whole(text, stream.finish_reason, use), headers={"x-request-id": g.rid})
 
 
@@ -159,7 +160,11 @@ async def _events(
         else:
             yield _sse(g.chunk("", stream.finish_reason) | extra)
             if g.include_usage:
-                use = usage(stream.usage.prompt_tokens, stream.usage.completion_tokens)
+                use = usage(
+                    stream.usage.prompt_tokens,
+                    stream.usage.completion_tokens,
+                    stream.usage.cached_prompt_tokens,
+                )
                 yield _sse(g.chunk(None, None) | {"usage": use})
     except GenerationError as e:
         yield _sse(from_generation_error(e, g.param_aliases).body())

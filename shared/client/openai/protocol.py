@@ -176,12 +176,12 @@ class ChatCompletionRequest(_Sampling):
         return super().refusal()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    # Room for `prompt_tokens_details: {cached_tokens}` once the server reports prefix-cache hits.
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},  # the prefix cache's hits
     }
 
 

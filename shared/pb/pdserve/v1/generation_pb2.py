@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xc5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"C\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12(\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.CompleteH\x00\x42\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xa5\x01\n\x0bKVPoolState\x12\x13\n\x0bpages_total\x18\x01 \x01(\r\x12\x12\n\npages_free\x18\x02 \x01(\r\x12\x1a\n\x12window_slots_total\x18\x03 \x01(\r\x12\x19\n\x11window_slots_free\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x14\n\x0cpages_cached\x18\x07 \x01(\r\"\x8a\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x13\n\x0blayer_types\x18\x04 \x03(\t\x12\x16\n\x0esliding_window\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x15\n\rhas_tokenizer\x18\t \x01(\x08\x12(\n\x07kv_pool\x18\n \x01(\x0b\x32\x17.pdserve.v1.KVPoolState\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x32\xdb\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xc5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"C\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12(\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.CompleteH\x00\x42\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xa5\x01\n\x0bKVPoolState\x12\x13\n\x0bpages_total\x18\x01 \x01(\r\x12\x12\n\npages_free\x18\x02 \x01(\r\x12\x1a\n\x12window_slots_total\x18\x03 \x01(\r\x12\x19\n\x11window_slots_free\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x14\n\x0cpages_cached\x18\x07 \x01(\r\"\x8a\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x13\n\x0blayer_types\x18\x04 \x03(\t\x12\x16\n\x0esliding_window\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x15\n\rhas_tokenizer\x18\t \x01(\x08\x12(\n\x07kv_pool\x18\n \x01(\x0b\x32\x17.pdserve.v1.KVPoolState\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x32\xdb\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,21 +45,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNK']._serialized_start=620
   _globals['_CHUNK']._serialized_end=660
   _globals['_USAGE']._serialized_start=662
-  _globals['_USAGE']._serialized_end=719
-  _globals['_COMPLETE']._serialized_start=721
-  _globals['_COMPLETE']._serialized_end=788
-  _globals['_GENERATERESPONSE']._serialized_start=791
-  _globals['_GENERATERESPONSE']._serialized_end=919
-  _globals['_ABORTREQUEST']._serialized_start=921
-  _globals['_ABORTREQUEST']._serialized_end=955
-  _globals['_ABORTRESPONSE']._serialized_start=957
-  _globals['_ABORTRESPONSE']._serialized_end=987
-  _globals['_GETMODELINFOREQUEST']._serialized_start=989
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1010
-  _globals['_KVPOOLSTATE']._serialized_start=1013
-  _globals['_KVPOOLSTATE']._serialized_end=1178
-  _globals['_MODELINFO']._serialized_start=1181
-  _globals['_MODELINFO']._serialized_end=1447
-  _globals['_GENERATION']._serialized_start=1450
-  _globals['_GENERATION']._serialized_end=1669
+  _globals['_USAGE']._serialized_end=749
+  _globals['_COMPLETE']._serialized_start=751
+  _globals['_COMPLETE']._serialized_end=818
+  _globals['_GENERATERESPONSE']._serialized_start=821
+  _globals['_GENERATERESPONSE']._serialized_end=949
+  _globals['_ABORTREQUEST']._serialized_start=951
+  _globals['_ABORTREQUEST']._serialized_end=985
+  _globals['_ABORTRESPONSE']._serialized_start=987
+  _globals['_ABORTRESPONSE']._serialized_end=1017
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1019
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1040
+  _globals['_KVPOOLSTATE']._serialized_start=1043
+  _globals['_KVPOOLSTATE']._serialized_end=1208
+  _globals['_MODELINFO']._serialized_start=1211
+  _globals['_MODELINFO']._serialized_end=1477
+  _globals['_GENERATION']._serialized_start=1480
+  _globals['_GENERATION']._serialized_end=1699
 # @@protoc_insertion_point(module_scope)
