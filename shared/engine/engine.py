@@ -182,7 +182,9 @@ class Engine:
         the seconds it took."""
         if self.cache.device.type != "cuda" and not force:
             return 0.0
-        return warm_up(self)
+        took = warm_up(self)
+        self.kv.drop_cached()  # the warm-up's prompts are no one's prefix
+        return took
 
     # ---- KV between processes (the services) ----
 

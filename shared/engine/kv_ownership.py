@@ -86,6 +86,11 @@ class KVOwnership:
             self.cache.pages.free(CACHE_OWNER, self.prefix.evict(short))
         return self.cache.pages.num_free >= n
 
+    def drop_cached(self) -> None:
+        """Evict every unreferenced cached page."""
+        if self.prefix is not None:
+            self.cache.pages.free(CACHE_OWNER, self.prefix.evict(self.prefix.num_evictable))
+
     def cache_prompt(self, req: Request) -> None:
         """`req`'s prompt is computed: its full pages join the prefix cache (kept by it from now on,
         referenced by `req` until it ends)."""

@@ -82,3 +82,10 @@ def test_an_abort_while_a_sharer_runs_leaves_the_sharer_correct() -> None:
     engine.free_finished()
     assert second.output == want
     engine.check_idle_integrity()
+
+
+def test_warm_up_leaves_nothing_cached() -> None:
+    engine = _engine(True)
+    engine.warm_up(force=True)
+    assert len(engine.kv.prefix) == 0  # type: ignore[arg-type]
+    engine.check_idle_integrity()
