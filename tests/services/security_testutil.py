@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import trustme
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -46,18 +44,3 @@ def tls_channel(target: str, ca: str, client: Pem | None = None) -> grpc.Channel
         certificate_chain=Path(client.cert).read_bytes() if client else None,
     )
     return grpc.secure_channel(target, creds)
-
-
-def wait_serving(channel: grpc.Channel, service: str, timeout: float = 60) -> None:
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            req = health_pb2.HealthCheckRequest(service=service)
-            if stub.Check(req, timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{service!r} never became SERVING")
-        time.sleep(0.1)

@@ -133,17 +133,22 @@ def remote_pair(
         stop_all(decode, prefill)
 
 
-def health_status(target: str, service: str) -> int:
+def health_status(target: str, service: str, channel: grpc.Channel | None = None) -> int:
+    """grpc.health.v1 Check of `service` at `target` (over `channel` when given: TLS, say)."""
+    if channel is not None:
+        req = health_pb2.HealthCheckRequest(service=service)
+        return health_pb2_grpc.HealthStub(channel).Check(req, timeout=5).status
     with grpc.insecure_channel(target) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        return health_status(target, service, ch)
 
 
-def wait_health(target: str, service: str, want: int, timeout: float = 30) -> None:
+def wait_health(
+    target: str, service: str, want: int, timeout: float = 30, channel: grpc.Channel | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if health_status(target, service) == want:
+            if health_status(target, service, channel) == want:
                 return
         except grpc.RpcError:
             pass

@@ -23,17 +23,19 @@ from shared.client.client import Client, GenerationError
 from shared.pb.pdserve.v1 import generation_pb2 as pb
 from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from shared.pb.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
-from tests.services.security_testutil import Pem, issue, replace, tls_channel, wait_serving, write_ca
+from tests.services.security_testutil import Pem, issue, replace, tls_channel, write_ca
 from tests.services.service_testutil import (
     ROOT,
     ServerProcess,
     kv_layout,
     random_spec,
     stop_all,
+    wait_health,
     wait_pool_idle,
 )
 
 pytestmark = pytest.mark.slow
+SERVING = health_pb2.HealthCheckResponse.SERVING
 ONE = {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
 
 
@@ -59,7 +61,7 @@ def test_the_public_port_serves_tls_and_refuses_plaintext(pki) -> None:
     decode = _tls_server(issue(ca, where, "pdserve-decode"))
     try:
         with tls_channel(decode.target, ca_file) as ch:
-            wait_serving(ch, SERVICE_NAME)
+            wait_health(decode.target, SERVICE_NAME, SERVING, timeout=60, channel=ch)
             done = Client(decode.target, channel=ch).complete([1, 2, 3], **ONE)
             assert len(done.token_ids) == 3
         with Client(decode.target) as plain, pytest.raises(GenerationError) as exc:
@@ -114,7 +116,7 @@ def test_a_rotated_certificate_is_served_without_a_restart(pki) -> None:
     decode = _tls_server(serving)
     try:
         with tls_channel(decode.target, ca_file) as ch:
-            wait_serving(ch, SERVICE_NAME)
+            wait_health(decode.target, SERVICE_NAME, SERVING, timeout=60, channel=ch)
         new_ca = trustme.CA()
         new_ca_file = write_ca(new_ca, where / "new-ca.crt")
         rotated = issue(new_ca, where, "rotated")
@@ -122,7 +124,7 @@ def test_a_rotated_certificate_is_served_without_a_restart(pki) -> None:
         replace(rotated.cert, serving.cert)
         time.sleep(1.5)  # the files are checked at most once a second
         with tls_channel(decode.target, new_ca_file) as ch:
-            wait_serving(ch, SERVICE_NAME, timeout=10)
+            wait_health(decode.target, SERVICE_NAME, SERVING, timeout=10, channel=ch)
             assert len(Client(decode.target, channel=ch).complete([4, 5], **ONE).token_ids) == 3
         with tls_channel(decode.target, ca_file) as ch, pytest.raises(grpc.RpcError) as exc:
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)

@@ -112,12 +112,8 @@ class Guard(grpc.aio.ServerInterceptor):
         async def stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             request, who = await receive(context)
             _CALLER.set(who)
-            out = inner_us(request, context)
-            if inspect.isasyncgen(out):
-                async for message in out:
-                    yield message
-            else:  # a handler that writes with context.write()
-                await out
+            async for message in _relay(inner_us(request, context)):
+                yield message
 
         return grpc.stream_stream_rpc_method_handler(stream, None, handler.response_serializer)
 
@@ -194,13 +190,19 @@ def _streaming(
 
     async def stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         _CALLER.set(await admit(context))
-        out = inner_ss(request_iterator, context)
-        if inspect.isasyncgen(out):
-            async for message in out:
-                yield message
-        else:
-            await out
+        async for message in _relay(inner_ss(request_iterator, context)):
+            yield message
 
     return grpc.stream_stream_rpc_method_handler(
         stream, handler.request_deserializer, handler.response_serializer
     )
+
+
+async def _relay(out: Any) -> AsyncIterator[Any]:
+    """A streaming handler's messages: an async generator's, or none from one that writes with
+    context.write() itself."""
+    if inspect.isasyncgen(out):
+        async for message in out:
+            yield message
+    else:
+        await out
