@@ -72,9 +72,9 @@ class Engine:
         self.checker = invariants.checker(self.cache.device)
         max_pages = self.cache.pages_needed(self.max_context())
         prefix = None
-        if self.cfg.prefix_cache and not self.cache.sliding_layers:
+        if self.cfg.prefix_cache and self.cache.full_layers:  # a model of sliding layers only pages nothing
             prefix = PrefixIndex(self.cache.page_size)
-        self.kv = KVOwnership(self.cache, max_pages, prefix)
+        self.kv = KVOwnership(self.cache, max_pages, prefix, replay_budget=self.cfg.max_batch_tokens)
         self.decoder = DecodeBatcher(self.cache, self.kv.page_table)
         most = min(self.cfg.max_running, kv.max_requests)
         sizes = [b for b in self.cfg.cuda_graph_sizes if b <= most]
@@ -121,8 +121,13 @@ class Engine:
         )
 
     def _allocate(self, req: Request) -> bool:
-        # A held request's KV goes to another process whole: it computes its prompt itself.
-        return self.kv.allocate(req, share=self.kv.prefix is not None and not req.hold_kv)
+        if not self.kv.allocate(req, share=self.kv.prefix is not None):
+            return False
+        if req.replay_from is not None:  # its hit needs its rings rebuilt: replayed now, then kept
+            self._replay(req, req.replay_from, req.num_computed)
+            req.replay_from = None
+            self.kv.save_window(req, req.num_computed)
+        return True
 
     def _new_request(self, prompt: list[int], params: SamplingParams) -> Request:
         limit = self.max_context()
@@ -197,14 +202,16 @@ class Engine:
     def max_running(self) -> int:
         return self.cfg.max_running
 
-    def reserve(self, prompt: list[int], params: SamplingParams) -> Request | None:
+    def reserve(self, prompt: list[int], params: SamplingParams, *, share: bool = False) -> Request | None:
         """Disaggregated decode: pages and a window for a prompt whose KV another service computes.
 
         None when the pool cannot hold it now. Then `admit_prefilled` once the KV has arrived, or
-        `release` if the transfer fails.
+        `release` if the transfer fails. `share`: the leading pages the prefix cache holds are read
+        from there (`req.cached_tokens` of them): only the rest of the prompt's KV must arrive, into
+        `req.pages[req.cached_tokens // page_size:]`.
         """
         req = self._new_request(prompt, params)
-        if not self.kv.allocate(req):
+        if not self.kv.allocate(req, share=share and self.kv.prefix is not None, computes=False):
             return None
         req.phase = Phase.RESERVED
         req.admitted_ns = time.time_ns()
@@ -220,6 +227,7 @@ class Engine:
             raise ValueError(f"request {req.rid} is {req.phase.value}, not reserved")
         self.kv.held.discard(req)
         req.num_computed = req.num_scheduled = len(req.prompt)
+        self.kv.cache_prompt(req)  # its prompt's KV is all here: later prompts may share it
         if not history:
             self.rebuild_window(req)
         req.phase = Phase.DECODE
@@ -241,15 +249,17 @@ class Engine:
     def rebuild_window(self, req: Request) -> int:
         """Bounded replay: recompute the tokens the rings need and store their K/V. Returns how many."""
         assert req.window is not None and req.num_scheduled == req.num_computed, "request has work in flight"
-        tokens = req.prompt + req.output
         end = req.num_computed
         start = replay_start(end, self.model_cfg.layer_types, self.cache.window)
         req.window.clear()
-        if start == end:
-            return 0
-        item = ChunkItem(req.slot, start, tokens[start:end], req.pages)
-        self.runner.forward(ForwardBatch.build([item], Mode.REPLAY, self.cache), None)
+        self._replay(req, start, end)
         return end - start
+
+    def _replay(self, req: Request, start: int, end: int) -> None:
+        """Recompute positions [start, end) into `req`'s empty rings (its pages already hold them)."""
+        if start < end:
+            item = ChunkItem(req.slot, start, (req.prompt + req.output)[start:end], req.pages)
+            self.runner.forward(ForwardBatch.build([item], Mode.REPLAY, self.cache), None)
 
     def max_context(self) -> int:
         """The longest prompt + max_tokens served: model positions, and the pool if it pages any layer."""
@@ -287,6 +297,8 @@ class Engine:
         for req, count, emit in zip(reqs, counts, plan.emits, strict=True):
             req.num_scheduled += count
             req.pending += emit
+            if req.snapshot_at and req.num_scheduled in req.snapshot_at:
+                self.kv.save_window(req, req.num_scheduled)  # after this step, before the next one
         host = out.host_tokens if out.host_tokens is not None else out.tokens
         return InFlightStep(reqs, counts, plan.emits, out.tokens, host, out.ready)
 
@@ -321,7 +333,7 @@ class Engine:
             req.pending -= 1
             if req.phase is finished:  # aborted or stopped while this step ran: its token is dropped
                 continue
-            if req.phase is not decode and self.kv.prefix is not None and not req.hold_kv:
+            if req.phase is not decode and self.kv.prefix is not None:
                 self.kv.cache_prompt(req)  # its prompt's KV is written: later prompts may share it
             req.phase = decode
             req.output.append(tok)

@@ -19,22 +19,43 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from dataclasses import dataclass, field
+
 from shared.engine.kv.allocator import OutOfCapacity
 from shared.engine.kv.cache import KVCache
+from shared.engine.kv.page_sums import PageSums
 from shared.engine.kv.page_table import PageTable
-from shared.engine.kv.prefix_index import PrefixIndex
-from shared.engine.kv.window import RequestWindow, free_windows
+from shared.engine.kv.prefix_index import PrefixIndex, Snapshot
+from shared.engine.kv.snapshot import pages_for_snapshot, restore_window, save_window
+from shared.engine.kv.window import RequestWindow, free_windows, replay_start
 from shared.engine.request import Request
 
-__all__ = ["CACHE_OWNER", "KVOwnership"]
+__all__ = ["CACHE_OWNER", "Hit", "KVOwnership"]
 
 CACHE_OWNER = 1 << 62  # the pool's owner id of the pages the prefix cache keeps
 
 
+@dataclass
+class Hit:
+    """What a request reads from the prefix cache, and what it must do to use it."""
+
+    pages: list[int] = field(default_factory=list)  # the cached pages it reads (leading)
+    start: int = 0  # the first position it computes
+    restore: Snapshot | None = None  # the window snapshot at `start` to copy into its rings
+    replay_from: int | None = None  # else: recompute [replay_from, start) into its rings (bounded replay)
+    snapshot_at: list[int] = field(default_factory=list)  # boundaries to snapshot its rings at
+
+
 class KVOwnership:
-    def __init__(self, cache: KVCache, max_pages: int, prefix: PrefixIndex | None = None) -> None:
+    def __init__(
+        self, cache: KVCache, max_pages: int, prefix: PrefixIndex | None = None, replay_budget: int = 0
+    ) -> None:
         self.cache = cache
         self.prefix = prefix  # the prefix cache's index; None: every request computes its whole prompt
+        self.replay_budget = replay_budget  # the longest bounded replay a hit may cost (tokens)
+        self.sums = PageSums(cache)  # prefix.pages_intact
+        # Counters for the metrics: prompt tokens looked up, found (not computed), and pages evicted.
+        self.queried_tokens = self.hit_tokens = self.evicted_pages = 0
         # Every slot's pages, for decode batches (+ the scratch slot's empty row).
         self.page_table = PageTable(cache.cfg.max_requests + 1, max_pages)
         # Reserved for a transfer in, or finished but held for a transfer out.
@@ -47,59 +68,114 @@ class KVOwnership:
         """Some freed request's KV has not been given back yet (`free_finished`)."""
         return bool(self._finished)
 
-    def allocate(self, req: Request, share: bool = False) -> bool:
+    def allocate(self, req: Request, share: bool = False, *, computes: bool = True) -> bool:
         """A window slot and pages for prompt + max_tokens, all or nothing. `share`: the leading pages
         the prefix cache holds for the prompt are read from there (`req.num_computed` starts after
-        them), and unreferenced cached pages are evicted when the pool is short."""
+        them), and unreferenced cached pages are evicted when the pool is short. `computes`: the
+        request computes its prompt here; False (a reservation whose KV another process sends whole,
+        window included) shares every matching page, whatever the windows."""
         self.free_finished()  # capacity a completed step finished with is capacity
         need = self.cache.pages_needed(len(req.prompt) + req.params.max_tokens)
-        hits = self._hits(req) if share else []
-        if self.cache.slots.num_free == 0 or not self._room(need - len(hits)):
-            if hits:
-                self.prefix.release(hits)  # type: ignore[union-attr]
+        hit = self._plan(req, computes) if share and self.prefix is not None else Hit()
+        if hit.pages:
+            self.prefix.acquire(hit.pages)  # type: ignore[union-attr]
+        # Evicting may take the snapshot `hit.restore` itself: harmless, as its pages are read (below)
+        # before any step that could write them is enqueued.
+        if self.cache.slots.num_free == 0 or not self._room(need - len(hit.pages)):
+            self._unplan(hit)
             return False
         try:
             req.window = RequestWindow(self.cache, req.rid)
-            req.pages = hits + self.cache.pages.alloc(req.rid, need - len(hits))
+            req.pages = hit.pages + self.cache.pages.alloc(req.rid, need - len(hit.pages))
         except OutOfCapacity:
             self.free(req)
-            if hits:
-                self.prefix.release(hits)  # type: ignore[union-attr]
+            self._unplan(hit)
             return False
-        req.shared_pages = len(hits)
-        req.cached_tokens = req.num_computed = req.num_scheduled = len(hits) * self.cache.page_size
+        req.shared = list(hit.pages)
+        req.cached_tokens = req.num_computed = req.num_scheduled = hit.start
+        if share and self.prefix is not None:
+            self.queried_tokens += len(req.prompt)
+            self.hit_tokens += hit.start
+        req.snapshot_at, req.replay_from = hit.snapshot_at, hit.replay_from
         self.page_table.assign(req.window.slot, req.pages)
+        self.sums.verify(hit.pages, req.window.slot)
+        if hit.restore is not None:
+            restore_window(self.cache, req.window.slot, hit.start, hit.restore.pages, hit.restore.payload)  # type: ignore[arg-type]
         return True
 
-    def _hits(self, req: Request) -> list[int]:
-        """The cached pages of the prompt's prefix, referenced for `req`; the prompt's last token is
-        always computed (its logits give the first output token)."""
+    def _unplan(self, hit: Hit) -> None:
+        if hit.pages:
+            self.prefix.release(hit.pages)  # type: ignore[union-attr]
+
+    def _plan(self, req: Request, computes: bool) -> Hit:
+        """Which cached pages `req` reads, and how its sliding layers get their window at the boundary
+        (the cost model: docs/prefix-caching.md). The prompt's last token is always computed (its
+        logits give the first output token)."""
         assert self.prefix is not None
-        hits = self.prefix.match(req.prompt[: len(req.prompt) - 1])
-        self.prefix.acquire(hits)
-        return hits
+        c, p = self.cache, self.cache.page_size
+        pages = self.prefix.match(req.prompt[: len(req.prompt) - 1])
+        if not c.sliding_layers or not computes:
+            return Hit(pages, len(pages) * p)
+        # Sliding layers: a boundary with a snapshot is read as it is; the deepest cached boundary
+        # without one costs a bounded replay of what its rings need (only when it saves more and fits
+        # one step's token budget), else the request computes from the snapshot (or from 0) and leaves
+        # a snapshot at that boundary, where the next request with this prefix will stop too.
+        deep, snap = len(pages), self.prefix.deepest_snapshot(pages)
+        end = deep * p
+        first = replay_start(end, self.cache.model.layer_types, c.window) if deep > snap else 0
+        at: list[int] = []
+        if deep > snap and first > snap * p and end - first <= self.replay_budget:
+            hit = Hit(pages, end, replay_from=first)
+        else:
+            restore = self.prefix.snapshot(pages[snap - 1]) if snap else None
+            hit = Hit(pages[:snap], snap * p, restore=restore)
+            at = [end] if deep > snap else []
+        last = len(req.prompt) // p * p  # the prompt's last whole page: where its next turn may stop
+        if last > max(at, default=hit.start) and last > hit.start:
+            at.append(last)
+        hit.snapshot_at = at if pages_for_snapshot(c, p) else []
+        return hit
 
     def _room(self, n: int) -> bool:
         """Whether `n` pages are free, evicting unreferenced cached pages to make them so."""
         short = n - self.cache.pages.num_free
         if short > 0 and self.prefix is not None and self.prefix.num_evictable >= short:
-            self.cache.pages.free(CACHE_OWNER, self.prefix.evict(short))
+            evicted = self.prefix.evict(short)
+            self.evicted_pages += len(evicted)
+            self.cache.pages.free(CACHE_OWNER, evicted)
         return self.cache.pages.num_free >= n
 
     def drop_cached(self) -> None:
-        """Evict every unreferenced cached page."""
+        """Evict every unreferenced cached page and every snapshot."""
         if self.prefix is not None:
             self.cache.pages.free(CACHE_OWNER, self.prefix.evict(self.prefix.num_evictable))
 
+    def save_window(self, req: Request, boundary: int) -> None:
+        """`req` has computed exactly `boundary` tokens (a step computing up to there is enqueued):
+        snapshot its rings into pages of its own, cached with its prompt (`cache_prompt`). Skipped when
+        the pool has no room for it."""
+        n = pages_for_snapshot(self.cache, boundary)
+        if req.window is None or not n or boundary in req.snapshots or not self._room(n):
+            return
+        pages = self.cache.pages.alloc(req.rid, n)
+        req.snapshots[boundary] = (pages, save_window(self.cache, req.window.slot, boundary, pages))
+
     def cache_prompt(self, req: Request) -> None:
         """`req`'s prompt is computed: its full pages join the prefix cache (kept by it from now on,
-        referenced by `req` until it ends)."""
+        referenced by `req` until it ends), and its window snapshots with them."""
         if self.prefix is None or req.window is None:
             return
         added = self.prefix.insert(req.prompt, req.pages)
         if added:
             self.cache.pages.transfer(req.rid, CACHE_OWNER, added)
-            req.shared_pages += len(added)
+            req.shared += added
+            self.sums.record(added)
+        snapshots, req.snapshots = req.snapshots, {}
+        for boundary, (pages, positions) in snapshots.items():
+            if self.prefix.attach(req.prompt[:boundary], Snapshot(pages, positions)):
+                self.cache.pages.transfer(req.rid, CACHE_OWNER, pages)
+            else:  # its prefix was evicted meanwhile, or another request left one there first
+                self.cache.pages.free(req.rid, pages)
 
     @contextmanager
     def completing(self) -> Iterator[None]:
@@ -131,13 +207,17 @@ class KVOwnership:
         reqs = list(dict.fromkeys(reqs))  # a request is freed once, however often it was asked for
         windows = [r.window for r in reqs if r.window is not None]
         self.page_table.clear([w.slot for w in windows])
-        if self.prefix is not None:
-            for r in reqs:
-                self.prefix.release(r.pages[: r.shared_pages])
-        self.cache.pages.free_many([(r.rid, r.pages[r.shared_pages :]) for r in reqs])
+        owned = []
+        for r in reqs:
+            shared = set(r.shared)
+            if self.prefix is not None:
+                self.prefix.release(r.shared)
+            snapshot_pages = [p for pages, _ in r.snapshots.values() for p in pages]
+            owned.append((r.rid, [p for p in r.pages if p not in shared] + snapshot_pages))
+        self.cache.pages.free_many(owned)
         free_windows(self.cache, windows)
         for r in reqs:
-            r.pages, r.window, r.shared_pages = [], None, 0
+            r.pages, r.window, r.shared, r.snapshots = [], None, [], {}
 
     def check_integrity(self, idle: bool) -> None:
         """Pool conservation: the pools are consistent, and with nothing running every page and slot

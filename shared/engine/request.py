@@ -27,8 +27,14 @@ class Request:
     output: list[int] = field(default_factory=list)
     phase: Phase = Phase.WAITING
     pages: list[int] = field(default_factory=list)
-    shared_pages: int = 0  # the leading pages it reads from the prefix cache (referenced there)
+    shared: list[int] = field(default_factory=list)  # its pages the prefix cache holds (referenced there)
     cached_tokens: int = 0  # prompt tokens it read from the prefix cache (not computed)
+    # Sliding layers with the prefix cache: prompt positions where a chunk must end, so that its rings
+    # are snapshotted there (`snapshots`: boundary -> its pages and ring positions, until the prompt is
+    # cached); and where a bounded replay of its rings starts (its hit needs one), until it has run.
+    snapshot_at: list[int] = field(default_factory=list)
+    snapshots: dict[int, tuple[list[int], object]] = field(default_factory=dict)
+    replay_from: int | None = None
     window: RequestWindow | None = None
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_scheduled: int = 0  # tokens whose K/V are in the cache or being computed by a step in flight

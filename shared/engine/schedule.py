@@ -10,6 +10,8 @@ frees anything, so the policy can be read and changed apart from the loop that r
 - Prefill first (the default): prompts are computed in chunks under the step's token budget; when no
   prompt work is left, every running request that still owes tokens decodes one. Fast decode steps
   (CUDA graphs), but a burst of long prompts stalls every stream for as many steps as it takes.
+- A chunk ends where the prefix cache snapshots a request's sliding-layer rings (`snapshot_at`,
+  shared/engine/kv/snapshot.py): at most two such positions a prompt.
 - Mixed steps (`EngineConfig.mixed`): every running request that owes a token decodes one in every
   step, and prompts fill the rest of the budget. A decode then waits at most one step, a longer one
   (a mixed step runs without a graph). Decode tokens come first in a mixed step: row i is token i,
@@ -71,6 +73,10 @@ def schedule(running: list[Request], budget: int, mixed: bool = False) -> Plan:
         if req.num_scheduled < len(req.prompt) and budget > 0:
             start = req.num_scheduled
             n = min(len(req.prompt) - start, budget)
+            for at in req.snapshot_at:  # a chunk ends where the prefix cache snapshots its rings
+                if start < at < start + n:
+                    n = at - start
+                    break
             items.append(ChunkItem(req.slot, start, req.prompt[start : start + n], req.pages))
             reqs.append(req)
             emits.append(start + n == len(req.prompt))

@@ -46,11 +46,11 @@ def test_a_hit_computes_only_the_rest_of_its_prompt() -> None:
     engine.generate([BASE[:30]], GREEDY)  # 7 full pages cached
     req = engine.add_request([*BASE[:30], 9, 9], GREEDY)
     engine.step()
-    assert req.shared_pages == 7 and req.num_scheduled == 32
+    assert len(req.shared) == 7 and req.num_scheduled == 32
     # A prompt equal to the cached one still computes its last token (its logits are the first output).
     again = engine.add_request(BASE[:28], GREEDY)
     engine.step()
-    assert again.shared_pages == 6
+    assert len(again.shared) == 6
     while not (req.finished and again.finished) or engine.in_flight:
         engine.step()
     engine.free_finished()

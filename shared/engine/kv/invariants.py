@@ -9,3 +9,15 @@ SWA_HISTORY_PRESENT = Invariant(
     Severity.FATAL_CONTAINABLE,
     "a sliding layer's ring holds the last W tokens of its request before attention reads it",
 )
+
+PREFIX_WINDOW_RESTORED = Invariant(
+    "prefix.window_restored",
+    Severity.FATAL_CONTAINABLE,
+    "a window snapshot restored for a prefix hit holds exactly the last W positions before the hit's boundary",
+)
+
+PREFIX_PAGES_INTACT = Invariant(
+    "prefix.pages_intact",
+    Severity.FATAL_CONTAINABLE,
+    "the KV pages a prefix hit reads are bit for bit what was cached (no cached page was freed and rewritten)",
+)

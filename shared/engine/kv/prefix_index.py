@@ -12,7 +12,15 @@ parent evicted first would strand its descendants: unreachable, yet holding memo
 page ids only; the pool (shared/engine/kv/allocator.py) owns the memory, and the engine decides when a
 page can be read or given back (never under a step in flight).
 
-Host-side only: lookups, references and eviction never touch the device.
+Models with sliding layers also need each sliding layer's last W tokens at the boundary a hit ends
+on. Such a window snapshot hangs on the entry of the boundary's last page (`attach`): pages of the pool
+that hold it (shared/engine/kv/snapshot.py writes and reads them) and a payload the caller keeps with
+it. A snapshot is never referenced (restoring one is a copy the device runs in stream order), so it is
+evictable whenever it exists; it goes, least recently used first, alone or with its page.
+
+Host-side only: lookups, references and eviction never touch the device. The index's own state
+(reference counts, the chain, what is both free and cached) is checked here, on the host, where it
+lives: a release below zero raises at once, and `check_integrity` walks the rest.
 """
 
 from __future__ import annotations
@@ -22,13 +30,22 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PrefixIndex", "PrefixIndexError"]
+__all__ = ["PrefixIndex", "PrefixIndexError", "Snapshot"]
 
 _ROOT = b"pdserve-prefix-v1"
 
 
 class PrefixIndexError(RuntimeError):
     """A reference count below zero, a page cached twice, or a parent evicted before its child."""
+
+
+@dataclass(eq=False)
+class Snapshot:
+    """A sliding-window snapshot at the end of an entry's page: the pool pages that hold it, and what
+    the caller keeps with it (the ring positions it holds)."""
+
+    pages: list[int]
+    payload: object
 
 
 @dataclass(eq=False)
@@ -39,6 +56,7 @@ class _Entry:
     depth: int  # pages before it in the prefix
     refs: int = 0
     children: int = 0
+    snapshot: Snapshot | None = None
 
 
 def _key(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -56,14 +74,28 @@ class PrefixIndex:
         self.page_size = page_size
         self._by_key: dict[bytes, _Entry] = {}
         self._by_page: dict[int, _Entry] = {}
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced pages, LRU first
+        # What eviction may take, least recently used first: ("page", p) for an unreferenced page,
+        # ("snapshot", p) for the snapshot on page p's entry.
+        self._lru: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._snapshot_pages = 0
+        self._unreferenced = 0
 
     def __len__(self) -> int:
+        """Pages the index holds: prefix pages and the pages of their snapshots."""
+        return len(self._by_page) + self._snapshot_pages
+
+    @property
+    def num_prefix_pages(self) -> int:
         return len(self._by_page)
 
     @property
+    def num_snapshots(self) -> int:
+        return sum(1 for kind, _ in self._lru if kind == "snapshot")
+
+    @property
     def num_evictable(self) -> int:
-        return len(self._evictable)
+        """Pages eviction can give back now: unreferenced prefix pages and every snapshot's."""
+        return self._unreferenced + self._snapshot_pages
 
     def keys(self, tokens: Sequence[int]) -> list[bytes]:
         """The chain keys of `tokens`' full pages."""
@@ -94,8 +126,10 @@ class PrefixIndex:
         """A request reads these cached pages: they are not evictable until it releases them."""
         for p in pages:
             entry = self._by_page[p]
+            if entry.refs == 0:
+                self._unreferenced -= 1
+                del self._lru[("page", p)]
             entry.refs += 1
-            self._evictable.pop(p, None)
 
     def release(self, pages: Sequence[int]) -> None:
         """A request is done with these cached pages; unreferenced ones become evictable, the deepest
@@ -106,8 +140,8 @@ class PrefixIndex:
                 raise PrefixIndexError(f"page {p}: released more often than acquired")
             entry.refs -= 1
             if entry.refs == 0:
-                self._evictable[p] = None
-                self._evictable.move_to_end(p)
+                self._unreferenced += 1
+                self._lru[("page", p)] = None
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
         """Cache a request's full pages for the prefix `tokens` (pages[i] holds tokens of page i). The
@@ -128,32 +162,74 @@ class PrefixIndex:
                 self._by_key[key] = entry
                 self._by_page[page] = entry
                 added.append(page)
-            elif entry.page != page:
-                break  # a copy of a cached page: the request keeps its own, uncached, from here on
+            # else: cached already (this page, or a copy another request computed first, which the
+            # request keeps as its own, uncached); the pages after it still chain on the cached one.
             parent = entry
         return added
 
+    def deepest_snapshot(self, pages: Sequence[int]) -> int:
+        """How many of `pages` (a `match`) lead to the deepest boundary with a snapshot; 0: none."""
+        for k in range(len(pages), 0, -1):
+            if self._by_page[pages[k - 1]].snapshot is not None:
+                return k
+        return 0
+
+    def snapshot(self, page: int) -> Snapshot | None:
+        """The snapshot at the end of `page`'s entry (marked used: the last to be evicted)."""
+        snap = self._by_page[page].snapshot
+        if snap is not None:
+            self._lru.move_to_end(("snapshot", page))
+        return snap
+
+    def attach(self, tokens: Sequence[int], snapshot: Snapshot) -> bool:
+        """Keep `snapshot` at the end of `tokens` (whole pages), on the entry of their last page. False
+        (and nothing kept) when that prefix is not cached or already has one: the caller frees it."""
+        keys = self.keys(tokens)
+        entry = self._by_key.get(keys[-1]) if keys and len(tokens) % self.page_size == 0 else None
+        if entry is None or entry.snapshot is not None:
+            return False
+        entry.snapshot = snapshot
+        self._snapshot_pages += len(snapshot.pages)
+        self._lru[("snapshot", entry.page)] = None
+        return True
+
     def evict(self, n: int) -> list[int]:
-        """Up to `n` unreferenced pages, least recently used leaves first, removed from the index (the
-        caller gives them back to the pool)."""
+        """At least `n` pages' worth, when there is that much to evict: unreferenced prefix pages
+        (leaves before their parents) and snapshots, least recently used first, removed from the index
+        (the caller gives them back to the pool). A page takes its snapshot with it."""
         out: list[int] = []
         progress = True
-        while len(out) < n and self._evictable and progress:
+        while len(out) < n and self._lru and progress:
             progress = False
-            for page in list(self._evictable):
+            for kind, page in list(self._lru):
+                if (kind, page) not in self._lru:
+                    continue  # went with its page earlier in this pass
                 entry = self._by_page[page]
-                if entry.children:
+                if kind == "snapshot":
+                    out += self._drop_snapshot(entry)
+                elif entry.children:
                     continue  # its children go first
-                del self._evictable[page]
-                del self._by_page[page]
-                del self._by_key[entry.key]
-                if entry.parent is not None:
-                    entry.parent.children -= 1
-                out.append(page)
+                else:
+                    out += self._drop_snapshot(entry)
+                    del self._lru[(kind, page)]
+                    del self._by_page[page]
+                    del self._by_key[entry.key]
+                    self._unreferenced -= 1
+                    if entry.parent is not None:
+                        entry.parent.children -= 1
+                    out.append(page)
                 progress = True
-                if len(out) == n:
+                if len(out) >= n:
                     break
         return out
+
+    def _drop_snapshot(self, entry: _Entry) -> list[int]:
+        snap, entry.snapshot = entry.snapshot, None
+        if snap is None:
+            return []
+        del self._lru[("snapshot", entry.page)]
+        self._snapshot_pages -= len(snap.pages)
+        return list(snap.pages)
 
     def check_integrity(self, free_pages: Sequence[int] = ()) -> None:
         """Every cached page once, counts consistent, no cached page also on the pool's free list."""
@@ -163,10 +239,11 @@ class PrefixIndex:
         for page, entry in self._by_page.items():
             if entry.refs < 0:
                 raise PrefixIndexError(f"page {page}: {entry.refs} references")
-            if (entry.refs == 0) != (page in self._evictable):
-                raise PrefixIndexError(
-                    f"page {page}: {entry.refs} references, evictable {page in self._evictable}"
-                )
+            evictable = ("page", page) in self._lru
+            if (entry.refs == 0) != evictable:
+                raise PrefixIndexError(f"page {page}: {entry.refs} references, evictable {evictable}")
+            if (entry.snapshot is not None) != (("snapshot", page) in self._lru):
+                raise PrefixIndexError(f"page {page}: its snapshot and the eviction order disagree")
             if entry.parent is not None:
                 if entry.parent.page not in self._by_page:
                     raise PrefixIndexError(f"page {page}: its parent page {entry.parent.page} was evicted")
@@ -176,6 +253,15 @@ class PrefixIndex:
                 raise PrefixIndexError(
                     f"page {page}: {entry.children} children counted, {children.get(page, 0)} found"
                 )
-        both = set(free_pages) & set(self._by_page)
+        held = list(self._by_page)
+        for entry in self._by_page.values():
+            held += entry.snapshot.pages if entry.snapshot is not None else []
+        if len(set(held)) != len(held):
+            raise PrefixIndexError("a page is held twice (a prefix page, or a snapshot's)")
+        if len(held) - len(self._by_page) != self._snapshot_pages:
+            raise PrefixIndexError("the snapshot page count disagrees with the snapshots")
+        if sum(1 for e in self._by_page.values() if e.refs == 0) != self._unreferenced:
+            raise PrefixIndexError("the unreferenced page count disagrees with the references")
+        both = set(free_pages) & set(held)
         if both:
             raise PrefixIndexError(f"page {min(both)} is both free and cached")
