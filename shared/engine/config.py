@@ -31,5 +31,6 @@ class EngineConfig:
     # forgets earlier engines' choices on the same model: torch's GEMMs.
     tune_gemms: bool = True
     # Requests share the KV pages of prompt prefixes computed before (shared/engine/kv/prefix_index.py):
-    # a hit computes only the rest of its prompt. Models with sliding layers do not cache yet.
+    # a hit computes only the rest of its prompt; sliding layers restore their window at the hit from a
+    # snapshot in the pool, or rebuild it by bounded replay (docs/prefix-caching.md).
     prefix_cache: bool = False

@@ -126,9 +126,10 @@ COMMON_HELP = {
     "max_batch_tokens": "prefill token budget per step",
     "max_queue": "requests waiting to run beyond which new calls answer RESOURCE_EXHAUSTED",
     "prefix_cache": "keep the KV pages of computed prompts and let later prompts that start the same "
-    "way read them, computing only the rest (the pool evicts unused cached pages, least recently used, "
-    "when it is short). Models with sliding-window layers do not cache yet; on the prefill service, and "
-    "for prompts decode receives from it, caching is not used yet. --no-prefix-cache: off",
+    "way read them, computing only the rest; sliding-window layers get their window at the boundary "
+    "from a snapshot kept in the pool or by bounded replay (docs/prefix-caching.md). The pool evicts "
+    "unused cached pages and snapshots, least recently used, when it is short. On both services; decode "
+    "asks prefill only for the KV it does not hold. --no-prefix-cache: off",
     "max_calls": "calls in progress at once, of any method (streams that never send their request "
     "included), beyond which new calls answer RESOURCE_EXHAUSTED",
     "drain_timeout": "seconds SIGTERM waits for running requests before aborting them",

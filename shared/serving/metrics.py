@@ -18,9 +18,11 @@ thread does no metrics work per step. Invariant hits are counted only when a vio
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from shared.serving.scheduler_types import PoolState
 
@@ -118,6 +120,8 @@ class Metrics:
         self._kv_usage = Gauge(
             "pdserve_kv_usage_ratio", "Fraction of KV pool pages in use (0..1)", s, registry=r
         )
+        self._pool_state: Callable[[], PoolState] | None = None
+        r.register(_PrefixCacheCounters(self))
         self._bind()
 
     def bind_model(self, name: str) -> None:
@@ -142,6 +146,7 @@ class Metrics:
         def pick(f: Callable[[PoolState], float]) -> Callable[[], float]:
             return lambda: f(pool_state())
 
+        self._pool_state = pool_state
         m = (self.service, self.model_name)
         self._running.labels(*m).set_function(pick(lambda p: p.running))
         self._waiting.labels(*m).set_function(pick(lambda p: p.waiting))
@@ -182,6 +187,38 @@ class Metrics:
 
     def invariant_hits(self, name: str, severity: str, hits: int) -> None:
         self._invariant_hits.labels(name, severity, self.service, self.model_name).inc(hits)
+
+
+class _PrefixCacheCounters(Collector):
+    """The prefix cache's counters, read from the pool state at scrape time (the scheduler keeps the
+    running totals; nothing is counted per step here)."""
+
+    _COUNTERS = (
+        ("pdserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+         lambda p: p.prefix_queried_tokens),
+        ("pdserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not computed)",
+         lambda p: p.prefix_hit_tokens),
+        ("pdserve_prefix_cache_evicted_pages", "KV pool pages the prefix cache evicted (prefix pages "
+         "and window snapshots)", lambda p: p.prefix_evicted_pages),
+    )  # fmt: skip
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [
+            CounterMetricFamily(name, doc, labels=("service", "model_name"))
+            for name, doc, _ in self._COUNTERS
+        ]
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        m = self._metrics
+        state = m._pool_state() if m._pool_state is not None else None
+        for name, doc, read in self._COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=("service", "model_name"))
+            if state is not None:
+                family.add_metric((m.service, m.model_name), read(state))
+            yield family
 
 
 def _start(addr: str, port: int, metrics: Metrics) -> int:

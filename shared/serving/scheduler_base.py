@@ -315,7 +315,7 @@ class Scheduler:
             self._state = state
 
     def _pool_state(self, leaving: int = 0) -> PoolState:
-        cache = self._engine.cache
+        cache, kv = self._engine.cache, self._engine.kv
         with self._cond:
             queued = len(self._live) - leaving - len(self._engine.running)
         return PoolState(
@@ -325,7 +325,10 @@ class Scheduler:
             slots_free=cache.slots.num_free,
             running=len(self._engine.running),
             waiting=max(queued, 0),
-            pages_cached=len(self._engine.kv.prefix) if self._engine.kv.prefix is not None else 0,
+            pages_cached=len(kv.prefix) if kv.prefix is not None else 0,
+            prefix_queried_tokens=kv.queried_tokens,
+            prefix_hit_tokens=kv.hit_tokens,
+            prefix_evicted_pages=kv.evicted_pages,
         )
 
     def _fail(self, exc: BaseException, active: dict[str, _Entry]) -> None:

@@ -69,3 +69,7 @@ class PoolState:
     running: int
     waiting: int  # not yet running: in the inbox or the engine's waiting queue
     pages_cached: int = 0  # kept by the prefix cache: reused by later prompts, evicted when short
+    # The prefix cache since start: prompt tokens looked up, found there (not computed), pages evicted.
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_evicted_pages: int = 0
