@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-
 from dataclasses import dataclass, field
 
 from shared.engine.kv.allocator import OutOfCapacity

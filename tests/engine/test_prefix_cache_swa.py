@@ -51,7 +51,8 @@ PREFIXES = [3, 4, W, W + 2, 12, 20, 33]
 def test_prompts_sharing_a_prefix_decode_as_without_the_cache_and_as_the_reference(
     layout: str, shared: int
 ) -> None:
-    prompts = [[*BASE[:shared], 1, 2, 3], [*BASE[:shared], 7, 8], [*BASE[:shared], 9], [*BASE[:shared], 7, 8, 4]]
+    tails = [[1, 2, 3], [7, 8], [9], [7, 8, 4]]
+    prompts = [[*BASE[:shared], *tail] for tail in tails]
     cached = _engine(layout, True)
     got = _one_by_one(cached, prompts)
     assert got == _one_by_one(_engine(layout, False), prompts)
@@ -134,7 +135,7 @@ def test_a_cached_page_rewritten_behind_the_cache_is_caught_by_prefix_pages_inta
     engine.generate([BASE[:24]], GREEDY)
     page = engine.kv.prefix.match(BASE[:24])[2]  # type: ignore[union-attr]
     engine.cache.k_pages[:, page] += 1.0  # as a freed-and-reused page would be
-    with pytest.raises(invariants.InvariantViolation, match="prefix.pages_intact"):
+    with pytest.raises(invariants.InvariantViolation, match=r"prefix\.pages_intact"):
         engine.generate([[*BASE[:24], 1]], GREEDY)
 
 
@@ -147,5 +148,5 @@ def test_a_snapshot_of_the_wrong_positions_is_caught_by_prefix_window_restored()
     positions = snap.payload
     assert isinstance(positions, torch.Tensor)
     positions += 1  # a window one token later than its boundary
-    with pytest.raises(invariants.InvariantViolation, match="prefix.window_restored"):
+    with pytest.raises(invariants.InvariantViolation, match=r"prefix\.window_restored"):
         engine.generate([[*BASE[:24], 1]], GREEDY)

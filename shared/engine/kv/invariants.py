@@ -13,11 +13,11 @@ SWA_HISTORY_PRESENT = Invariant(
 PREFIX_WINDOW_RESTORED = Invariant(
     "prefix.window_restored",
     Severity.FATAL_CONTAINABLE,
-    "a window snapshot restored for a prefix hit holds exactly the last W positions before the hit's boundary",
+    "a window snapshot restored for a prefix hit holds exactly the last W positions before its boundary",
 )
 
 PREFIX_PAGES_INTACT = Invariant(
     "prefix.pages_intact",
     Severity.FATAL_CONTAINABLE,
-    "the KV pages a prefix hit reads are bit for bit what was cached (no cached page was freed and rewritten)",
+    "the KV pages a prefix hit reads are bit for bit what was cached (no cached page freed and rewritten)",
 )

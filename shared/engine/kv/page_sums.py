@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from invariants import enabled, expect, predicates
+from invariants import enabled, expect
 from shared.engine.host_copy import to_device
 from shared.engine.kv.cache import KVCache
 from shared.engine.kv.invariants import PREFIX_PAGES_INTACT

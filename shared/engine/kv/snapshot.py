@@ -65,7 +65,9 @@ def save_window(cache: KVCache, slot: int, boundary: int, pages: list[int]) -> t
     return cache.ring_pos[:, slot, :r].clone()
 
 
-def restore_window(cache: KVCache, slot: int, boundary: int, pages: list[int], positions: torch.Tensor) -> None:
+def restore_window(
+    cache: KVCache, slot: int, boundary: int, pages: list[int], positions: torch.Tensor
+) -> None:
     """Put a snapshot back into `slot`'s rings (the rest of each ring empty), and check through
     `prefix.window_restored` that every sliding layer now holds exactly the last W positions before
     `boundary`."""
