@@ -9,6 +9,7 @@
     python bench/engine.py --batches 64 --no-hf --window tpot,synced   # the decode window, A/B
     python bench/engine.py --batches 64 --no-hf --prefill-prompt 0 --page-size 16,64   # KV page, A/B
     python bench/engine.py --batches 64 --no-hf --prefill-prompt 0 --window synced --settle 0,0.5
+    python bench/engine.py --batches 64,1 --no-hf --prefill-prompt 0 --prefix-cache on,off,on,off
 
 Model: hidden 2048, 28 layers, 16/8 heads x 128, intermediate 6144, 3 of 4 layers sliding (W=1024),
 vocab 128256, random bf16 weights (~1.9B parameters). The roofline of a decode step is the bytes it
@@ -113,6 +114,7 @@ def bench_engine(
     window: str = "tpot",
     tune_gemms: bool = True,
     page_size: int = 16,
+    prefix_cache: bool = False,
     settle: float = 0.0,
 ) -> dict[str, float]:
     """One engine's prefill and decode of `batch` prompts. `window` "tpot" times the decode from the
@@ -124,7 +126,12 @@ def bench_engine(
     kv = KVConfig(
         page_size=page_size, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda"
     )
-    engine_cfg = engine_config(max_running=batch, rope_in_attention=rope_in_attention, tune_gemms=tune_gemms)
+    engine_cfg = engine_config(
+        max_running=batch,
+        rope_in_attention=rope_in_attention,
+        tune_gemms=tune_gemms,
+        prefix_cache=prefix_cache,
+    )
     engine = Engine(model, kv, engine_cfg)
     # As a service does before it reports ready (shared/serving/runtime.py): kernels compiled, and the
     # host's pinned staging blocks allocated, before the first request (a decode step that has to
@@ -383,6 +390,11 @@ def main() -> None:
         help="tokens per KV page of the decode engines (the services' default is 16), or a list",
     )  # fmt: skip
     ap.add_argument(
+        "--prefix-cache", default="off", type=comma_list(one_of("on", "off")),
+        help="EngineConfig.prefix_cache (the services' default is on), or a list: decode with the cache's "
+        "bookkeeping against without",
+    )  # fmt: skip
+    ap.add_argument(
         "--settle", default="0", type=comma_list(at_least(float, 0.0)),
         help="with --window synced: seconds the device idles between the prefill and the decode (the "
         "clocks recover from the prefill's power cap), or a list",
@@ -396,7 +408,7 @@ def main() -> None:
     global FOLD_NORMS
     FOLD_NORMS = args.fold_norms == "on"
     ropes, windows, tunes, gemms = args.rope_in_attention, args.window, args.tune_gemms, args.gemm
-    page_sizes, settles = args.page_size, args.settle
+    page_sizes, settles, caches = args.page_size, args.settle, args.prefix_cache
     if max(settles) > 0 and windows != ["synced"]:
         ap.error(f"--settle: more than 0 only with --window synced, got {','.join(map(str, settles))!r}")
     logging.basicConfig(format="%(name)s: %(message)s")
@@ -407,8 +419,8 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters()) / 1e9
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B; kernels {args.kernels}")
     rows = []
-    variants = list(itertools.product(gemms, ropes, windows, tunes, page_sizes, settles))
-    for gemm, rope, window, tune, page, settle in variants:  # side by side: ratios hold within one run
+    variants = list(itertools.product(gemms, ropes, windows, tunes, page_sizes, settles, caches))
+    for gemm, rope, window, tune, page, settle, cache in variants:  # side by side: ratios hold within one run
         model.gemm_backend = gemm
         for batch in (int(b) for b in args.batches.split(",")):
             on = rope == "on"
@@ -424,9 +436,11 @@ def main() -> None:
                 tune_gemms=tune == "on",
                 page_size=page,
                 settle=settle,
+                prefix_cache=cache == "on",
             )
-            row = {"gemm": gemm, "rope_in_attention": rope, "tune_gemms": tune, "page_size": page, **measured}
-            if hf is not None and (gemm, rope, window, tune, page, settle) == variants[0]:
+            row = {"gemm": gemm, "rope_in_attention": rope, "tune_gemms": tune, "page_size": page,
+                   "prefix_cache": cache, **measured}  # fmt: skip
+            if hf is not None and (gemm, rope, window, tune, page, settle, cache) == variants[0]:
                 row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
             rows.append(row)
             shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}

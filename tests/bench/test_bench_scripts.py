@@ -71,6 +71,27 @@ def test_the_serving_bench_compares_colocated_and_disaggregated_on_cpu(tmp_path:
         assert 0 < r["ttft_p50"] <= r["ttft_p99"] and r["output_tok_s"] > 0
 
 
+def test_the_prefix_cache_bench_compares_the_cache_off_and_on_on_cpu(tmp_path: Path) -> None:
+    out_file = tmp_path / "prefix.json"
+    out = _run(
+        "bench/prefix_cache.py", "--device", "cpu", "--dtype", "float32", "--model", "random:" + json.dumps(TINY),
+        "--rates", "20", "--sessions", "2", "--turns", "2", "--prefix-tokens", "32", "--turn-tokens", "16",
+        "--output-tokens", "2", "--modes", "colocated,disaggregated",
+        "--service-args", "--num-pages 256 --max-running 4 --max-batch-tokens 128 --page-size 4",
+        "--json", str(out_file), timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out_file.read_text())
+    assert [(r["mode"], r["prefix_cache"]) for r in result["rows"]] == [
+        ("colocated", False), ("colocated", True), ("disaggregated", False), ("disaggregated", True)
+    ]  # fmt: skip
+    for r in result["rows"]:
+        assert r["requests"] == 4 and r["errors"] == {}, r
+        assert r["prompt_tokens"] > 0
+        assert (r["computed_prompt_tokens"] < r["prompt_tokens"]) == r["prefix_cache"], r
+    assert all(s["computed_fewer"] > 0 for s in result["summary"])
+
+
 def test_the_engine_host_bench_runs_on_cpu() -> None:
     out = _run("bench/engine_host.py", timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -236,3 +236,30 @@ def test_after_warm_up_prompts_of_new_lengths_compile_no_kernel():
         knobs.runtime.jit_post_compile_hook = None
     assert compiled == [], f"compiled after warm-up: {compiled}"
     engine.check_idle_integrity()
+
+
+def test_prefix_cache_hits_on_cuda_decode_as_without_it_and_restore_windows_without_a_sync():
+    cfg = tiny_config("SSFS")
+    base = random_tokens(80, seed=9)
+    # Turns that extend each other (snapshot restores), prompts that diverge inside a prefix (a snapshot
+    # left where they diverge), a prefix under W and one ending inside a page.
+    prompts = [base[:40], [*base[:40], 1, 2], [*base[:33], 5], [*base[:33], 6, 7], base[:5], [*base[:70], 3]]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs, engines = [], []
+    for cache in (False, True):
+        kv = KVConfig(page_size=4, num_pages=256, max_requests=8, device="cuda")
+        cfg_e = EngineConfig(max_batch_tokens=64, cuda_graph_sizes=(1, 2, 4), prefix_cache=cache)
+        engine = Engine(tiny_model(cfg).cuda(), kv, cfg_e)
+        outs.append([engine.generate([p], sp)[0].output for p in prompts])
+        engine.check_idle_integrity()
+        engines.append(engine)
+    assert outs[0] == outs[1]
+    engine = engines[1]
+    assert engine.kv.hit_tokens > 0 and engine.kv.prefix.num_snapshots > 0  # type: ignore[union-attr]
+    req = engine._new_request([*base[:70], 3, 4], sp)
+    torch.cuda.synchronize()
+    with no_host_sync():
+        assert engine.kv.allocate(req, share=True)
+        assert req.cached_tokens == 72 - 4 and req.snapshot_at == [72]
+    engine.kv.free_now([req])
+    engine.check_idle_integrity()
