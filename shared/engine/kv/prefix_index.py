@@ -26,6 +26,7 @@ lives: a release below zero raises at once, and `check_integrity` walks the rest
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,14 +60,6 @@ class _Entry:
     snapshot: Snapshot | None = None
 
 
-def _key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(len(tokens).to_bytes(4, "little"))
-    for t in tokens:
-        h.update(int(t).to_bytes(4, "little"))
-    return h.digest()
-
-
 class PrefixIndex:
     def __init__(self, page_size: int) -> None:
         if page_size <= 0:
@@ -98,10 +91,12 @@ class PrefixIndex:
         return self._unreferenced + self._snapshot_pages
 
     def keys(self, tokens: Sequence[int]) -> list[bytes]:
-        """The chain keys of `tokens`' full pages."""
+        """The chain keys of `tokens`' full pages: key i = blake2b(key i-1, page i's token ids)."""
+        width = 4 * self.page_size  # bytes of one page's ids (< 2**32 each)
+        raw = memoryview(array("I", tokens[: len(tokens) // self.page_size * self.page_size]).tobytes())
         out, parent = [], _ROOT
-        for start in range(0, len(tokens) - self.page_size + 1, self.page_size):
-            parent = _key(parent, tokens[start : start + self.page_size])
+        for start in range(0, len(raw), width):
+            parent = hashlib.blake2b(raw[start : start + width], digest_size=16, key=parent).digest()
             out.append(parent)
         return out
 
