@@ -11,8 +11,10 @@ second one over the same trace; Triton compiles are counted from a fresh cache d
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import tempfile
 import time
@@ -41,6 +43,12 @@ def main() -> None:
     ap.add_argument("--mixed", action="store_true", help="EngineConfig.mixed (decode --mixed-steps)")
     ap.add_argument("--no-warm-up", action="store_true", help="skip Engine.warm_up (the services run it)")
     ap.add_argument("--slow-ms", type=float, default=100.0, help="print steps longer than this")
+    ap.add_argument(
+        "--prefix-cache", action="store_true", help="EngineConfig.prefix_cache (the services' default)"
+    )
+    ap.add_argument(
+        "--host-profile", action="store_true", help="cProfile each pass: the host's top functions"
+    )
     args = ap.parse_args()
     cache = Path(tempfile.mkdtemp(prefix="triton-"))
     os.environ["TRITON_CACHE_DIR"] = str(cache)  # before Triton reads it: every compile lands here
@@ -61,7 +69,10 @@ def main() -> None:
     loaded = load_served_model(spec, device=device, dtype=getattr(torch, args.dtype))
     kv = KVConfig(num_pages=args.num_pages, max_requests=args.max_running, dtype=getattr(torch, args.dtype),
                   device=str(device))  # fmt: skip
-    cfg = EngineConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running, mixed=args.mixed)
+    cfg = EngineConfig(
+        max_batch_tokens=args.max_batch_tokens, max_running=args.max_running, mixed=args.mixed,
+        prefix_cache=args.prefix_cache,
+    )  # fmt: skip
     t0 = time.perf_counter()
     engine = Engine(loaded.model, kv, cfg)
     built = time.perf_counter() - t0
@@ -74,6 +85,9 @@ def main() -> None:
     prompts = trace.prompts(loaded.model.cfg.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     for n in range(args.passes):
+        profiler = cProfile.Profile() if args.host_profile else None
+        if profiler is not None:
+            profiler.enable()
         before = _compiled(cache)
         start, sent, first, steps, slow = time.perf_counter(), {}, {}, [], []
         queue = list(enumerate(prompts))
@@ -95,6 +109,9 @@ def main() -> None:
                 print(f"  pass {n}: step {len(steps)}: {dt * 1e3:.0f} ms at {now:.2f} s ({busy})", flush=True)
             for req, _ in produced:
                 first.setdefault(req, time.perf_counter() - start)
+        if profiler is not None:
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
         ttft = sorted(first[r] - sent[r] for r in sent)
         row = {
             "pass": n, "requests": len(sent), "wall_s": round(time.perf_counter() - start, 3),
@@ -102,6 +119,7 @@ def main() -> None:
             "ttft_p99_ms": round(1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 1),
             "steps": len(steps), "step_p50_ms": round(1e3 * statistics.median(steps), 2),
             "slow_steps": len(slow), "slow_s": round(sum(slow), 3), "compiled": _compiled(cache) - before,
+            "computed_prompt_tokens": sum(len(r.prompt) - r.cached_tokens for r in sent),
         }  # fmt: skip
         print(json.dumps(row), flush=True)
 

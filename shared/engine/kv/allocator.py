@@ -19,9 +19,9 @@ class UnitAllocator:
     """Every unit is either free or owned by exactly one owner id (a request).
 
     Lives on the host: allocation decisions never touch the device, so they never sync. Ownership is
-    kept per owner, in allocation order: a request frees what it was given, so a free is checked by
-    comparing two lists, not unit by unit (a batch of 64 requests finishing together frees thousands
-    of pages in the step that ends them).
+    kept per owner as an insertion-ordered dict: a free or a hand-over costs the units it moves, not
+    what their owner holds (the prefix cache's owner holds most of the pool, and gives back a few
+    pages at a time).
     """
 
     def __init__(self, capacity: int, what: str = "page") -> None:
@@ -29,7 +29,7 @@ class UnitAllocator:
             raise ValueError(f"{what} capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.what = what
-        self._held: dict[int, list[int]] = {}  # owner -> its units, in the order it got them
+        self._held: dict[int, dict[int, None]] = {}  # owner -> its units, in the order it got them
         self._free = list(range(capacity - 1, -1, -1))  # the end is handed out first: low ids first
 
     @property
@@ -49,7 +49,7 @@ class UnitAllocator:
             return []
         units = self._free[: -n - 1 : -1]
         del self._free[-n:]
-        self._held.setdefault(owner, []).extend(units)
+        self._held.setdefault(owner, {}).update(dict.fromkeys(units))
         return units
 
     def free(self, owner: int, units: Sequence[int]) -> None:
@@ -61,27 +61,23 @@ class UnitAllocator:
         for owner, units in frees:
             if units:
                 wanted.setdefault(owner, []).extend(units)
-        keep: dict[int, list[int]] = {}  # what each owner still holds after the free
         for owner, units in wanted.items():
-            held = self._held.get(owner, [])
-            if units == held:  # everything it holds, in order: the common case, checked as one list
-                keep[owner] = []
-                continue
-            going = set(units)
-            if len(going) != len(units):
+            held = self._held.get(owner, {})
+            if len(set(units)) != len(units):
                 u = next(u for u in units if units.count(u) > 1)
                 raise IntegrityError(f"{self.what} {u} freed twice in one call by {owner}")
-            missing = going.difference(held)
+            missing = [u for u in units if u not in held]
             if missing:
                 u = min(missing)
                 raise IntegrityError(f"{self.what} {u} freed by {owner} but held by {self._holder(u)}")
-            keep[owner] = [u for u in held if u not in going]
-        for owner, rest in keep.items():
-            if rest:
-                self._held[owner] = rest
-            else:
+        for owner, units in wanted.items():
+            held = self._held[owner]
+            if len(units) == len(held):
                 del self._held[owner]
-            self._free.extend(wanted[owner])
+            else:
+                for u in units:
+                    del held[u]
+            self._free.extend(units)
 
     def _holder(self, unit: int) -> str:
         if not 0 <= unit < self.capacity:
@@ -90,17 +86,18 @@ class UnitAllocator:
 
     def transfer(self, owner: int, to: int, units: Sequence[int]) -> None:
         """Hand `units` that `owner` holds to `to` (the prefix cache keeps a finished prompt's pages)."""
-        held = self._held.get(owner, [])
-        going = set(units)
-        if not going <= set(held):
-            u = min(going.difference(held))
+        held = self._held.get(owner, {})
+        missing = [u for u in units if u not in held]
+        if missing:
+            u = min(missing)
             raise IntegrityError(f"{self.what} {u} handed on by {owner} but held by {self._holder(u)}")
-        rest = [u for u in held if u not in going]
-        if rest:
-            self._held[owner] = rest
-        else:
+        if len(set(units)) != len(units):
+            raise IntegrityError(f"a {self.what} handed on twice in one call by {owner}")
+        for u in units:
+            del held[u]
+        if not held:
             self._held.pop(owner, None)
-        self._held.setdefault(to, []).extend(units)
+        self._held.setdefault(to, {}).update(dict.fromkeys(units))
 
     def free_units(self) -> list[int]:
         return list(self._free)

@@ -67,9 +67,11 @@ class PrefixIndex:
         self.page_size = page_size
         self._by_key: dict[bytes, _Entry] = {}
         self._by_page: dict[int, _Entry] = {}
-        # What eviction may take, least recently used first: ("page", p) for an unreferenced page,
-        # ("snapshot", p) for the snapshot on page p's entry.
+        # What eviction takes next, least recently used first: ("page", p) for an unreferenced leaf (a
+        # page whose prefix no cached page extends), ("snapshot", p) for the snapshot on page p's entry.
+        # A parent joins once its last child is evicted, at the front: it was used no later than it.
         self._lru: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._num_snapshots = 0
         self._snapshot_pages = 0
         self._unreferenced = 0
 
@@ -83,7 +85,7 @@ class PrefixIndex:
 
     @property
     def num_snapshots(self) -> int:
-        return sum(1 for kind, _ in self._lru if kind == "snapshot")
+        return self._num_snapshots
 
     @property
     def num_evictable(self) -> int:
@@ -123,7 +125,7 @@ class PrefixIndex:
             entry = self._by_page[p]
             if entry.refs == 0:
                 self._unreferenced -= 1
-                del self._lru[("page", p)]
+                self._lru.pop(("page", p), None)
             entry.refs += 1
 
     def release(self, pages: Sequence[int]) -> None:
@@ -136,7 +138,8 @@ class PrefixIndex:
             entry.refs -= 1
             if entry.refs == 0:
                 self._unreferenced += 1
-                self._lru[("page", p)] = None
+                if not entry.children:
+                    self._lru[("page", p)] = None
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
         """Cache a request's full pages for the prefix `tokens` (pages[i] holds tokens of page i). The
@@ -154,6 +157,7 @@ class PrefixIndex:
                 entry = _Entry(key, page, parent, depth, refs=1)
                 if parent is not None:
                     parent.children += 1
+                    self._lru.pop(("page", parent.page), None)  # no longer a leaf
                 self._by_key[key] = entry
                 self._by_page[page] = entry
                 added.append(page)
@@ -185,6 +189,7 @@ class PrefixIndex:
             return False
         entry.snapshot = snapshot
         self._snapshot_pages += len(snapshot.pages)
+        self._num_snapshots += 1
         self._lru[("snapshot", entry.page)] = None
         return True
 
@@ -193,29 +198,24 @@ class PrefixIndex:
         (leaves before their parents) and snapshots, least recently used first, removed from the index
         (the caller gives them back to the pool). A page takes its snapshot with it."""
         out: list[int] = []
-        progress = True
-        while len(out) < n and self._lru and progress:
-            progress = False
-            for kind, page in list(self._lru):
-                if (kind, page) not in self._lru:
-                    continue  # went with its page earlier in this pass
-                entry = self._by_page[page]
-                if kind == "snapshot":
-                    out += self._drop_snapshot(entry)
-                elif entry.children:
-                    continue  # its children go first
-                else:
-                    out += self._drop_snapshot(entry)
-                    del self._lru[(kind, page)]
-                    del self._by_page[page]
-                    del self._by_key[entry.key]
-                    self._unreferenced -= 1
-                    if entry.parent is not None:
-                        entry.parent.children -= 1
-                    out.append(page)
-                progress = True
-                if len(out) >= n:
-                    break
+        while len(out) < n and self._lru:
+            kind, page = next(iter(self._lru))
+            entry = self._by_page[page]
+            if kind == "snapshot":
+                out += self._drop_snapshot(entry)
+                continue
+            out += self._drop_snapshot(entry)
+            del self._lru[(kind, page)]
+            del self._by_page[page]
+            del self._by_key[entry.key]
+            self._unreferenced -= 1
+            out.append(page)
+            parent = entry.parent
+            if parent is not None:
+                parent.children -= 1
+                if not parent.children and not parent.refs:
+                    self._lru[("page", parent.page)] = None
+                    self._lru.move_to_end(("page", parent.page), last=False)
         return out
 
     def _drop_snapshot(self, entry: _Entry) -> list[int]:
@@ -224,6 +224,7 @@ class PrefixIndex:
             return []
         del self._lru[("snapshot", entry.page)]
         self._snapshot_pages -= len(snap.pages)
+        self._num_snapshots -= 1
         return list(snap.pages)
 
     def check_integrity(self, free_pages: Sequence[int] = ()) -> None:
@@ -235,8 +236,10 @@ class PrefixIndex:
             if entry.refs < 0:
                 raise PrefixIndexError(f"page {page}: {entry.refs} references")
             evictable = ("page", page) in self._lru
-            if (entry.refs == 0) != evictable:
-                raise PrefixIndexError(f"page {page}: {entry.refs} references, evictable {evictable}")
+            if (entry.refs == 0 and entry.children == 0) != evictable:
+                raise PrefixIndexError(
+                    f"page {page}: {entry.refs} references, {entry.children} children, in the LRU {evictable}"
+                )
             if (entry.snapshot is not None) != (("snapshot", page) in self._lru):
                 raise PrefixIndexError(f"page {page}: its snapshot and the eviction order disagree")
             if entry.parent is not None:
