@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from decode_service.prefill_targets import parse_targets
 from shared.serving.config import COMMON_HELP, CommonConfig, parse_config
 
 __all__ = ["KV_TRANSFERS", "ServiceConfig", "parse_args"]
@@ -14,10 +15,11 @@ KV_TRANSFERS = ("inline", "cuda_ipc", "nixl")
 
 @dataclass(frozen=True)
 class ServiceConfig(CommonConfig):
-    prefill_target: str = ""  # HOST:PORT of a prefill service; "" = every prompt prefills locally
+    # Prefill replicas: HOST:PORT and dns:///NAME:PORT entries, comma-separated; "" = every prompt here.
+    prefill_target: str = ""
     local_prefill_max_tokens: int = 0  # prompts of at most this many tokens prefill locally; 0 = none
-    # Prefill here when the prefill queue (estimated) plus the prompt exceeds this many tokens: a number,
-    # 0 = no limit, or auto = what prefill drains in half the prefill timeout (decode_service/routing.py).
+    # A prefill replica takes no prompt while its queue (estimated) plus the prompt exceeds this many
+    # tokens: a number, 0 = no limit, or auto = what it drains in half the prefill timeout (routing.py).
     remote_prefill_max_queued_tokens: str = "auto"
     # Seconds a remote prefill may take past the time its queue (its own prompt included) is expected to take.
     prefill_timeout: float = 30.0
@@ -38,6 +40,8 @@ class ServiceConfig(CommonConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.prefill_target:
+            parse_targets(self.prefill_target)  # a malformed entry: ValueError, before any model loads
         if self.local_prefill_max_tokens < 0:
             raise ValueError("local_prefill_max_tokens must be >= 0")
         limit = self.remote_prefill_max_queued_tokens
@@ -58,15 +62,19 @@ class ServiceConfig(CommonConfig):
 
 _HELP = {
     **COMMON_HELP,
-    "prefill_target": "HOST:PORT of the prefill service; empty = prefill every prompt locally",
+    "prefill_target": "the prefill replicas, comma-separated: HOST:PORT (one replica) or dns:///NAME:PORT "
+    "(every address NAME resolves to, looked up again every 10 s: a Kubernetes headless Service). Each "
+    "prompt goes to the replica that most likely holds its prefix (its leading pages hashed, bounded by "
+    "load), skipping replicas that are down (docs/disaggregation.md). Empty = prefill every prompt locally",
     "local_prefill_max_tokens": "prompts of at most this many tokens prefill locally (conditional "
     "disaggregation); 0 = every prompt goes to the prefill service",
-    "remote_prefill_max_queued_tokens": "prefill locally when the prefill service's queued prompt "
-    "tokens (estimated from its replies and this decode's calls in flight) plus the prompt exceed this "
-    "(conditional disaggregation: a deep queue would cost more time to first token than computing the "
-    "prompt here). auto = what the prefill service drains in half of --prefill-timeout, at the rate this "
-    "decode measures (one prompt at a time until a remote prefill has completed); 0 = no limit. A prompt "
-    "is never kept here just for being long: an empty queue takes it",
+    "remote_prefill_max_queued_tokens": "a prefill replica takes no prompt while its queued prompt "
+    "tokens (estimated from its replies and this decode's calls in flight there) plus the prompt exceed "
+    "this; when no replica would take it, the prompt prefills locally (conditional disaggregation: a deep "
+    "queue would cost more time to first token than computing the prompt here). auto = what the replica "
+    "drains in half of --prefill-timeout, at the rate this decode measures there (one prompt at a time "
+    "until a remote prefill has completed); 0 = no limit. A prompt is never kept here just for being "
+    "long: an empty queue takes it",
     "prefill_timeout": "seconds a remote prefill may take past the time the prefill service is expected "
     "to need for it and the prompts queued ahead of it (at its measured drain rate), after which the "
     "request fails UNAVAILABLE (a prefill that died or hung)",

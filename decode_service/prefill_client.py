@@ -10,11 +10,18 @@ away) cancels the call, and the prefill service drops the bytes it extracted. Wi
 decode's pool rides on the Handshake and on every Prefill (`pool`) and no chunk comes: prefill writes
 into the reservation. Every Prefill carries decode's KV layout; a prefill service whose layout differs
 answers FAILED_PRECONDITION before any work (`PrefillRefused`).
+
+Decode's prefix-cache hit rides on every Prefill (`cached_tokens`): prefill ships the full layers' KV
+from there on only, and PrefillDone echoes where it started (`full_from`). A stream whose full-layer KV
+starts anywhere else, a chunk before the hit included (it would write shared pages), raises
+`PrefillMismatch` (an older prefill that ignores the field ships from 0): the caller prefills the
+request itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +38,7 @@ from shared.serving.security.files import WatchedFiles
 from shared.serving.security.tls import ClientTLS
 from shared.transfer.base import KVLayout
 from shared.transfer.cuda_ipc import IpcTarget, PoolExport
-from shared.transfer.inline import ChunkAssembler, KVBatch
+from shared.transfer.inline import ChunkAssembler, HeldPositions, KVBatch
 from shared.transfer.nixl import NixlPool, NixlTarget
 
 __all__ = [
@@ -39,6 +46,7 @@ __all__ = [
     "PrefillBusy",
     "PrefillClient",
     "PrefillFailed",
+    "PrefillMismatch",
     "PrefillRefused",
     "PrefillRejected",
     "PrefillResult",
@@ -46,15 +54,23 @@ __all__ = [
     "handshake",
 ]
 
+log = logging.getLogger("decode_service")
+
 _HANDSHAKE_WAIT_S = 120.0  # how long start-up waits for a prefill service that is still loading
-# Reconnect soon after a prefill restart: gRPC's default backoff grows to two minutes.
-# round_robin: behind a headless Service (dns:///...) every prefill pod gets a share of one decode
-# pod's calls; gRPC's default pick_first would pin each decode pod to a single prefill pod.
+# Reconnect soon after a prefill restart: gRPC's default backoff grows to two minutes. One channel per
+# prefill replica, with gRPC's default pick_first: decode resolves a dns:/// name into its replicas
+# itself and its router picks one per prompt (decode_service/prefill_targets.py, routing.py).
 _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.lb_policy_name", "round_robin"),
 ]
+
+
+def _channel_options(tls: bool, server_name: str) -> list[tuple[str, Any]]:
+    """A replica dialled by the IP its name resolved to checks its certificate against the name."""
+    if tls and server_name:
+        return [*_CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", server_name)]
+    return list(_CHANNEL_OPTIONS)
 
 
 class PrefillFailed(Exception):
@@ -72,6 +88,16 @@ class PrefillBusy(PrefillFailed):
 class PrefillRejected(PrefillFailed):
     """INVALID_ARGUMENT: the prefill service cannot take this prompt (longer than its context, say),
     though decode accepted it (nothing was computed)."""
+
+
+class PrefillMismatch(PrefillFailed):
+    """The prefill service shipped full-layer KV from another position than decode's prefix-cache hit
+    (`PrefillRequest.cached_tokens`): an older prefill that ignores the field ships from 0. What came
+    does not fit the reservation (and no chunk of it was applied before the hit): the prompt is computed
+    here instead. With cuda_ipc or nixl such a prefill wrote only into the reservation's own pages."""
+
+
+_MISMATCH_LOG_S = 60.0  # a mismatch is logged at once, then at most once a minute (with the count since)
 
 
 class PrefillTimedOut(PrefillFailed):
@@ -110,6 +136,7 @@ class PrefillResult:
     done_ns: int  # epoch ns: PrefillDone received
     queued_tokens: int = 0  # prompt tokens the prefill service still had to compute for others
     cuda_ipc_event: bytes = b""  # cuda_ipc: decode's stream waits on it before reading the pages
+    prefill_hit_tokens: int = 0  # prompt tokens the prefill service read from its own prefix cache
 
 
 Pool = PoolExport | NixlPool  # decode's pool as a zero-copy backend exports it
@@ -129,19 +156,21 @@ def _handshake_request(layout: pb.KVLayout, pool: Pool | None) -> pb.HandshakeRe
 
 def handshake(
     target: str, layout: KVLayout, wait_s: float = _HANDSHAKE_WAIT_S, pool: Pool | None = None,
-    tls: ClientTLS | None = None,
+    tls: ClientTLS | None = None, server_name: str = "",
 ) -> None:  # fmt: skip
     """Agree on the KV layout (and, with `pool`, the cuda_ipc or nixl backend) with the prefill service
-    at `target`, or raise StartupError.
+    at `target`, or raise StartupError. `server_name`: the name its TLS certificate must carry, when
+    not the host in `target`.
 
     Retries while the prefill service is unreachable or loading; a mismatch fails at once.
     """
     deadline = time.monotonic() + wait_s
     req = _handshake_request(layout.to_pb(), pool)
+    options = _channel_options(tls is not None, server_name)
     if tls is None:
-        channel = grpc.insecure_channel(target)
+        channel = grpc.insecure_channel(target, options=options)
     else:
-        channel = grpc.secure_channel(target, ClientTLS.credentials(tls.watch().contents))
+        channel = grpc.secure_channel(target, ClientTLS.credentials(tls.watch().contents), options=options)
     with channel:
         stub = pb_grpc.PrefillStub(channel)
         while True:
@@ -171,6 +200,8 @@ def _received(take: Callable[[], list[KVBatch]]) -> list[KVBatch]:
     """The batches a received chunk completes; a bad chunk or a failed host allocation fails the call."""
     try:
         return take()
+    except HeldPositions as e:
+        raise PrefillMismatch(f"the KV did not start at decode's prefix-cache hit: {e}") from e
     except ValueError as e:
         raise PrefillFailed(f"bad KV chunk: {e}") from e
     except RuntimeError as e:  # pinned memory exhausted, say
@@ -180,9 +211,10 @@ def _received(take: Callable[[], list[KVBatch]]) -> list[KVBatch]:
 class PrefillClient:
     def __init__(
         self, target: str, timeout: float, layout: KVLayout, pool: Pool | None = None, *, pin: bool = False,
-        tls: ClientTLS | None = None,
+        tls: ClientTLS | None = None, server_name: str = "",
     ) -> None:  # fmt: skip
-        self.target = target
+        self.target = target  # one prefill replica (decode_service/prefill_targets.py)
+        self._options = _channel_options(tls is not None, server_name)
         self._tls: WatchedFiles | None = tls.watch() if tls is not None else None
         self._retired: set[Any] = set()  # channels closing after a certificate rotation
         self._channel: Any = None
@@ -198,6 +230,8 @@ class PrefillClient:
         # QueueEstimate.value; a remote request counts there from its routing decision, so at a call's
         # start it includes the call's own prompt).
         self.queued_tokens: Callable[[], int] = lambda: 0
+        self._mismatches = 0  # PrefillMismatch since the last log line
+        self._mismatch_logged = -_MISMATCH_LOG_S  # time.monotonic() of that line
 
     def _get_stub(self) -> pb_grpc.PrefillStub:
         rotated = False
@@ -210,12 +244,17 @@ class PrefillClient:
                 self._retired.add(task)
                 task.add_done_callback(self._retired.discard)
             if self._tls is None:
-                self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+                self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
             else:
                 creds = ClientTLS.credentials(self._tls.contents)
-                self._channel = grpc.aio.secure_channel(self.target, creds, options=_CHANNEL_OPTIONS)
+                self._channel = grpc.aio.secure_channel(self.target, creds, options=self._options)
             self._stub = pb_grpc.PrefillStub(self._channel)
         return self._stub
+
+    async def close(self, grace: float | None = None) -> None:
+        """Close the channel (the replica left the set); calls running may take `grace` seconds to end."""
+        if self._channel is not None:
+            await self._channel.close(grace=grace)
 
     def own_timeout(self) -> float:
         """Seconds a Prefill call starting now may take by decode's rule: --prefill-timeout past the time
@@ -227,8 +266,21 @@ class PrefillClient:
         own = self.own_timeout()
         return own if client_remaining is None else max(min(own, client_remaining), 0.0)
 
+    def _log_mismatch(self, rid: str, e: PrefillMismatch) -> None:
+        self._mismatches += 1
+        now = time.monotonic()
+        if now - self._mismatch_logged < _MISMATCH_LOG_S:
+            return
+        log.warning(
+            "prefill service %s did not ship the KV from decode's prefix-cache hit (an older prefill that "
+            "ignores PrefillRequest.cached_tokens?): %s; request %s (and %d more since the last such line) "
+            "prefilled here (route reason prefix_mismatch)",
+            self.target, e, rid[:80], self._mismatches - 1,
+        )  # fmt: skip
+        self._mismatches, self._mismatch_logged = 0, now
+
     async def handshake(self, timeout: float = 5.0) -> None:
-        """One Handshake on the request channel (so round_robin picks a pod as it does for Prefill).
+        """One Handshake on the request channel (the replica's own, as its Prefill calls take).
 
         Raises PrefillRefused on a layout mismatch, PrefillFailed when unreachable or loading."""
         req = _handshake_request(self._layout_pb, self.pool)
@@ -241,6 +293,7 @@ class PrefillClient:
         self, rid: str, prompt: list[int], sampling: gen_pb.SamplingParams, history: bool,
         client_remaining: float | None, deliver: Callable[[list[KVBatch]], None],
         metadata: Sequence[tuple[str, str]] = (), target: IpcTarget | NixlTarget | None = None,
+        cached_tokens: int = 0,
     ) -> PrefillResult:  # fmt: skip
         """Run one prefill; `deliver` gets the KV in order, as batches joined from the chunks here (on the
         event loop, so that decode's scheduler thread only copies them into the cache). A bad chunk, or
@@ -248,13 +301,15 @@ class PrefillClient:
         caller aborts the request; what was delivered is released with it). `metadata` carries the
         traceparent.
 
-        With `target` (cuda_ipc, nixl) prefill writes into decode's pool instead and no chunk comes."""
+        With `target` (cuda_ipc, nixl) prefill writes into decode's pool instead and no chunk comes.
+        `cached_tokens`: decode holds the full layers' KV before it (shared pages; a target's pages start
+        there); KV that does not start there raises PrefillMismatch."""
         own = self.own_timeout()
         timeout = self.call_timeout(client_remaining)
         work, start = max(self.queued_tokens(), len(prompt)), time.monotonic()
         req = pb.PrefillRequest(
             request_id=rid, prompt=prompt, sampling=sampling, send_window_history=history,
-            layout=self._layout_pb,
+            layout=self._layout_pb, cached_tokens=cached_tokens,
             cuda_ipc=target.to_pb() if isinstance(target, IpcTarget) else None,
             nixl=target.to_pb() if isinstance(target, NixlTarget) else None,
         )  # fmt: skip
@@ -263,7 +318,7 @@ class PrefillClient:
             req, timeout=timeout, wait_for_ready=True, metadata=tuple(metadata) or None
         )
         nbytes = first_ns = 0
-        kv = ChunkAssembler(self.layout, len(prompt), window=history, pin=self.pin)
+        kv = ChunkAssembler(self.layout, len(prompt), window=history, pin=self.pin, full_from=cached_tokens)
         try:
             async for msg in call:
                 if msg.HasField("chunk"):
@@ -276,6 +331,11 @@ class PrefillClient:
                     if batches:
                         deliver(batches)
                 elif msg.HasField("done"):
+                    if msg.done.full_from != cached_tokens:
+                        raise PrefillMismatch(
+                            f"its full-layer KV starts at position {msg.done.full_from}, decode holds "
+                            f"[0, {cached_tokens}) and asked for the rest"
+                        )
                     if target is None:  # inline: every layer arrived whole
                         rest = _received(kv.finish)
                         if rest:
@@ -286,9 +346,13 @@ class PrefillClient:
                     if target is not None:  # the bytes went pool to pool: count what prefill wrote
                         nbytes, first_ns = d.full_bytes + d.window_bytes, first_ns or now
                     return PrefillResult(
-                        d.first_token, nbytes, first_ns, now, d.queued_prompt_tokens, d.cuda_ipc_event
-                    )
+                        d.first_token, nbytes, first_ns, now, d.queued_prompt_tokens, d.cuda_ipc_event,
+                        d.prefix_hit_tokens,
+                    )  # fmt: skip
             raise PrefillFailed("the stream ended without PrefillDone")
+        except PrefillMismatch as e:
+            self._log_mismatch(rid, e)
+            raise
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout >= own:  # ours, not the client's
                 msg = (

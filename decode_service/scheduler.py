@@ -9,6 +9,11 @@ request into continuous batching. An abort at any point releases the reservation
 that arrive for a released request are dropped. `prefill_locally` turns a reserved request into a local
 one (the prefill service refused decode's KV layout, or did not answer in time): the client still gets
 a normal completion.
+
+With a prefix cache the reservation shares the cached pages of the prompt's longest cached prefix
+(`Engine.reserve(share=True)`): `Reserved.cached_tokens` of the prompt are in shared pages nobody may
+write, and only the KV after them is asked of prefill. A full-layer batch for a position before that is
+refused (`apply_batch`), and the pages a zero-copy backend may write are the reservation's from there on.
 """
 
 from __future__ import annotations
@@ -79,6 +84,9 @@ class Reserved:
     pages: tuple[int, ...] = ()
     slot: int = 0
     ready_event: bytes = b""  # cuda_ipc: recorded once the reservation's own writes are enqueued
+    # Prompt tokens whose full-layer KV the reservation reads from the prefix cache: `pages` up to
+    # cached_tokens // page_size are shared (read-only); prefill ships the KV from here on.
+    cached_tokens: int = 0
     # nixl on CUDA: a torch.cuda.Event after the reservation's own writes (its rings emptied). Query it
     # before sending the target: UCX writes outside this process's stream order, so an emptying still
     # queued on the stream could land after prefill's ring_pos.
@@ -138,7 +146,8 @@ class DecodeScheduler(Scheduler):
     def _reserve_pending(self) -> None:
         while self._pending:
             entry = self._pending[0]
-            req = self._engine.reserve(entry.prompt, entry.params)  # ValueError: refused, as add_request
+            # ValueError: refused, as add_request. share: a no-op without a prefix cache.
+            req = self._engine.reserve(entry.prompt, entry.params, share=True)
             if req is None:
                 return  # no room yet: retried after the next step frees pages
             self._pending.popleft()
@@ -150,7 +159,9 @@ class DecodeScheduler(Scheduler):
             if self.nixl is not None and self._engine.cache.device.type == "cuda":
                 settled = torch.cuda.Event()
                 settled.record(torch.cuda.current_stream(self._engine.cache.device))
-            entry.emit(Reserved(req.admitted_ns, tuple(req.pages), req.slot, ready, settled))
+            entry.emit(
+                Reserved(req.admitted_ns, tuple(req.pages), req.slot, ready, req.cached_tokens, settled)
+            )
 
     def _after_step(self) -> None:
         if self._pending:
@@ -204,7 +215,7 @@ class DecodeScheduler(Scheduler):
         assert req is not None
         try:
             for batch in batches:
-                apply_batch(self._engine.cache, req.pages, req.slot, batch)
+                apply_batch(self._engine.cache, req.pages, req.slot, batch, full_from=req.cached_tokens)
         except (ValueError, RuntimeError) as exc:  # a malformed batch costs this request only
             self._drop_reserved(rid, f"bad KV chunk: {exc}")
 

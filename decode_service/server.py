@@ -1,22 +1,32 @@
 """The decode service's process: Generation + health + reflection, and the shared lifecycle
 (shared/serving/runtime.py: listen, load on a thread, ready, SIGTERM drain).
 
-With --prefill-target, start-up handshakes with the prefill service before turning ready: a KV layout
-mismatch (dtype, page size, layer layout, window, ...) logs an error naming every mismatching field and
-the process exits 1, so an orchestrator sees a crash rather than a decode that is never ready. Later
-mismatches (a prefill restarted with another configuration, another pod behind the same name) are
-caught per request: every Prefill carries decode's layout (decode_service/routing.py).
+With --prefill-target, start-up handshakes with every prefill replica it names before turning ready
+(decode_service/prefill_targets.py): a KV layout mismatch (dtype, page size, layer layout, window, ...)
+logs an error naming every mismatching field and the process exits 1, so an orchestrator sees a crash
+rather than a decode that is never ready. Later mismatches (a prefill restarted with another
+configuration, a new pod behind the same name) are caught per request: every Prefill carries decode's
+layout (decode_service/routing.py).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
 from decode_service.config import ServiceConfig
-from decode_service.prefill_client import PrefillClient, handshake
-from decode_service.routing import PrefillRouter
+from decode_service.prefill_client import Pool, PrefillClient, handshake
+from decode_service.prefill_targets import (
+    STARTUP_WAIT_S,
+    Address,
+    handshake_all,
+    parse_targets,
+    resolve,
+    resolve_async,
+)
+from decode_service.routing import Membership, PrefillRouter
 from decode_service.scheduler import DecodeScheduler, Scheduler, SchedulerConfig
 from decode_service.servicer import SERVICE_NAME, GenerationServicer, Serving
 from shared.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -38,11 +48,14 @@ from shared.transfer.nixl import NixlReceiver, NixlUnavailable
 
 __all__ = ["add_services", "build_serving", "serve"]
 
+log = logging.getLogger("decode_service")
+
 
 def build_serving(cfg: ServiceConfig) -> Serving:
     """Load the model, build the Engine, handshake with prefill, start the scheduler (blocking)."""
     loaded, engine = build_engine(cfg, "decode", mixed=cfg.mixed_steps)
-    prefill = ipc = nixl = None
+    ipc = nixl = None
+    router = PrefillRouter(None, cfg.local_prefill_max_tokens, cfg.queue_limit)
     if cfg.prefill_target:
         layout = KVLayout.of(engine.cache, loaded.name, loaded.fingerprint)
         try:
@@ -53,11 +66,8 @@ def build_serving(cfg: ServiceConfig) -> Serving:
         except (IpcUnavailable, NixlUnavailable) as e:
             raise StartupError(f"--kv-transfer {cfg.kv_transfer}: {e}") from e
         pool = ipc.export if ipc is not None else nixl.export if nixl is not None else None
-        tls = _prefill_tls(cfg)
-        handshake(cfg.prefill_target, layout, pool=pool, tls=tls)
         pin = engine.cache.device.type == "cuda"  # inline batches upload to it without a host wait
-        prefill = PrefillClient(cfg.prefill_target, cfg.prefill_timeout, layout, pool, pin=pin, tls=tls)
-    router = PrefillRouter(prefill, cfg.local_prefill_max_tokens, cfg.queue_limit)
+        router = _prefill_router(cfg, layout, pool, pin)
     scheduler = DecodeScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue), ipc, nixl)
     scheduler.start()
     limits = Limits(vocab_size=loaded.config.vocab_size, max_context=engine.max_context())
@@ -66,6 +76,40 @@ def build_serving(cfg: ServiceConfig) -> Serving:
         loaded, scheduler, limits, cfg.page_size, kv_dtype,
         router=router, window_history=cfg.window_history,
     )  # fmt: skip
+
+
+def _prefill_router(cfg: ServiceConfig, layout: KVLayout, pool: Pool | None, pin: bool) -> PrefillRouter:
+    """Find the prefill replicas, handshake with each (blocking) and route over them."""
+    tls = _prefill_tls(cfg)
+    entries = parse_targets(cfg.prefill_target)
+    deadline = time.monotonic() + STARTUP_WAIT_S
+    try:
+        addresses = resolve(entries, wait_s=STARTUP_WAIT_S)  # no prefill pod may be ready yet
+    except OSError as e:
+        raise StartupError(str(e)) from e
+
+    def shake(a: Address) -> None:
+        wait_s = max(deadline - time.monotonic(), 0.0)
+        handshake(a.target, layout, wait_s, pool=pool, tls=tls, server_name=a.server_name)
+
+    def make_client(a: Address) -> PrefillClient:
+        return PrefillClient(
+            a.target, cfg.prefill_timeout, layout, pool, pin=pin, tls=tls, server_name=a.server_name
+        )
+
+    answered = handshake_all(addresses, shake)
+    down = [a.target for a in addresses if a.target not in answered]
+    if down:
+        log.warning(
+            "prefill replicas %s did not answer the handshake in time: prompts skip them until one does "
+            "(asked in the background)", ", ".join(down),
+        )  # fmt: skip
+    follow = any(e.dns for e in entries)  # DNS names: follow them as the replicas come and go
+    membership = Membership(lambda: resolve_async(entries), make_client) if follow else None
+    clients = [make_client(a) for a in addresses]
+    return PrefillRouter(
+        clients, cfg.local_prefill_max_tokens, cfg.queue_limit, down=down, membership=membership
+    )
 
 
 def _prefill_tls(cfg: ServiceConfig) -> ClientTLS | None:
@@ -93,7 +137,7 @@ async def serve(cfg: ServiceConfig) -> int:
     try:
         tokens = Tokens.configured(cfg.auth_tokens_file)
     except TokenError as e:
-        logging.getLogger("decode_service").error("%s", e)
+        log.error("%s", e)
         return 1
     server = new_server(cfg, tokens)
     telemetry = service_telemetry("decode", cfg)
@@ -103,7 +147,8 @@ async def serve(cfg: ServiceConfig) -> int:
         if telemetry.metrics is not None:
             telemetry.metrics.bind_model(serving.loaded.name)  # before the first request is recorded
             router = serving.router
-            telemetry.metrics.watch_prefill(lambda: router.usable, router.queue.value, router.queue_limit)
+            telemetry.metrics.watch_prefill(lambda: router.usable, router.queue_estimate, router.queue_limit)
+        serving.router.start()  # re-handshakes, DNS: on this loop
         servicer.serving = serving
         return serving.scheduler
 

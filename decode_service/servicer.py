@@ -7,7 +7,7 @@ the request. A call that fails has the scheduler prefill the request here instea
 normal completion (the route on its span says why): a layout refusal (FAILED_PRECONDITION), a full
 prefill queue (RESOURCE_EXHAUSTED) or a prompt prefill cannot take (INVALID_ARGUMENT) computed nothing
 there; a call that ran out of decode's time for it, could not reach prefill or broke off mid-stream also
-opens the router's circuit (decode_service/routing.py).
+opens that prefill replica's circuit (decode_service/routing.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from decode_service.output import OutputProcessor
 from decode_service.prefill_client import (
     PrefillBusy,
     PrefillFailed,
+    PrefillMismatch,
     PrefillRefused,
     PrefillRejected,
     PrefillTimedOut,
@@ -101,7 +102,10 @@ def _complete(rid: str, finish: Finished) -> pb.GenerateResponse:
 
 
 def _route_attrs(route: Route) -> dict[str, str]:
-    return {"pdserve.prefill": route.where, "pdserve.prefill.reason": route.reason}
+    attrs = {"pdserve.prefill": route.where, "pdserve.prefill.reason": route.reason}
+    if route.replica is not None:  # remote; a fallback (local) route names none: the span keeps the first
+        attrs["pdserve.prefill.replica"] = route.replica.address
+    return attrs
 
 
 def _genai_attrs(model: str, rid: str, params: SamplingParams, route: Route, chat: bool) -> dict[str, Any]:
@@ -119,12 +123,14 @@ def _genai_attrs(model: str, rid: str, params: SamplingParams, route: Route, cha
 
 _DEADLINE_SLACK_S = 0.25
 # A remote prefill that failed without a layout refusal: the route the request takes instead. Busy and
-# rejected calls computed nothing; any other failure (timed out, unreachable, a stream cut short) also
-# opens the router's circuit.
+# rejected calls computed nothing; KV that did not start at decode's prefix-cache hit (prefix_mismatch)
+# is dropped; any other failure (timed out, unreachable, a stream cut short) also opens the router's
+# circuit.
 _FALLBACK: dict[type[PrefillFailed], str] = {
     PrefillBusy: "prefill_busy",
     PrefillRejected: "prefill_rejected",
     PrefillTimedOut: "prefill_unavailable",
+    PrefillMismatch: "prefix_mismatch",
 }
 
 
@@ -177,7 +183,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
                 loop.call_soon_threadsafe(events.put_nowait, ev)
 
-        route = s.router.route(len(prompt))
+        route = s.router.route(len(prompt), prompt)
         opts = RemoteOpts(s.window_history) if route.remote else None
         md = context.invocation_metadata()
         attrs = _genai_attrs(s.loaded.name, rid, params, route, request.HasField("messages"))
@@ -252,7 +258,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         context: grpc.aio.ServicerContext, rt: RequestTrace, route: Route, reserved: Reserved,
     ) -> Route:  # fmt: skip
         """Run the Prefill call; returns where the prompt is prefilled in the end."""
-        client = s.router.client
+        client = route.replica.client if route.replica is not None else None  # the replica routed to
         assert client is not None
         target: IpcTarget | NixlTarget | None = None
         if client.pool is not None:  # cuda_ipc, nixl: prefill writes into the reservation until the lease
@@ -261,11 +267,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     await asyncio.sleep(0.0002)
             deadline = time.time_ns() + int(client.call_timeout(context.time_remaining()) * 1e9)
             s.scheduler.leased(rid, deadline)  # before the call: an abort from now on quarantines
+            # Only the pages from the prefix-cache hit on: the ones before are shared, never written (a
+            # prefill that ignores cached_tokens cannot reach them either).
+            pages = reserved.pages[reserved.cached_tokens // s.page_size :]
             if isinstance(client.pool, PoolExport):
-                target = IpcTarget(client.pool, reserved.pages, reserved.slot, reserved.ready_event, deadline)
+                target = IpcTarget(client.pool, pages, reserved.slot, reserved.ready_event, deadline)
             elif isinstance(client.pool, NixlPool):
-                target = NixlTarget(client.pool, reserved.pages, reserved.slot, deadline)
-        attrs = {"server.address": client.target, "pdserve.window_history": s.window_history}
+                target = NixlTarget(client.pool, pages, reserved.slot, deadline)
+        attrs = {
+            "server.address": client.target, "pdserve.window_history": s.window_history,
+            "pdserve.prefix_cache.decode_hit_tokens": reserved.cached_tokens,
+        }  # fmt: skip
         refused: str | None = None
         fallback: tuple[str, str] | None = None  # (route reason, why): nothing usable came back
         metrics = self.telemetry.metrics
@@ -274,6 +286,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 res = await client.prefill(
                     rid, prompt, request.sampling, s.window_history, context.time_remaining(),
                     lambda batches: s.scheduler.deliver(rid, batches), metadata, target,
+                    reserved.cached_tokens,
                 )  # fmt: skip
             except PrefillFailed as e:
                 why = str(e) if isinstance(e, PrefillRefused) else f"prefill service {client.target}: {e}"
@@ -285,6 +298,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     span.set_status(trace.Status(trace.StatusCode.ERROR, why))
             else:
                 s.router.done(route, res.queued_tokens)
+                if span is not None:
+                    span.set_attribute("pdserve.prefix_cache.prefill_hit_tokens", res.prefill_hit_tokens)
                 if res.first_chunk_ns:
                     dur = max(res.done_ns - res.first_chunk_ns, 1) / 1e9
                     rt.child("kv.transfer", res.first_chunk_ns, res.done_ns, transfer_attrs(
@@ -293,7 +308,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         metrics.transfer(client.backend, "receive", res.nbytes, dur)
         s.router.done(route)
         if refused is not None:  # nothing was computed there: the reservation is prefilled here
-            s.router.refused(refused)
+            s.router.refused(route, refused)
             local = Route(False, "prefill_mismatch")
             rt.set_attributes(_route_attrs(local))
             if metrics is not None:
@@ -303,11 +318,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if fallback is not None:  # the client still waits for tokens: the prompt is computed here
             reason, why = fallback
             if reason == "prefill_unavailable":  # dead, hung or cut off: stop sending until it answers
-                s.router.unavailable(why)
+                s.router.unavailable(route, why)
             local = Route(False, reason)
             rt.set_attributes(_route_attrs(local))
-            # cuda_ipc, nixl: a call that timed out or broke may still write until its lease has passed.
-            s.scheduler.prefill_locally(rid, written=reason == "prefill_unavailable")
+            # cuda_ipc, nixl: a call that timed out or broke may still write until its lease has passed;
+            # cuda_ipc: a prefill that ignored cached_tokens may still be writing the reservation's own
+            # pages (nixl's WRITE had ended before its PrefillDone).
+            ipc_late = reason == "prefix_mismatch" and isinstance(target, IpcTarget)
+            s.scheduler.prefill_locally(rid, written=reason == "prefill_unavailable" or ipc_late)
             return local
         s.scheduler.prefilled(rid, res.first_token, s.window_history, res.cuda_ipc_event)
         return route

@@ -35,6 +35,7 @@ class _Send:
     history: bool
     computed_ns: int
     queued_tokens: int
+    full_from: int = 0  # full layers from this position on (decode holds the ones before)
     xfer: NixlTransfer | None = None  # None: not started yet (the agent was busy)
     cancelled: bool = False
     finished: Finished | None = None  # the scheduler's Finished, held back until the send ends
@@ -56,9 +57,13 @@ class NixlSends:
     def pending(self) -> bool:
         return bool(self._sends)
 
-    def begin(self, entry: _Entry, target: NixlTarget, history: bool, computed_ns: int, queued: int) -> None:
-        """A prompt is done: hold its pages and Finished, start its WRITE (at the next `poll`)."""
-        self._sends[entry.rid] = _Send(entry, target, history, computed_ns, queued)
+    def begin(
+        self, entry: _Entry, target: NixlTarget, history: bool, computed_ns: int, queued: int,
+        full_from: int = 0,
+    ) -> None:  # fmt: skip
+        """A prompt is done: hold its pages and Finished, start its WRITE (at the next `poll`); full
+        layers from position `full_from` on."""
+        self._sends[entry.rid] = _Send(entry, target, history, computed_ns, queued, full_from)
 
     def hold(self, entry: _Entry, event: Finished) -> bool:
         """Keep `event` back while the request's WRITE runs (True: held)."""
@@ -99,8 +104,9 @@ class NixlSends:
             assert req is not None
             try:
                 send.xfer = self._writer().start(
-                    req.pages, req.slot, len(req.prompt), send.target, history=send.history
-                )
+                    req.pages, req.slot, len(req.prompt), send.target, history=send.history,
+                    full_from=send.full_from,
+                )  # fmt: skip
             except ValueError as e:  # a target that does not fit decode's pool: nothing was written
                 return "INVALID_ARGUMENT", f"nixl target: {e}"
             except NixlError as e:

@@ -16,6 +16,11 @@ are held until it is done (prefill_service/nixl_sends.py): PrefillDone then mean
 
 Each `Prefilled` also says how many prompt tokens the other live requests still had to compute at that
 moment (`queued_tokens`): decode reads it from PrefillDone to estimate this service's queue.
+
+Decode's prefix cache may hold the prompt's first positions already (`PrefillOpts.full_from`, from
+PrefillRequest.cached_tokens): every backend then ships the full layers' KV from there on only (the
+sliding layers' window as ever), and `Prefilled` says where it started and how much of the prompt this
+service read from its own prefix cache.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class PrefillOpts:
     max_chunk_bytes: int = 0  # 0: the backend's default
     cuda_ipc: IpcTarget | None = None  # set: write into decode's pool instead of extracting chunks
     nixl: NixlTarget | None = None  # set: one NIXL WRITE into decode's pool instead of chunks
+    full_from: int = 0  # decode holds the full layers' KV of positions [0, full_from): ship from there
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,8 @@ class Prefilled:
     cuda_ipc_event: bytes = b""  # cuda_ipc: recorded after the writes into decode's pool (no chunks then)
     # The request could not be handed over (nothing was written): (gRPC status code name, message).
     error: tuple[str, str] | None = None
+    full_from: int = 0  # the first position of the full layers' KV shipped
+    hit_tokens: int = 0  # prompt tokens read from this service's prefix cache (not computed)
 
 
 @dataclass
@@ -129,12 +137,13 @@ class PrefillScheduler(Scheduler):
                 self._engine.release(req)  # at once: later work on this stream runs after the writes
                 return
             if opts.nixl is not None:  # the WRITE reads the pages: released once it has ended
-                queued = self._queued_tokens(entry)
-                self._nixl_sends.begin(entry, opts.nixl, opts.window_history, computed_ns, queued)
+                queued, history = self._queued_tokens(entry), opts.window_history
+                self._nixl_sends.begin(entry, opts.nixl, history, computed_ns, queued, opts.full_from)
                 return
             staged = stage(
-                self._engine.cache, req.pages, req.slot, len(req.prompt), window=opts.window_history
-            )
+                self._engine.cache, req.pages, req.slot, len(req.prompt), window=opts.window_history,
+                full_from=opts.full_from,
+            )  # fmt: skip
             self._staging[entry.rid] = _Staging(
                 entry, staged, opts.max_chunk_bytes, req.output[0], req.admitted_ns, computed_ns,
                 self._queued_tokens(entry),
@@ -171,7 +180,11 @@ class PrefillScheduler(Scheduler):
         assert req is not None
         if error is not None:
             return Prefilled(first, None, 0, 0, error=error)
-        return Prefilled(first, None, full, window, 0, req.admitted_ns, computed_ns, time.time_ns(), queued)
+        opts = entry.opts if isinstance(entry.opts, PrefillOpts) else PrefillOpts()
+        return Prefilled(
+            first, None, full, window, 0, req.admitted_ns, computed_ns, time.time_ns(), queued,
+            full_from=opts.full_from, hit_tokens=req.cached_tokens,
+        )  # fmt: skip
 
     def _send_staged(self) -> None:
         sent = False
@@ -182,10 +195,12 @@ class PrefillScheduler(Scheduler):
             full, window = st.staged.nbytes()
             # The bytes are copied into messages by the servicer, not here: a 4k-token prompt is
             # hundreds of MB, and this thread schedules everyone else's prompts.
+            hit = st.entry.req.cached_tokens if st.entry.req is not None else 0
             st.entry.emit(
                 Prefilled(
                     st.first_token, st.staged, full, window, st.max_chunk_bytes, st.admitted_ns,
-                    st.computed_ns, time.time_ns(), st.queued_tokens,
+                    st.computed_ns, time.time_ns(), st.queued_tokens, full_from=st.staged.full_from,
+                    hit_tokens=hit,
                 )
             )  # fmt: skip
             if st.finished is not None:
@@ -203,13 +218,15 @@ class PrefillScheduler(Scheduler):
             return Prefilled(first, None, 0, 0, error=("DEADLINE_EXCEEDED", msg))
         try:
             full, window, event = self.ipc_writer().write(
-                req.pages, req.slot, len(req.prompt), target, window=opts.window_history
-            )
+                req.pages, req.slot, len(req.prompt), target, window=opts.window_history,
+                full_from=opts.full_from,
+            )  # fmt: skip
         except IpcUnavailable as e:  # decode's pool cannot be mapped here: nothing was written
             return Prefilled(first, None, 0, 0, error=("FAILED_PRECONDITION", f"cuda_ipc: {e}"))
         except ValueError as e:  # a descriptor that does not fit decode's pool
             return Prefilled(first, None, 0, 0, error=("INVALID_ARGUMENT", f"cuda_ipc target: {e}"))
         return Prefilled(
             first, None, full, window, 0, req.admitted_ns, computed_ns, time.time_ns(),
-            self._queued_tokens(entry), cuda_ipc_event=event,
+            self._queued_tokens(entry), cuda_ipc_event=event, full_from=opts.full_from,
+            hit_tokens=req.cached_tokens,
         )  # fmt: skip

@@ -11,6 +11,11 @@ when they are done. With a `nixl` target decode's agent is loaded first (once pe
 scheduler thread) and PrefillDone comes only once the scheduler's WRITE is complete. A cancelled call
 aborts the request if it is still computing, and otherwise just drops the bytes (or, nixl, lets the
 WRITE end before the pages are freed).
+
+`cached_tokens` (decode's prefix cache holds the full layers' KV of positions [0, cached_tokens)) is
+checked here, at the edge: a multiple of the page size and shorter than the prompt, else
+INVALID_ARGUMENT naming the field. Every backend then ships the full layers from there on only, and
+PrefillDone echoes that position (`full_from`) for decode to check.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from shared.model import LoadedModel
 from shared.pb.pdserve.v1 import generation_pb2 as gen_pb
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
-from shared.serving.api.errors import InvalidRequest
+from shared.serving.api.errors import FieldViolation, InvalidRequest
 from shared.serving.api.model_info import model_info
 from shared.serving.api.validation import Limits, validate_generate
 from shared.serving.request_trace import RequestTrace, transfer_attrs
@@ -61,6 +66,18 @@ class PrefillServing:
     scheduler: PrefillScheduler
     limits: Limits
     layout: KVLayout
+
+
+def _check_cached_tokens(cached: int, prompt_tokens: int, page_size: int) -> None:
+    """Decode's prefix-cache hit must end at a page boundary inside the prompt (its last token is
+    computed here: its logits give the first token)."""
+    why = []
+    if cached % page_size:
+        why.append(f"must be a multiple of the page size {page_size}, got {cached}")
+    if cached >= prompt_tokens:
+        why.append(f"must be less than the prompt's {prompt_tokens} tokens, got {cached}")
+    if why:
+        raise InvalidRequest([FieldViolation("cached_tokens", "; ".join(why))])
 
 
 async def _refuse_mismatch(context: grpc.aio.ServicerContext, problems: list[str]) -> None:
@@ -105,6 +122,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         gen = gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=request.prompt), sampling=sampling)
         try:
             prompt, params = validate_generate(gen, s.limits, None)
+            _check_cached_tokens(request.cached_tokens, len(prompt), s.layout.page_size)
         except InvalidRequest as e:
             await context.abort_with_status(e.to_status())
         # Decode's ids are unique per decode only: a suffix keeps two decodes' requests apart here.
@@ -125,7 +143,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 msg = "the cuda_ipc write lease expired before the request arrived"
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, msg)
             await self._ensure_mapped(s, target.pool, context)
-        opts = PrefillOpts(request.send_window_history, request.max_chunk_bytes, target, nixl)
+        opts = PrefillOpts(
+            request.send_window_history, request.max_chunk_bytes, target, nixl, request.cached_tokens
+        )
         backend = "cuda_ipc" if target is not None else "nixl" if nixl is not None else "inline"
         attrs = {
             "gen_ai.operation.name": "text_completion",
@@ -133,6 +153,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             "gen_ai.response.id": request.request_id,
             "pdserve.prefill.request_id": rid,
             "pdserve.window_history": request.send_window_history,
+            "pdserve.prefix_cache.decode_hit_tokens": request.cached_tokens,
         }
         rt = RequestTrace(self.telemetry, rid, _PREFILL, context.invocation_metadata(), attrs)
         try:
@@ -152,6 +173,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 if isinstance(ev, Prefilled):
                     finished = True  # the pool no longer holds it: only these bytes (or writes) are left
                     self._phases(rt, ev, len(prompt), backend)
+                    rt.set_attributes({"pdserve.prefix_cache.hit_tokens": ev.hit_tokens})
                     start = time.time_ns()
                     if ev.staged is not None:  # inline: each chunk's bytes copied as it is reached
                         fault = s.scheduler.faults
@@ -173,6 +195,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     done = pb.PrefillDone(
                         first_token=ev.first_token, full_bytes=ev.full_bytes, window_bytes=ev.window_bytes,
                         queued_prompt_tokens=ev.queued_tokens, cuda_ipc_event=ev.cuda_ipc_event,
+                        full_from=ev.full_from, prefix_hit_tokens=ev.hit_tokens,
                     )  # fmt: skip
                     yield pb.PrefillResponse(done=done)
                     return

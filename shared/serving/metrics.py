@@ -80,7 +80,7 @@ class Metrics:
         self._prefill_route = Counter(
             "pdserve_prefill_route", "Requests by where their prompt was prefilled (local, remote) and why "
             "(no_prefill, short_prompt, prefill_mismatch, prefill_unavailable, prefill_busy, "
-            "prefill_rejected, queue_deep, remote)",
+            "prefill_rejected, prefix_mismatch, queue_deep, remote)",
             (*s, "prefill", "reason"), registry=r,
         )  # fmt: skip
         self._prefill_refused = Counter(
@@ -88,17 +88,17 @@ class Metrics:
             "(each prefilled locally instead)", s, registry=r,
         )  # fmt: skip
         self._remote_usable = Gauge(
-            "pdserve_remote_prefill_usable", "1 while remote prefill is on; 0 while off after a layout "
-            "mismatch or a timeout (until a Handshake succeeds again)", s, registry=r,
+            "pdserve_remote_prefill_usable", "1 while some prefill replica is usable; 0 while every one is "
+            "skipped after a layout mismatch or a timeout (until a Handshake succeeds again)", s, registry=r,
         )  # fmt: skip
         self._queue_estimate = Gauge(
-            "pdserve_prefill_queue_estimate_tokens", "Prompt tokens queued at the prefill service, as "
-            "decode estimates them (conditional disaggregation)", s, registry=r,
+            "pdserve_prefill_queue_estimate_tokens", "Prompt tokens queued at the prefill replicas "
+            "(summed), as decode estimates them (conditional disaggregation)", s, registry=r,
         )  # fmt: skip
         self._queue_limit = Gauge(
-            "pdserve_prefill_queue_limit_tokens", "Queued prompt tokens beyond which decode prefills "
-            "locally (--remote-prefill-max-queued-tokens; auto: measured drain rate x half the prefill "
-            "timeout; 0: no limit)", s, registry=r,
+            "pdserve_prefill_queue_limit_tokens", "Queued prompt tokens beyond which a prefill replica "
+            "takes no prompt, summed over the replicas (--remote-prefill-max-queued-tokens; auto: measured "
+            "drain rate x half the prefill timeout; 0: no limit)", s, registry=r,
         )  # fmt: skip
         self._invariant_hits = Counter(
             "pdserve_invariant_hits", "Invariant violations detected (rows failing a check)",

@@ -54,27 +54,32 @@ def _by_row(t: torch.Tensor | PeerTensor, rows_from: int) -> tuple[int, ...]:
 
 def push(
     src: KVCache, pages: Sequence[int], slot: int, num_tokens: int, dst: PeerPool,
-    dst_pages: Sequence[int], dst_slot: int, *, window: bool,
+    dst_pages: Sequence[int], dst_slot: int, *, window: bool, full_from: int = 0,
 ) -> tuple[int, int]:  # fmt: skip
     """Enqueue the writes of a prompt's KV into decode's reservation; (full bytes, window bytes).
 
-    Full layers: the prompt's pages, whole (a last page's tail past the prompt is decode's to
-    overwrite before it reads it). Sliding layers (`window`): the ring's filled part, which is its
-    first min(num_tokens, W) entries (position p sits at index p % W), and the slot's whole ring_pos
-    row, so positions without history read as absent. Three small index uploads; no other host work.
+    Full layers: the prompt's pages from position `full_from` on (a multiple of the page size: decode
+    holds the ones before, shared), whole (a last page's tail past the prompt is decode's to overwrite
+    before it reads it); `dst_pages[0]` is decode's page for position `full_from`. Sliding layers
+    (`window`): the ring's filled part, which is its first min(num_tokens, W) entries (position p sits
+    at index p % W), and the slot's whole ring_pos row, so positions without history read as absent.
+    Three small index uploads; no other host work.
     """
     t = dst.tensors
-    need = src.pages_needed(num_tokens)
+    if full_from % src.page_size or not 0 <= full_from < max(num_tokens, 1):
+        raise ValueError(f"full_from {full_from}: no page boundary within {num_tokens} tokens")
+    skip = full_from // src.page_size
+    need = src.pages_needed(num_tokens) - skip
     if len(dst_pages) < need or t["k_pages"].shape[2] != src.page_size:
         raise ValueError(f"{len(dst_pages)} destination pages of {t['k_pages'].shape[2]} cannot hold "
-                         f"{num_tokens} tokens in pages of {src.page_size}")  # fmt: skip
+                         f"tokens [{full_from}, {num_tokens}) in pages of {src.page_size}")  # fmt: skip
     if any(not 0 <= p < t["k_pages"].shape[1] for p in dst_pages[:need]):
         raise ValueError("destination page outside decode's pool")
     if not 0 <= dst_slot < t["k_ring"].shape[1]:
         raise ValueError(f"destination slot {dst_slot} outside decode's pool")
     dev, full, window_bytes = src.device, 0, 0
     if src.full_layers and need:
-        s, d = _upload(pages[:need], dev), _upload(dst_pages[:need], dev)
+        s, d = _upload(pages[skip : skip + need], dev), _upload(dst_pages[:need], dev)
         for name in ("k_pages", "v_pages"):
             pool = getattr(src, name)
             copy_rows(pool.view(_by_row(pool, 2)), t[name], _by_row(t[name], 2), s, d)
@@ -96,7 +101,7 @@ class IpcTarget:
     """Where one request's KV goes in decode's pool, and the events and lease that guard it."""
 
     pool: PoolExport
-    pages: tuple[int, ...]
+    pages: tuple[int, ...]  # decode's reserved pages from PrefillRequest.cached_tokens on
     slot: int
     ready_event: bytes  # recorded by decode once the reservation is ready; empty: nothing to wait on
     lease_deadline_ns: int  # unix epoch ns; no write may be launched after it
@@ -135,15 +140,17 @@ class IpcWriter:
             return pool_id in self._pools
 
     def write(
-        self, pages: Sequence[int], slot: int, num_tokens: int, target: IpcTarget, *, window: bool
-    ) -> tuple[int, int, bytes]:
-        """Enqueue the request's KV writes after decode's ready event; (full, window bytes, done event)."""
+        self, pages: Sequence[int], slot: int, num_tokens: int, target: IpcTarget, *, window: bool,
+        full_from: int = 0,
+    ) -> tuple[int, int, bytes]:  # fmt: skip
+        """Enqueue the request's KV writes after decode's ready event; (full, window bytes, done event).
+        Full layers from position `full_from` on, into the target's pages (which start there)."""
         with self._lock:
             pool = self._pools.get(target.pool)
         if target.ready_event:
             self._opened.wait(target.ready_event)
         full, window_bytes = push(self.cache, pages, slot, num_tokens, pool, target.pages, target.slot,
-                                  window=window)  # fmt: skip
+                                  window=window, full_from=full_from)  # fmt: skip
         return full, window_bytes, self._ring.record()
 
 

@@ -3,9 +3,12 @@ a prompt's KV out of its cache once (on its scheduler thread); decode joins the 
 host batches where it reads the stream (`ChunkAssembler`) and copies each batch into its cache on its
 scheduler thread (`apply_batch`).
 
-Full-attention layers ship the prompt's tokens [0, L) (gathered through the request's pages); sliding
-layers ship only the last min(L, W) positions of their ring, so window bytes do not grow with the
-prompt. Both halves run on the thread that owns their engine: the caches are not thread-safe.
+Full-attention layers ship the prompt's tokens [full_from, L) (gathered through the request's pages):
+`full_from` is where the receiver's own prefix cache stops (PrefillRequest.cached_tokens; 0 without a
+hit), and the receiver refuses any full-layer chunk before it, since its pages there are shared ones
+other requests read. Sliding layers ship only the last min(L, W) positions of their ring, so window
+bytes do not grow with the prompt. Both halves run on the thread that owns their engine: the caches are
+not thread-safe.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from shared.model.config import SLIDING
 from shared.transfer.base import Chunk, KVLayout
 
 __all__ = [
-    "DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "ChunkAssembler", "KVBatch", "StagedKV", "apply_batch",
-    "apply_chunk", "begin_receive", "extract_chunks", "stage",
+    "DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "ChunkAssembler", "HeldPositions", "KVBatch", "StagedKV",
+    "apply_batch", "apply_chunk", "begin_receive", "extract_chunks", "stage",
 ]  # fmt: skip
 
 MAX_CHUNK_BYTES = (1 << 20) - 4096  # k + v of one message; the rest of 1 MiB is framing headroom
@@ -46,12 +49,13 @@ class StagedKV:
     before any later work on the stream.
     """
 
-    full: tuple[torch.Tensor, torch.Tensor] | None  # K, V [n_full, L, Hkv, D] on the host
+    full: tuple[torch.Tensor, torch.Tensor] | None  # K, V [n_full, L - full_from, Hkv, D] on the host
     window: tuple[torch.Tensor, torch.Tensor] | None  # K, V [n_sliding, min(L, W), Hkv, D]
     full_layers: tuple[int, ...]
     sliding_layers: tuple[int, ...]
     first_window_pos: int
     event: torch.cuda.Event | None
+    full_from: int = 0  # the first position of `full` (the receiver holds the ones before)
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -73,7 +77,7 @@ class StagedKV:
         streams a long prompt without holding a second copy of it (read once `ready()`)."""
         limit = min(max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
         for kv, layers, first, window in (
-            (self.full, self.full_layers, 0, False),
+            (self.full, self.full_layers, self.full_from, False),
             (self.window, self.sliding_layers, self.first_window_pos, True),
         ):
             if kv is None:
@@ -102,18 +106,23 @@ def _download(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return out[0], out[1]
 
 
-def stage(cache: KVCache, pages: list[int], slot: int, num_tokens: int, *, window: bool = True) -> StagedKV:
+def stage(
+    cache: KVCache, pages: list[int], slot: int, num_tokens: int, *, window: bool = True, full_from: int = 0
+) -> StagedKV:
     """Gather a prompt of `num_tokens` tokens held in `pages` and window `slot`, and start its copy out.
 
-    Full-attention layers: tokens [0, L). Sliding layers (`window`): the last min(L, W) positions of
-    their rings. One gather per tensor and one device-to-host copy into pinned memory each: no host
-    wait per chunk, and none at all on CUDA until the bytes are read.
+    Full-attention layers: tokens [full_from, L) (the receiver holds the ones before). Sliding layers
+    (`window`): the last min(L, W) positions of their rings. One gather per tensor and one
+    device-to-host copy into pinned memory each: no host wait per chunk, and none at all on CUDA until
+    the bytes are read.
     """
+    if not 0 <= full_from < max(num_tokens, 1):
+        raise ValueError(f"full_from {full_from} outside the prompt's {num_tokens} tokens")
     dev, m = cache.device, cache.model
     first = max(0, num_tokens - cache.window)
     full = win = None
     if cache.full_layers:
-        idx = to_device(_flat_index(pages, cache.page_size, 0, num_tokens), dev)
+        idx = to_device(_flat_index(pages, cache.page_size, full_from, num_tokens - full_from), dev)
         shape = (len(cache.full_layers), -1, m.num_kv_heads, m.head_dim)
         full = _download(cache.k_pages.view(shape)[:, idx], cache.v_pages.view(shape)[:, idx])
     if window and cache.sliding_layers:
@@ -123,19 +132,19 @@ def stage(cache: KVCache, pages: list[int], slot: int, num_tokens: int, *, windo
     if dev.type == "cuda":
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(dev))
-    return StagedKV(full, win, cache.full_layers, cache.sliding_layers, first, event)
+    return StagedKV(full, win, cache.full_layers, cache.sliding_layers, first, event, full_from)
 
 
 def extract_chunks(
     cache: KVCache, pages: list[int], slot: int, num_tokens: int, *, window: bool = True,
-    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES, full_from: int = 0,
 ) -> Iterator[Chunk]:  # fmt: skip
     """`stage` and wait: the chunks of a finished prompt (tests and callers that may block).
 
     Each chunk's k + v stays within `max_chunk_bytes` (capped at MAX_CHUNK_BYTES; at least one token).
     `window=False` leaves the sliding layers out (the receiver rebuilds them by bounded replay).
     """
-    staged = stage(cache, pages, slot, num_tokens, window=window)
+    staged = stage(cache, pages, slot, num_tokens, window=window, full_from=full_from)
     staged.wait()
     yield from staged.chunks(max_chunk_bytes)
 
@@ -156,27 +165,34 @@ class KVBatch:
         return self.k.shape[0]
 
 
+class HeldPositions(ValueError):
+    """A full-layer chunk for a position before `full_from`: the receiver holds those already, in shared
+    pages it must never write (the sender did not ship from where it was asked to: an older one)."""
+
+
 class ChunkAssembler:
     """The receiving end of one request's stream, on the thread that reads it (never the cache's).
 
     Checks every chunk against the layout and the prompt, and copies its bytes into a host buffer, so
     the thread owning the cache gets a few large `KVBatch`es per layer instead of one per chunk. Each
-    layer's chunks must run contiguously from its first position (0; a sliding layer's window start)
-    to the prompt's end, each layer once, as the sender sends them: a gap, an overlap, a repeat or a
-    layer left unfinished (`finish`) is an error. Batches close at `max_batch_bytes` of K, bounding
-    what one batch holds. A bad chunk raises ValueError, and the assembler stays unusable: the request
-    fails, nothing of it is applied after the error.
+    layer's chunks must run contiguously from its first position (`full_from`, the end of the receiver's
+    prefix-cache hit; a sliding layer's window start) to the prompt's end, each layer once, as the
+    sender sends them: a gap, an overlap, a repeat or a layer left unfinished (`finish`) is an error,
+    and a full-layer chunk before `full_from` is `HeldPositions`. Batches close at `max_batch_bytes` of
+    K, bounding what one batch holds. A bad chunk raises ValueError, and the assembler stays unusable:
+    the request fails, nothing of it is applied after the error.
     """
 
     def __init__(
         self, layout: KVLayout, num_tokens: int, *, window: bool, pin: bool = False,
-        max_batch_bytes: int = 16 << 20,
+        max_batch_bytes: int = 16 << 20, full_from: int = 0,
     ) -> None:  # fmt: skip
         self.dtype = getattr(torch, layout.dtype)
         self.row_shape = (layout.num_kv_heads, layout.head_dim)
         self.row_bytes = layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
         self.sliding = tuple(t == SLIDING for t in layout.layer_types)
         self.num_tokens = num_tokens
+        self.full_from = full_from  # full layers: positions before it are the receiver's (shared pages)
         self.first_window = max(0, num_tokens - layout.sliding_window)
         self.window = window  # the sliding layers' history is sent too
         self.pin = pin
@@ -207,13 +223,18 @@ class ChunkAssembler:
             raise
 
     def _first(self, layer: int) -> int:
-        return self.first_window if self.sliding[layer] else 0
+        return self.first_window if self.sliding[layer] else self.full_from
 
     def _add(self, layer: int, window: bool, start: int, n: int, k: bytes, v: bytes) -> list[KVBatch]:
         if layer >= len(self.sliding) or self.sliding[layer] != window:
             raise ValueError(f"chunk for layer {layer} (window={window}) does not fit this cache")
         if window and not self.window:
             raise ValueError(f"chunk of window history for layer {layer}, which this request did not ask for")
+        if not window and start < self.full_from:
+            raise HeldPositions(
+                f"full-layer chunk tokens [{start}, {start + n}) of layer {layer}: positions before "
+                f"{self.full_from} are held here already (shared prefix-cache pages): the KV starts there"
+            )
         want = self._next.get(layer, self._first(layer))
         if n < 1 or start != want or start + n > self.num_tokens:
             raise ValueError(
@@ -287,11 +308,13 @@ def apply_chunk(cache: KVCache, pages: list[int], slot: int, chunk: Chunk) -> No
     apply_batch(cache, pages, slot, KVBatch(chunk.layer, chunk.window, chunk.token_start, k, v))
 
 
-def apply_batch(cache: KVCache, pages: list[int], slot: int, batch: KVBatch) -> None:
+def apply_batch(cache: KVCache, pages: list[int], slot: int, batch: KVBatch, *, full_from: int = 0) -> None:
     """Write a batch into reserved `pages` / window `slot` (and set ring_pos for a window batch).
 
-    Every upload goes through pinned memory: the decode scheduler thread applies batches while a step
-    runs, and a copy from pageable memory would make it wait for that step."""
+    `full_from`: the full layers' positions before it are in shared pages (the prefix cache's), never
+    written: a batch there raises HeldPositions. Every upload goes through pinned memory: the decode
+    scheduler thread applies batches while a step runs, and a copy from pageable memory would make it
+    wait for that step."""
     if batch.layer >= cache.model.num_layers or cache.is_sliding(batch.layer) != batch.window:
         raise ValueError(f"chunk for layer {batch.layer} (window={batch.window}) does not fit this cache")
     i, n, start, dev = cache.kind_index[batch.layer], batch.token_count, batch.token_start, cache.device
@@ -299,6 +322,8 @@ def apply_batch(cache: KVCache, pages: list[int], slot: int, batch: KVBatch) -> 
         raise ValueError(f"window chunk of {n} tokens exceeds the window {cache.window}")
     if not batch.window and start + n > len(pages) * cache.page_size:
         raise ValueError(f"chunk tokens [{start}, {start + n}) exceed the pages")
+    if not batch.window and start < full_from:
+        raise HeldPositions(f"chunk tokens [{start}, {start + n}) before {full_from}: shared pages")
     k, v = to_device(batch.k, dev), to_device(batch.v, dev)
     if batch.window:
         pos = torch.arange(start, start + n)

@@ -173,7 +173,7 @@ class NixlTarget:
     """Where one request's KV goes in decode's pool, and the lease that guards it."""
 
     pool: NixlPool
-    pages: tuple[int, ...]
+    pages: tuple[int, ...]  # decode's reserved pages from PrefillRequest.cached_tokens on
     slot: int
     lease_deadline_ns: int  # unix epoch ns: no write is started after it
 
@@ -278,24 +278,31 @@ def _merge(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarra
 def write_descs(
     mine: dict[str, NixlTensor], theirs: NixlPool, page_size: int, window: int, pages: Sequence[int],
     slot: int, num_tokens: int, dst_pages: Sequence[int], dst_slot: int, *, history: bool,
+    full_from: int = 0,
 ) -> WritePlan:  # fmt: skip
     """What one request's WRITE moves, as cuda_ipc's `push` does: the prompt's pages of every full
-    layer, whole (a last page's tail past the prompt is decode's to overwrite before it reads it), and
-    with `history` the first min(num_tokens, W) ring entries of every sliding layer (position p sits at
-    index p % W) and the slot's whole ring_pos row, so positions without history read as absent."""
+    layer from position `full_from` on (a page boundary: decode holds the ones before, shared; its
+    `dst_pages[0]` is the page for `full_from`), whole (a last page's tail past the prompt is decode's
+    to overwrite before it reads it), and with `history` the first min(num_tokens, W) ring entries of
+    every sliding layer (position p sits at index p % W) and the slot's whole ring_pos row, so positions
+    without history read as absent."""
     d = {t.name: t for t in theirs.tensors}
-    need = -(-num_tokens // page_size)
+    if full_from % page_size or not 0 <= full_from < max(num_tokens, 1):
+        raise ValueError(f"full_from {full_from}: no page boundary within {num_tokens} tokens")
+    skip = full_from // page_size
+    need = -(-num_tokens // page_size) - skip
     dk = d["k_pages"]
     if len(dst_pages) < need or (dk.shape[2] != page_size):
         raise ValueError(f"{len(dst_pages)} destination pages of {dk.shape[2]} cannot hold "
-                         f"{num_tokens} tokens in pages of {page_size}")  # fmt: skip
+                         f"tokens [{full_from}, {num_tokens}) in pages of {page_size}")  # fmt: skip
     if any(not 0 <= p < dk.shape[1] for p in dst_pages[:need]):
         raise ValueError("destination page outside decode's pool")
     if not 0 <= dst_slot < d["k_ring"].shape[1]:
         raise ValueError(f"destination slot {dst_slot} outside decode's pool")
     local, remote, full, window_bytes = [], [], 0, 0
     if mine["k_pages"].shape[0] and need:
-        s, t = np.asarray(pages[:need], dtype=np.uint64), np.asarray(dst_pages[:need], dtype=np.uint64)
+        s = np.asarray(pages[skip : skip + need], dtype=np.uint64)
+        t = np.asarray(dst_pages[:need], dtype=np.uint64)
         for name in ("k_pages", "v_pages"):
             row = mine[name].nbytes // max(mine[name].shape[0] * mine[name].shape[1], 1)
             local.append(_rows(mine[name], s, row, row))

@@ -117,14 +117,16 @@ class NixlWriter:
     # ---- the scheduler thread: never blocks ----
 
     def start(
-        self, pages: Sequence[int], slot: int, num_tokens: int, target: NixlTarget, *, history: bool
-    ) -> NixlTransfer | None:
-        """Post the request's WRITE (None: the agent is busy, try again). Raises ValueError for a target
+        self, pages: Sequence[int], slot: int, num_tokens: int, target: NixlTarget, *, history: bool,
+        full_from: int = 0,
+    ) -> NixlTransfer | None:  # fmt: skip
+        """Post the request's WRITE (None: the agent is busy, try again): full layers from position
+        `full_from` on, into the target's pages (which start there). Raises ValueError for a target
         that does not fit decode's pool, NixlError when NIXL refuses the WRITE."""
         c = self.cache
         plan = write_descs(
             self.pool.by_name, target.pool, c.page_size, c.window, pages, slot, num_tokens,
-            target.pages, target.slot, history=history,
+            target.pages, target.slot, history=history, full_from=full_from,
         )  # fmt: skip
         name = target.pool.agent_name
         if not len(plan.local):

@@ -74,7 +74,8 @@ def test_the_serving_bench_compares_colocated_and_disaggregated_on_cpu(tmp_path:
 def test_the_prefix_cache_bench_compares_the_cache_off_and_on_on_cpu(tmp_path: Path) -> None:
     out_file = tmp_path / "prefix.json"
     out = _run(
-        "bench/prefix_cache.py", "--device", "cpu", "--dtype", "float32", "--model", "random:" + json.dumps(TINY),
+        "bench/prefix_cache.py", "--device", "cpu", "--dtype", "float32",
+        "--model", "random:" + json.dumps(TINY),
         "--rates", "20", "--sessions", "2", "--turns", "2", "--prefix-tokens", "32", "--turn-tokens", "16",
         "--output-tokens", "2", "--modes", "colocated,disaggregated",
         "--service-args", "--num-pages 256 --max-running 4 --max-batch-tokens 128 --page-size 4",

@@ -30,6 +30,8 @@ from k8s_render import (
     selects,
 )
 
+from decode_service.prefill_targets import parse_targets
+
 # OTEL_* variables the services read: shared/serving/telemetry.py itself (exporter choice, protocol, service
 # name, SDK off), Resource.create (resource attributes), TracerProvider (sampler), BatchSpanProcessor (BSP)
 # and the OTLP span exporter (endpoint, headers, timeout, TLS). Not here: OTEL_PROPAGATORS (the services
@@ -134,9 +136,9 @@ def test_prefill_service_is_headless_and_decode_targets_it(objs: tuple[Obj, ...]
         return
     prefill_svc = one(objs, "Service", "pdserve-prefill")
     assert prefill_svc["spec"]["clusterIP"] == "None", "headless: DNS returns every prefill pod"
-    scheme, _, rest = target.partition(":///")
-    host, _, port = rest.rpartition(":")
-    assert scheme == "dns", f"prefill target {target!r}: use dns:/// so the channel sees every pod"
+    [entry] = parse_targets(target)
+    host, port = entry.host, entry.port
+    assert entry.dns, f"prefill target {target!r}: use dns:/// so that decode sees every pod"
     ns = prefill_svc["metadata"]["namespace"]
     assert host in ("pdserve-prefill", f"pdserve-prefill.{ns}", f"pdserve-prefill.{ns}.svc.cluster.local")
     assert int(port) == prefill_svc["spec"]["ports"][0]["port"] == prefill_port
@@ -253,8 +255,9 @@ def test_overlay_placement(objs: tuple[Obj, ...], overlay: str) -> None:
             )
 
 
-def test_decode_balances_over_the_headless_prefill_service() -> None:
-    # The headless Service hands out every prefill pod's address; only round_robin spreads calls.
+def test_decode_routes_over_the_pods_of_the_headless_prefill_service() -> None:
+    # The headless Service hands out every prefill pod's address; decode resolves the name itself and
+    # routes each prompt to one pod (prefix-aware, decode_service/routing.py), a channel per pod.
     from decode_service.prefill_client import _CHANNEL_OPTIONS
 
-    assert ("grpc.lb_policy_name", "round_robin") in _CHANNEL_OPTIONS
+    assert all(name != "grpc.lb_policy_name" for name, _ in _CHANNEL_OPTIONS)  # pick_first: one pod each

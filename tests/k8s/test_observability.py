@@ -43,11 +43,15 @@ def exported_series() -> dict[str, set[str]]:
     registry = Metrics("decode").registry
     out: dict[str, set[str]] = {}
     for collector in set(registry._collector_to_names):  # every metric, sampled yet or not
-        labels = set(getattr(collector, "_labelnames", ()))
-        name, kind = collector._name, collector._type
-        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(kind, ("",))
-        for suffix in suffixes:
-            out[name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
+        # A metric object, or a custom collector that describes the families it yields at scrape time.
+        metrics = [(c._name, c._type, c) for c in [collector] if hasattr(c, "_name")] or [
+            (f.name, f.type, f) for f in collector.describe()
+        ]
+        for name, kind, metric in metrics:
+            labels = set(getattr(metric, "_labelnames", ()))
+            suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(kind, ("",))
+            for suffix in suffixes:
+                out[name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
     return out
 
 

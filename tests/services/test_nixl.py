@@ -213,7 +213,9 @@ def _call(info: PrefillInfo, n: int, **kw) -> list[pb.PrefillResponse]:  # type:
 
 @requires_nixl
 def test_window_bytes_do_not_grow_and_what_lands_equals_the_inline_chunks():
-    pf = _prefill()
+    # Each prompt goes twice, nixl then inline, compared bit for bit: the second must compute it as the
+    # first did, not read its prefix from the cache and compute the rest in another chunk.
+    pf = _prefill("--no-prefix-cache")
     info, decode = PrefillInfo(pf.target), _Decode()
     try:
         done = {}

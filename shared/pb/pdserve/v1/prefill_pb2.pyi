@@ -55,13 +55,14 @@ class HandshakeResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "send_window_history", "max_chunk_bytes", "layout", "cuda_ipc", "nixl")
+    __slots__ = ("request_id", "prompt", "sampling", "send_window_history", "max_chunk_bytes", "layout", "cached_tokens", "cuda_ipc", "nixl")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEND_WINDOW_HISTORY_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     NIXL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -70,9 +71,10 @@ class PrefillRequest(_message.Message):
     send_window_history: bool
     max_chunk_bytes: int
     layout: KVLayout
+    cached_tokens: int
     cuda_ipc: _cuda_ipc_pb2.CudaIpcTarget
     nixl: _nixl_pb2.NixlTarget
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., send_window_history: _Optional[bool] = ..., max_chunk_bytes: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., cuda_ipc: _Optional[_Union[_cuda_ipc_pb2.CudaIpcTarget, _Mapping]] = ..., nixl: _Optional[_Union[_nixl_pb2.NixlTarget, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., send_window_history: _Optional[bool] = ..., max_chunk_bytes: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., cuda_ipc: _Optional[_Union[_cuda_ipc_pb2.CudaIpcTarget, _Mapping]] = ..., nixl: _Optional[_Union[_nixl_pb2.NixlTarget, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer", "window", "token_start", "token_count", "k", "v")
@@ -91,18 +93,22 @@ class KVChunk(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., window: _Optional[bool] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token", "full_bytes", "window_bytes", "queued_prompt_tokens", "cuda_ipc_event")
+    __slots__ = ("first_token", "full_bytes", "window_bytes", "queued_prompt_tokens", "full_from", "prefix_hit_tokens", "cuda_ipc_event")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FULL_BYTES_FIELD_NUMBER: _ClassVar[int]
     WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FULL_FROM_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_EVENT_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     full_bytes: int
     window_bytes: int
     queued_prompt_tokens: int
+    full_from: int
+    prefix_hit_tokens: int
     cuda_ipc_event: bytes
-    def __init__(self, first_token: _Optional[int] = ..., full_bytes: _Optional[int] = ..., window_bytes: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., cuda_ipc_event: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, first_token: _Optional[int] = ..., full_bytes: _Optional[int] = ..., window_bytes: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., full_from: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cuda_ipc_event: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("chunk", "done")
