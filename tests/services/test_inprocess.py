@@ -33,7 +33,9 @@ def _assert_idle(s: Scheduler) -> None:
     # An id leaves the live set before the engine has freed what a step in flight still used: wait
     # for the pool state the scheduler thread publishes after those frees, then read the engine.
     deadline = time.monotonic() + 10
-    while (st := s.pool_state()).pages_free < st.pages_total or st.slots_free < st.slots_total:
+    while (
+        st := s.pool_state()
+    ).pages_free + st.pages_cached < st.pages_total or st.slots_free < st.slots_total:
         assert time.monotonic() < deadline, f"pool not back at idle: {st}"
         time.sleep(0.01)
     s._engine.check_idle_integrity()  # the scheduler thread is asleep once idle: safe to read
