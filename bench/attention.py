@@ -16,11 +16,13 @@ in the same run.
     PYTHONPATH=. python bench/attention.py --json out.json  # the same rows as JSON
     PYTHONPATH=. python bench/attention.py --rope  # engine shape: RoPE kernel + attention vs RoPE inside
     PYTHONPATH=. python bench/attention.py --contexts 2,64,272,528  # engine batch, RoPE inside, by context
+    PYTHONPATH=. python bench/attention.py --kv-fp8 528,2048  # engine batch: bf16 vs FP8 pages and rings
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 from collections.abc import Callable
@@ -34,6 +36,7 @@ from shared.kernels.attention import TorchOps, TritonOps
 from shared.kernels.attention.fused_rope import RopeInKernel
 from shared.kernels.attention.paged_attention import _paged_attention_kernel, paged_attention
 from shared.kernels.attention.ring_attention import _ring_attention_kernel, ring_attention
+from shared.kernels.kv_quant import KVQuant, quantize
 from shared.kernels.rope import rope as rope_kernel
 
 HQ, HKV, D, PAGE = 16, 8, 128, 16
@@ -285,6 +288,48 @@ def engine_decode_by_context(contexts: list[int]) -> list[dict]:
     return rows
 
 
+def engine_decode_fp8(contexts: list[int]) -> list[dict]:
+    """The engine's decode attention (batch 64, RoPE inside, default tiles) over a bfloat16 cache and
+    an FP8 one (`--kv-cache-dtype fp8_e4m3`: half the bytes to read, a conversion per element), each
+    from a CUDA graph over three input copies, as `engine_decode_by_context` times it."""
+    dtype, scale, batch, window = torch.bfloat16, D**-0.5, ENGINE_BATCH, ENGINE_WINDOW
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda").float() / D)
+    angles = torch.arange(8192, device="cuda").float()[:, None] * inv[None, :]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    rows = []
+    for ctx, op, quant in itertools.product(contexts, ("ring", "paged"), (None, KVQuant())):
+        l0, n = [ctx - 1] * batch, [1] * batch
+        positions = torch.tensor(l0, dtype=torch.int64, device="cuda")
+        calls = []
+        for _ in range(3):
+            if op == "ring":
+                a, names = _ring_inputs(l0, n, window, dtype), ("k_ring", "v_ring")
+                index = torch.arange(batch, device="cuda") * window + (ctx - 1) % window
+                kw = {"window": window}
+            else:
+                a, names = _paged_inputs(l0, n, dtype), ("k_cache", "v_cache")
+                index = a["block_table"][:, (ctx - 1) // PAGE].long() * PAGE + (ctx - 1) % PAGE
+                a["k_new"] = torch.randn(batch, HKV, D, device="cuda", dtype=dtype)
+                a["v_new"] = torch.randn_like(a["k_new"])
+                kw = {"window": None}
+            if quant is not None:
+                a.update({name: quantize(a[name], 1.0) for name in names})
+            kw["rope"] = RopeInKernel(
+                positions, cos_sin, *(a[name].view(-1, HKV, D) for name in names), index
+            )
+            attend = ring_attention if op == "ring" else paged_attention
+            calls.append(lambda f=attend, a=a, k=kw, q=quant: f(**a, **k, max_q=1, scale=scale, quant=q))
+        ms = do_bench_cudagraph(lambda c=calls: [f() for f in c], rep=200, return_mode="median") / 3
+        keys = min(ctx, window) if op == "ring" else ctx
+        kv_bytes = 2 * batch * keys * HKV * D * (1 if quant is not None else 2)
+        rows.append({
+            "op": f"{op} decode, RoPE inside", "case": f"B={batch} ctx={ctx}",
+            "kv": "bfloat16" if quant is None else "fp8_e4m3", "graph_us": round(ms * 1e3, 2),
+            "kv_MB": round(kv_bytes / 1e6, 1),
+        })  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows to this file")
@@ -293,7 +338,12 @@ def main() -> None:
     parser.add_argument("--splits", default="2,4,8", help="split-K factors to force at the engine shape")
     parser.add_argument("--rope", action="store_true", help="only RoPE inside attention vs a RoPE kernel")
     parser.add_argument("--contexts", help="only the engine batch at these context lengths, e.g. 2,64,528")
+    parser.add_argument("--kv-fp8", help="only the engine batch over bf16 and FP8 caches at these contexts")
     opts = parser.parse_args()
+    if opts.kv_fp8:
+        for r in engine_decode_fp8([int(c) for c in opts.kv_fp8.split(",")]):
+            print("  ".join(f"{k}={v}" for k, v in r.items()))
+        return
     if opts.contexts:
         for r in engine_decode_by_context([int(c) for c in opts.contexts.split(",")]):
             print("  ".join(f"{k}={v}" for k, v in r.items()))

@@ -10,6 +10,7 @@
     python bench/engine.py --batches 64 --no-hf --prefill-prompt 0 --page-size 16,64   # KV page, A/B
     python bench/engine.py --batches 64 --no-hf --prefill-prompt 0 --window synced --settle 0,0.5
     python bench/engine.py --batches 64,1 --no-hf --prefill-prompt 0 --prefix-cache on,off,on,off
+    python bench/engine.py --batches 64,1 --no-hf --quantization none,fp8 --kv-cache-dtype auto,fp8_e4m3
 
 Model: hidden 2048, 28 layers, 16/8 heads x 128, intermediate 6144, 3 of 4 layers sliding (W=1024),
 vocab 128256, random bf16 weights (~1.9B parameters). The roofline of a decode step is the bytes it
@@ -30,7 +31,9 @@ import torch
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv.cache import KVConfig
 from shared.engine.sampling import SamplingParams
+from shared.kernels.kv_quant import FP8_KV_DTYPE
 from shared.model.config import config_from_hf
+from shared.model.quant import quantize_model
 from shared.model.transformer import Transformer
 
 W = 1024
@@ -85,16 +88,27 @@ def make_models(with_hf: bool):
     return cfg, model.eval(), hf
 
 
-def decode_roofline_bytes(model, batch: int, ctx: int) -> int:
+def dense_params(cfg) -> int:
+    """Parameters a token multiplies through, the embedding table aside (the LM head included): from
+    the layout, so an FP8 model (its scales are parameters too) counts the same FLOPs."""
+    h, qk, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = h * (qk + 2 * kv) + qk * h + 3 * h * cfg.intermediate_size
+    return cfg.num_layers * layer + cfg.vocab_size * h
+
+
+def decode_roofline_bytes(model, batch: int, ctx: int, kv_bytes: int = 2) -> int:
+    """The bytes a decode step must read: every weight but the embedding table, as stored (e4m3 weights
+    and their scales for an FP8 model), and each sequence's K/V at `kv_bytes` an element."""
     cfg = model.cfg
-    per_tok_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    weights = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n) * 2
+    per_tok_layer = 2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n)
     kv = 0
     for layer in range(cfg.num_layers):
         kv += batch * (min(ctx, W) if cfg.is_sliding(layer) else ctx) * per_tok_layer
     return weights + kv
 
 
+KV_DTYPES = {"auto": torch.bfloat16, "fp8_e4m3": FP8_KV_DTYPE}
 FOLD_NORMS = True  # --fold-norms: EngineConfig.fold_norms for every engine of the run
 
 
@@ -116,6 +130,7 @@ def bench_engine(
     page_size: int = 16,
     prefix_cache: bool = False,
     settle: float = 0.0,
+    kv_dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, float]:
     """One engine's prefill and decode of `batch` prompts. `window` "tpot" times the decode from the
     call that hands every request its first token to the call that hands the last ones (a client's
@@ -123,9 +138,7 @@ def bench_engine(
     drains the device between prefill and decode, so that the first decode call builds and launches its
     batch while the device idles, the window over the device steps it sees (calls - 1)."""
     pages = batch * ((prompt_len + steps + page_size) // page_size + 1) + 16
-    kv = KVConfig(
-        page_size=page_size, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda"
-    )
+    kv = KVConfig(page_size=page_size, num_pages=pages, max_requests=batch, dtype=kv_dtype, device="cuda")
     engine_cfg = engine_config(
         max_running=batch,
         rope_in_attention=rope_in_attention,
@@ -176,7 +189,9 @@ def bench_engine(
     ends_ms = [round(1e3 * g, 3) for g in (*gaps[:2], *gaps[-2:])]  # (intervals_ms: all of them)
     tokens = sum(len(r.output) for r in reqs) - done0
     ctx = prompt_len + steps // 2
-    roof_s = decode_roofline_bytes(model, batch, ctx) / bandwidth
+    roof_s = (
+        decode_roofline_bytes(model, batch, ctx, torch.empty((), dtype=kv_dtype).element_size()) / bandwidth
+    )
     # tpot: over the tokens each request received after its first (all requests alike here)
     per = decode_steps - 1 if window == "synced" else tokens // batch
     step_s = decode_s / max(per, 1)
@@ -201,12 +216,14 @@ def matmul_peak() -> float:
     return 2 * 8192**3 * 10 / (time.perf_counter() - t0)
 
 
-def bench_prefill(model, cfg, prompt_len: int, count: int, peak: float) -> dict[str, float]:
+def bench_prefill(
+    model, cfg, prompt_len: int, count: int, peak: float, kv_dtype: torch.dtype = torch.bfloat16
+) -> dict[str, float]:
     """Prefill of `count` prompts of `prompt_len` tokens, chunked at 8192 tokens a step, as a share of
     the in-run bf16 matmul peak (FLOPs: 2 x non-embedding parameters per token, plus causal attention
     over the window on sliding layers and the whole prefix on full ones)."""
     pages = count * (prompt_len // 16 + 2) + 16
-    kv = KVConfig(page_size=16, num_pages=pages, max_requests=count, dtype=torch.bfloat16, device="cuda")
+    kv = KVConfig(page_size=16, num_pages=pages, max_requests=count, dtype=kv_dtype, device="cuda")
     engine = Engine(model, kv, engine_config(max_running=count))
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for _rep in range(2):  # the first round warms up Triton's autotuning and the allocator
@@ -219,7 +236,7 @@ def bench_prefill(model, cfg, prompt_len: int, count: int, peak: float) -> dict[
         torch.cuda.synchronize()
         secs = time.perf_counter() - t0
         assert all(len(r.output) == 1 for r in reqs)
-    dense = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    dense = dense_params(cfg)
     qk = cfg.num_heads * cfg.head_dim
     attn = 0
     for layer in range(cfg.num_layers):
@@ -390,6 +407,15 @@ def main() -> None:
         help="tokens per KV page of the decode engines (the services' default is 16), or a list",
     )  # fmt: skip
     ap.add_argument(
+        "--quantization", default="none", type=comma_list(one_of("none", "fp8", "fp8-block")),
+        help="the model's projections as they are (none), FP8 with per-channel (fp8) or 128x128 block scales "
+        "(fp8-block), or a list: each on a model of its own, its decode and prefill rows in turn",
+    )  # fmt: skip
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto", type=comma_list(one_of("auto", "fp8_e4m3")),
+        help="the KV cache's dtype: the model's (auto) or FP8 e4m3 (one scale per layer), or a list",
+    )  # fmt: skip
+    ap.add_argument(
         "--prefix-cache", default="off", type=comma_list(one_of("on", "off")),
         help="EngineConfig.prefix_cache (the services' default is on), or a list: decode with the cache's "
         "bookkeeping against without",
@@ -409,48 +435,55 @@ def main() -> None:
     FOLD_NORMS = args.fold_norms == "on"
     ropes, windows, tunes, gemms = args.rope_in_attention, args.window, args.tune_gemms, args.gemm
     page_sizes, settles, caches = args.page_size, args.settle, args.prefix_cache
+    kv_dtypes = args.kv_cache_dtype
     if max(settles) > 0 and windows != ["synced"]:
         ap.error(f"--settle: more than 0 only with --window synced, got {','.join(map(str, settles))!r}")
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("shared.model.gemm_tuning").setLevel(logging.INFO)
     bandwidth = copy_bandwidth()
-    cfg, model, hf = make_models(not args.no_hf)
-    model.kernel_backend = args.kernels
-    params = sum(p.numel() for p in model.parameters()) / 1e9
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B; kernels {args.kernels}")
     rows = []
-    variants = list(itertools.product(gemms, ropes, windows, tunes, page_sizes, settles, caches))
-    for gemm, rope, window, tune, page, settle, cache in variants:  # side by side: ratios hold within one run
-        model.gemm_backend = gemm
-        for batch in (int(b) for b in args.batches.split(",")):
-            on = rope == "on"
-            measured = bench_engine(
-                model,
-                cfg,
-                batch,
-                args.prompt,
-                args.steps,
-                bandwidth,
-                on,
-                window,
-                tune_gemms=tune == "on",
-                page_size=page,
-                settle=settle,
-                prefix_cache=cache == "on",
-            )
-            row = {"gemm": gemm, "rope_in_attention": rope, "tune_gemms": tune, "page_size": page,
-                   "prefix_cache": cache, **measured}  # fmt: skip
-            if hf is not None and (gemm, rope, window, tune, page, settle, cache) == variants[0]:
-                row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
+    cfg, model, hf = make_models(not args.no_hf)
+    peak = matmul_peak() if args.prefill_prompt else 0.0
+    for qi, quant in enumerate(args.quantization):  # each quantization on a model of its own
+        if qi:
+            del model
+            torch.cuda.empty_cache()
+            cfg, model, _ = make_models(False)
+        quantize_model(model, quant)
+        model.kernel_backend = args.kernels
+        params = sum(p.numel() for p in model.parameters()) / 1e9
+        print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B; kernels {args.kernels}; "
+              f"quantization {quant}", flush=True)  # fmt: skip
+        variants = list(
+            itertools.product(gemms, ropes, windows, tunes, page_sizes, settles, caches, kv_dtypes)
+        )
+        for gemm, rope, window, tune, page, settle, cache, kv_name in variants:  # side by side
+            model.gemm_backend = gemm
+            for batch in (int(b) for b in args.batches.split(",")):
+                measured = bench_engine(
+                    model, cfg, batch, args.prompt, args.steps, bandwidth, rope == "on", window,
+                    tune_gemms=tune == "on", page_size=page, settle=settle, prefix_cache=cache == "on",
+                    kv_dtype=KV_DTYPES[kv_name],
+                )  # fmt: skip
+                row = {"quantization": quant, "kv_cache_dtype": kv_name, "gemm": gemm,
+                       "rope_in_attention": rope, "tune_gemms": tune, "page_size": page,
+                       "prefix_cache": cache, **measured}  # fmt: skip
+                first = (gemm, rope, window, tune, page, settle, cache, kv_name) == variants[0]
+                if hf is not None and qi == 0 and first:
+                    row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
+                rows.append(row)
+                shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+                shown.pop("intervals_ms", None)  # every decode interval: in --json's rows
+                print(json.dumps(shown), flush=True)
+        model.gemm_backend = gemms[-1]
+        for kv_name in kv_dtypes if args.prefill_prompt else ():
+            row = bench_prefill(model, cfg, args.prefill_prompt, 4, peak, KV_DTYPES[kv_name])
+            row = {"quantization": quant, "kv_cache_dtype": kv_name, **row}
             rows.append(row)
-            shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
-            shown.pop("intervals_ms", None)  # every decode interval: in --json's rows
-            print(json.dumps(shown), flush=True)
-    model.gemm_backend = gemms[-1]
-    if args.prefill_prompt:
-        row = bench_prefill(model, cfg, args.prefill_prompt, 4, matmul_peak())
-        rows.append(row)
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            print(
+                json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+                flush=True,
+            )
     if args.profile:
         profile_decode(model, cfg, args.profile, args.prompt)
     if args.json:

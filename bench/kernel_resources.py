@@ -4,7 +4,8 @@ H200 (sm_90) on a machine without a GPU: a check before spending device time on 
 Each kernel is compiled by `triton.compile` for `GPUTarget("cuda", 90, 32)` at the engine's decode
 shape and tiles at batch 64 (GQA 2, head dim 128, bf16; ring 16-key tiles on 2 warps in 3 stages,
 paged 64 keys on 4 warps in 2: `_launch.choose_tiles`), with RoPE inside attention off and on, with
-Qwen3's q/k norm and with the input norm's row scale (`RopeInKernel.rms_x`), and with the hints a
+Qwen3's q/k norm and with the input norm's row scale (`RopeInKernel.rms_x`), over an FP8 cache
+(`--kv-cache-dtype fp8_e4m3`: plain, and the engine's decode path), and with the hints a
 launch gives it (every pointer and int divisible by 16 but those the kernel keeps from specializing:
 without them its loads compile to 16-bit ones, and nothing here would say what the GPU runs).
 `cuobjdump` and `nvdisasm` (shipped with Triton) read the cubin: its registers, and of its SASS the
@@ -39,6 +40,9 @@ POINTERS = {
 }  # fmt: skip
 DECODE = {"GROUP": 2, "GROUP_P2": 2, "BLOCK_Q": 1, "BLOCK_M": 16, "BLOCK_D": 128, "HEAD_DIM": 128,
           "F32_DOT": False, "BLOCK_H": 2048}  # fmt: skip
+# An FP8 cache's tensors (`--kv-cache-dtype fp8_e4m3`): pages or rings, and RoPE's store into them.
+FP8_POINTERS = ("k_ptr", "v_ptr", "kr_ptr", "vr_ptr", "kd_ptr", "vd_ptr")
+FLOATS = ("qk_scale", "eps", "rms_eps", "v_scale", "inv_k", "inv_v")
 
 
 def signature(fn, consts: dict) -> dict[str, str]:
@@ -47,9 +51,10 @@ def signature(fn, consts: dict) -> dict[str, str]:
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = POINTERS.get(name, "*bf16")
+            fp8 = consts.get("KV_FP8") and name in FP8_POINTERS
+            sig[name] = "*fp8e4nv" if fp8 else POINTERS.get(name, "*bf16")
         else:
-            sig[name] = "fp32" if name in ("qk_scale", "eps", "rms_eps") else "i32"
+            sig[name] = "fp32" if name in FLOATS else "i32"
     return sig
 
 
@@ -119,13 +124,15 @@ def main() -> None:
         ("paged", _paged_attention_kernel, {"BLOCK_N": 64, "PAGE_SIZE": 16, "HAS_WINDOW": False}, 4, 2),
     ):
         variants = {
-            "plain": (False, False, False),
-            "RoPE inside": (True, False, False),
-            "RoPE inside + q/k norm": (True, True, False),
-            "RoPE inside + row scale": (True, False, True),
+            "plain": (False, False, False, False),
+            "RoPE inside": (True, False, False, False),
+            "RoPE inside + q/k norm": (True, True, False, False),
+            "RoPE inside + row scale": (True, False, True, False),
+            "FP8 cache": (False, False, False, True),
+            "FP8 cache + RoPE + rms": (True, False, True, True),
         }
-        for label, (rope, norm, rms) in variants.items():
-            consts = {**DECODE, **extra, "ROPE": rope, "NORM": norm, "RMS": rms}
+        for label, (rope, norm, rms, fp8) in variants.items():
+            consts = {**DECODE, **extra, "ROPE": rope, "NORM": norm, "RMS": rms, "KV_FP8": fp8}
             print(f"{name:6s} {label:26s} {resources(fn, consts, warps, stages)}")
 
 

@@ -16,7 +16,6 @@ and builds nothing on the host to route them.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -80,6 +79,9 @@ class BatchAttention:
     from the pages). A sliding layer's store waits for attention in a chunk longer than one token: its later
     tokens would overwrite history its earlier queries read. (A decode token's ring index holds position L -
     W, which its query does not see, so storing it first changes nothing.)
+
+    An FP8 cache's layer scales (`KVCache.quant`, None for a cache in the model's dtype) go with every
+    store and every attention call: whichever kernel stores quantizes, attention dequantizes.
     """
 
     def __init__(
@@ -107,15 +109,16 @@ class BatchAttention:
         if not c.is_sliding(layer):
             if b.mode is Mode.REPLAY:  # replay reads the pages the prompt already filled
                 return None
-            return KVStore(c.k_pages_flat[i], c.v_pages_flat[i], b.full_store)
+            return KVStore(c.k_pages_flat[i], c.v_pages_flat[i], b.full_store, c.quant[layer])
         if b.max_q == 1:
-            return KVStore(c.k_ring_flat[i], c.v_ring_flat[i], b.ring_store)
+            return KVStore(c.k_ring_flat[i], c.v_ring_flat[i], b.ring_store, c.quant[layer])
         return None
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None
     ) -> torch.Tensor:
         c, b, i = self.cache, self.batch, self.cache.kind_index[layer]
+        quant = c.quant[layer]  # an FP8 cache's scales (None: the model's dtype)
         inside = None
         if rope is not None:  # takes_rope: RoPE, the K/V store and attention in one call
             target = self._target(layer)
@@ -127,22 +130,22 @@ class BatchAttention:
         stored = layer in self._stored or inside is not None
         if not c.is_sliding(layer):
             if b.mode is not Mode.REPLAY and not stored:  # replay reads the pages the prompt already filled
-                self.ops.store_kv(k, v, c.k_pages_flat[i], c.v_pages_flat[i], b.full_store)
+                self.ops.store_kv(k, v, c.k_pages_flat[i], c.v_pages_flat[i], b.full_store, quant)
             kp, vp = c.k_pages_l[i], c.v_pages_l[i]
             chunk = {} if inside is None else {"k_new": k, "v_new": v, "rope": inside}
             return self._by_part(lambda r, t, cu, max_q: self.ops.paged_attention(
                 q[t], kp, vp, b.block_table[r], cu, b.q_start[r], max_q=max_q, scale=self.scale, window=None,
-                **chunk,
+                quant=quant, **chunk,
             ))  # fmt: skip
         k_ring, v_ring = c.k_ring_l[i], c.v_ring_l[i]  # their history checked at the block's start
         out = self._by_part(lambda r, t, cu, max_q: self.ops.ring_attention(
             q[t], k[t], v[t], k_ring, v_ring, b.slots[r], cu, b.ring_context[r],
-            max_q=max_q, scale=self.scale, window=c.window, rope=inside,
+            max_q=max_q, scale=self.scale, window=c.window, rope=inside, quant=quant,
         ))  # fmt: skip
         # Only after attention: the chunk's tokens overwrite history its earlier queries still read.
         # Their positions are stored by `store_ring_positions`, after the history checks.
         if not stored:
-            self.ops.store_kv(k, v, c.k_ring_flat[i], c.v_ring_flat[i], b.ring_store)
+            self.ops.store_kv(k, v, c.k_ring_flat[i], c.v_ring_flat[i], b.ring_store, quant)
         return out
 
     def _by_part(self, attend: Callable[[slice, slice, torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
@@ -195,7 +198,7 @@ class ModelRunner:
             raise ValueError("ModelRunner: fold_norms=False, but the model's norms are folded already")
         self.cache = cache
         self.ops = ops or ops_for(cache.device)
-        self.scale = 1.0 / math.sqrt(model.cfg.head_dim)
+        self.scale = model.cfg.attn_scale  # 1/sqrt(head_dim), or Gemma's query_pre_attn_scalar^-1/2
         self.vocab_size = model.cfg.vocab_size
         self.num_pages = cache.cfg.num_pages
 

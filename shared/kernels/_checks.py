@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.kernels.kv_quant import FP8_KV_DTYPE, KVQuant
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -95,6 +97,20 @@ def check_varlen(
     return Varlen(num_tokens, num_q_heads, num_kv_heads, head_dim, batch)
 
 
+def check_cache_dtype(
+    op: str, name: str, t: torch.Tensor, dtype: torch.dtype, quant: KVQuant | None, of: str = "q"
+) -> None:
+    """A KV cache (or ring) holds `dtype` (`of`'s: the activations'), or with `quant` FP8 e4m3."""
+    if quant is not None and not isinstance(quant, KVQuant):
+        raise TypeError(f"{op}: quant must be a KVQuant or None, got {type(quant).__name__}")
+    want = dtype if quant is None else FP8_KV_DTYPE
+    if t.dtype != want:
+        if quant is not None:
+            fail(op, f"{name} dtype {t.dtype}: quant= (FP8 scales) needs a {FP8_KV_DTYPE} cache")
+        hint = " (an FP8 cache needs quant=, its scales)" if t.dtype == FP8_KV_DTYPE else ""
+        fail(op, f"{name} dtype {t.dtype} != {of} dtype {dtype}{hint}")
+
+
 def check_window(op: str, window: int | None, *, required: bool) -> None:
     if window is None:
         if required:
@@ -107,6 +123,7 @@ def check_window(op: str, window: int | None, *, required: bool) -> None:
 def check_paged(
     op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     cu_q: torch.Tensor, q_start: torch.Tensor, max_q: int, scale: float, window: int | None,
+    quant: KVQuant | None = None,
 ) -> Varlen:  # fmt: skip
     check_dims(op, "k_cache", k_cache, 4, "[num_pages, page_size, Hkv, D]")
     check_dims(op, "v_cache", v_cache, 4, "[num_pages, page_size, Hkv, D]")
@@ -118,8 +135,7 @@ def check_paged(
     if block_table.shape[0] != vl.batch:
         fail(op, f"block_table has {block_table.shape[0]} rows, expected B = {vl.batch}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            fail(op, f"{name} dtype {t.dtype} != q dtype {q.dtype}")
+        check_cache_dtype(op, name, t, q.dtype, quant)
     check_window(op, window, required=False)
     check_same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, cu_q=cu_q,
                       q_start=q_start)  # fmt: skip
@@ -129,7 +145,7 @@ def check_paged(
 def check_ring(
     op: str, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor,
     v_ring: torch.Tensor, slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, max_q: int,
-    scale: float, window: int,
+    scale: float, window: int, quant: KVQuant | None = None,
 ) -> Varlen:  # fmt: skip
     check_dims(op, "k_ring", k_ring, 4, "[num_slots, W, Hkv, D]")
     check_dims(op, "v_ring", v_ring, 4, "[num_slots, W, Hkv, D]")
@@ -149,9 +165,11 @@ def check_ring(
             fail(op, f"{name} must be [T, Hkv, D] = {list(expect)}, got {_shape(t)}")
     if slots.shape[0] != vl.batch:
         fail(op, f"slots has {slots.shape[0]} entries, expected B = {vl.batch}")
-    for name, t in (("k_new", k_new), ("v_new", v_new), ("k_ring", k_ring), ("v_ring", v_ring)):
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
         if t.dtype != q.dtype:
             fail(op, f"{name} dtype {t.dtype} != q dtype {q.dtype}")
+    for name, t in (("k_ring", k_ring), ("v_ring", v_ring)):
+        check_cache_dtype(op, name, t, q.dtype, quant)
     check_same_device(op, q=q, k_new=k_new, v_new=v_new, k_ring=k_ring, v_ring=v_ring, slots=slots, cu_q=cu_q,
                       q_start=q_start)  # fmt: skip
     return vl
@@ -159,7 +177,7 @@ def check_ring(
 
 def check_store(
     op: str, k_new: torch.Tensor, v_new: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
-    dst_index: torch.Tensor,
+    dst_index: torch.Tensor, quant: KVQuant | None = None,
 ) -> None:  # fmt: skip
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         check_dims(op, name, t, 3, "[T, Hkv, D]")
@@ -175,9 +193,17 @@ def check_store(
         fail(op, f"rows of k_new {_shape(k_new)} do not match rows of k_dst {_shape(k_dst)}")
     if dst_index.shape[0] != k_new.shape[0]:
         fail(op, f"dst_index has {dst_index.shape[0]} entries, expected T = {k_new.shape[0]}")
-    for name, t in (("k_new", k_new), ("v_new", v_new), ("k_dst", k_dst), ("v_dst", v_dst)):
-        check_dtype(op, name, t, FLOAT_DTYPES)
-    if k_new.dtype != k_dst.dtype or v_new.dtype != v_dst.dtype:
-        src, dst = (k_new.dtype, v_new.dtype), (k_dst.dtype, v_dst.dtype)
-        fail(op, f"source dtypes {src} != destination dtypes {dst}")
+    if quant is None:
+        for name, t in (("k_new", k_new), ("v_new", v_new), ("k_dst", k_dst), ("v_dst", v_dst)):
+            if t.dtype == FP8_KV_DTYPE:
+                fail(op, f"{name} is an FP8 cache ({t.dtype}): storing into it needs quant=, its scales")
+            check_dtype(op, name, t, FLOAT_DTYPES)
+        if k_new.dtype != k_dst.dtype or v_new.dtype != v_dst.dtype:
+            src, dst = (k_new.dtype, v_new.dtype), (k_dst.dtype, v_dst.dtype)
+            fail(op, f"source dtypes {src} != destination dtypes {dst}")
+    else:  # quantized on the way in: any float source, an FP8 destination
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            check_dtype(op, name, t, FLOAT_DTYPES)
+        for name, t in (("k_dst", k_dst), ("v_dst", v_dst)):
+            check_cache_dtype(op, name, t, k_new.dtype, quant, "k_new")
     check_same_device(op, k_new=k_new, v_new=v_new, k_dst=k_dst, v_dst=v_dst, dst_index=dst_index)

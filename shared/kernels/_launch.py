@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.kernels.kv_quant import KVQuant
+
 LOG2E = 1.4426950408889634
 
 
@@ -175,3 +177,19 @@ def choose_splits(
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     return split_count(programs, key_span, tiles.block_n, sm_count(index))
+
+
+def softmax_scale(scale: float, quant: KVQuant | None) -> float:
+    """The attention kernels' score scale, in the log2 domain; an FP8 cache's K scale folded in (its
+    keys are read as stored, unscaled)."""
+    if quant is None:
+        return float(scale) * LOG2E
+    return float(scale) * LOG2E * quant.k_scale
+
+
+def quant_args(quant: KVQuant | None) -> tuple[float, float, float]:
+    """The attention kernels' (v_scale, inv_k, inv_v): V's scale for the output, and the inverses a
+    store into an FP8 cache quantizes with (1.0, never read, without `quant`)."""
+    if quant is None:
+        return (1.0, 1.0, 1.0)
+    return (quant.v_scale, quant.inv_k, quant.inv_v)

@@ -58,3 +58,28 @@ def round_to(x, dtype: tl.constexpr):
     else:
         y = x
     return y
+
+
+@triton.jit
+def to_e4m3(x, inv_scale, dtype: tl.constexpr):
+    """x (float32) times inv_scale, saturated to +-448 and rounded to nearest-even in e4m3 (`dtype`, the
+    FP8 cache's float8e4nv); NaN stays NaN: what `shared/kernels/kv_quant.py` `quantize` stores, bit
+    for bit.
+
+    On a GPU the cast after the clamp is one `cvt.rn.satfinite` (round to nearest-even). The
+    interpreter's float8 cast neither rounds to nearest-even nor carries a rounded mantissa into the
+    exponent (7.94 becomes 4), and turns NaN into 384, so there the value is rounded by bits first
+    (3 mantissa bits; e4m3's subnormals are multiples of 2^-9) and the cast is exact.
+    """
+    y = tl.clamp(x * inv_scale, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    if _INTERPRETED:
+        u = y.to(tl.uint32, bitcast=True)
+        normal = ((u & 0x7FFFFFFF) >= 0x3C800000).to(tl.int1)  # |y| >= 2^-6, e4m3's smallest normal
+        r = ((u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        s = ((tl.abs(y) * 512.0 + 8388608.0) - 8388608.0) * (1.0 / 512.0)  # the float32 add rounds
+        s = (s.to(tl.uint32, bitcast=True) | (u & 0x80000000)).to(tl.float32, bitcast=True)
+        nan = tl.full(y.shape, 0x7F, tl.uint8).to(dtype, bitcast=True)
+        q = tl.where(y != y, nan, tl.where(normal, r, s).to(dtype))
+    else:
+        q = y.to(dtype)
+    return q

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.kernels.kv_quant import KVQuant
+
 Tensor = torch.Tensor
 
 __all__ = ["KVStore"]
@@ -14,8 +16,11 @@ __all__ = ["KVStore"]
 @dataclass(frozen=True)
 class KVStore:
     """Where a layer's new K/V rows go: row t to `k_dst[index[t]]` / `v_dst[index[t]]` ([S, Hkv, D]
-    flat cache rows, shared/kernels/attention's `store_kv` layout); index < 0 skips the row."""
+    flat cache rows, shared/kernels/attention's `store_kv` layout); index < 0 skips the row. `quant`:
+    the cache is FP8 with these scales, and the rows are quantized on the way
+    (shared/kernels/kv_quant.py)."""
 
     k_dst: Tensor
     v_dst: Tensor
     index: Tensor
+    quant: KVQuant | None = None

@@ -87,6 +87,14 @@ class ModelKernels(ABC):
         """`silu_mul` of gate_up's rows each scaled by rsqrt(mean(x^2) + eps) of x [T, H] first: the
         RMSNorm before an MLP whose gate_up weight holds the norm's weight (`fold_norms`)."""
 
+    @abstractmethod
+    def gelu_tanh_mul(self, gate_up: Tensor) -> Tensor:
+        """gate_up [T, 2I] -> gelu_tanh(gate) * up [T, I] (Gemma's GeGLU)."""
+
+    @abstractmethod
+    def gelu_tanh_mul_rms(self, gate_up: Tensor, x: Tensor, eps: float) -> Tensor:
+        """`gelu_tanh_mul` after the row scale of a folded norm, as `silu_mul_rms`."""
+
 
 class TorchKernels(ModelKernels):
     """Plain torch ops (any device): the CPU path and the reference of the Triton kernels."""
@@ -107,7 +115,7 @@ class TorchKernels(ModelKernels):
         q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 0.0,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         q, k = reference.rope(q, k, positions, cos_sin, q_weight, k_weight, eps)
-        attention_reference.store_kv(k, v, store.k_dst, store.v_dst, store.index)
+        attention_reference.store_kv(k, v, store.k_dst, store.v_dst, store.index, store.quant)
         return q, k
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
@@ -118,6 +126,12 @@ class TorchKernels(ModelKernels):
 
     def silu_mul_rms(self, gate_up: Tensor, x: Tensor, eps: float) -> Tensor:
         return reference.silu_mul_rms(gate_up, x, eps)
+
+    def gelu_tanh_mul(self, gate_up: Tensor) -> Tensor:
+        return reference.gelu_tanh_mul(gate_up)
+
+    def gelu_tanh_mul_rms(self, gate_up: Tensor, x: Tensor, eps: float) -> Tensor:
+        return reference.gelu_tanh_mul_rms(gate_up, x, eps)
 
 
 class TritonKernels(ModelKernels):
@@ -132,6 +146,7 @@ class TritonKernels(ModelKernels):
         self._rms_norm = rms_norm.rms_norm
         self._rms_scale = rms_norm.rms_scale
         self._rope, self._silu_mul, self._silu_mul_rms = rope.rope, silu_mul.silu_mul, silu_mul.silu_mul_rms
+        self._gelu_tanh_mul, self._gelu_tanh_mul_rms = silu_mul.gelu_tanh_mul, silu_mul.gelu_tanh_mul_rms
         self._skinny_gemm, self.gemm = skinny_gemm.skinny_gemm, gemm
 
     def _skinny(self, x: Tensor, layer: nn.Linear) -> bool:
@@ -200,6 +215,12 @@ class TritonKernels(ModelKernels):
 
     def silu_mul_rms(self, gate_up: Tensor, x: Tensor, eps: float) -> Tensor:
         return self._silu_mul_rms(gate_up, x, eps)
+
+    def gelu_tanh_mul(self, gate_up: Tensor) -> Tensor:
+        return self._gelu_tanh_mul(gate_up)
+
+    def gelu_tanh_mul_rms(self, gate_up: Tensor, x: Tensor, eps: float) -> Tensor:
+        return self._gelu_tanh_mul_rms(gate_up, x, eps)
 
 
 @functools.cache

@@ -51,6 +51,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up from gate_up [T, 2I] -> [T, I]: Gemma's GeGLU (transformers'
+    gelu_pytorch_tanh, torch's GELU with the tanh approximation)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rms_scale(y: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
     """y's rows times rsqrt(mean(x_f32^2) + eps) of x's rows, rounded to y's dtype: what a GEMM of
     norm(x) gives when it read x and its weight holds the norm's weight (`Transformer.fold_norms`)."""
@@ -63,3 +70,8 @@ def silu_mul_rms(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Te
     dtype first: the MLP of a layer whose post-attention RMSNorm weight sits in gate_up's weight
     (`Transformer.fold_norms`), so that the GEMM could read x itself rather than its norm."""
     return silu_mul(rms_scale(gate_up, x, eps))
+
+
+def gelu_tanh_mul_rms(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`gelu_tanh_mul` after the row scale of a folded norm, as `silu_mul_rms`."""
+    return gelu_tanh_mul(rms_scale(gate_up, x, eps))

@@ -5,7 +5,8 @@ One program per token: it reads the token's cos/sin row once (float32 table) and
 q and of k, writing new contiguous tensors (q and k usually arrive as strided views of the fused qkv
 projection). Each multiply and add is rounded to the activation dtype where a torch op on that dtype
 would round it (`reference.rope`), so bf16 results match the torch path bit for bit except where the
-float32 sum of a norm lands differently.
+float32 sum of a norm lands differently. Into an FP8 cache (`store.quant`) the stored k and v are
+quantized (`_round.to_e4m3`), as `store_kv` would.
 """
 
 from __future__ import annotations
@@ -27,18 +28,18 @@ from shared.kernels._norm_checks import (
     check_weight,
     fail,
 )
-from shared.kernels._round import round_to, rounding_options
+from shared.kernels._round import round_to, rounding_options, to_e4m3
 from shared.kernels.kv_store import KVStore
 
 
 @triton.jit
 def _rotate_heads(
-    src, dst, w_ptr, stride_src_h, stride_dst_h, cos, sin, eps, cache, stride_cache_h, cache_ok,
+    src, dst, w_ptr, stride_src_h, stride_dst_h, cos, sin, eps, cache, stride_cache_h, cache_ok, inv_scale,
     HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    NORM: tl.constexpr, STORE: tl.constexpr,
+    NORM: tl.constexpr, STORE: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     """Rotate every head of one token from `src` into `dst`; with STORE also into the cache row `cache`
-    (where `cache_ok`: a row whose store index is negative is skipped)."""
+    (where `cache_ok`: a row whose store index is negative is skipped), with QUANT quantized to FP8."""
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < HEADS) & (j < HALF)
@@ -60,19 +61,28 @@ def _rotate_heads(
     tl.store(dst + h * stride_dst_h + HALF + j, o2.to(dtype), mask=mask)
     if STORE:
         keep = mask & cache_ok
-        tl.store(cache + h * stride_cache_h + j, o1.to(cache.dtype.element_ty), mask=keep)
-        tl.store(cache + h * stride_cache_h + HALF + j, o2.to(cache.dtype.element_ty), mask=keep)
+        if QUANT:
+            c1 = to_e4m3(o1, inv_scale, cache.dtype.element_ty)
+            c2 = to_e4m3(o2, inv_scale, cache.dtype.element_ty)
+        else:
+            c1, c2 = o1.to(cache.dtype.element_ty), o2.to(cache.dtype.element_ty)
+        tl.store(cache + h * stride_cache_h + j, c1, mask=keep)
+        tl.store(cache + h * stride_cache_h + HALF + j, c2, mask=keep)
 
 
 @triton.jit
 def _copy_heads(
-    src, dst, stride_src_h, stride_dst_h, ok,
+    src, dst, stride_src_h, stride_dst_h, ok, inv_scale,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr,
 ):  # fmt: skip
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < HEADS) & (d < HEAD_DIM) & ok
-    tl.store(dst + h * stride_dst_h + d, tl.load(src + h * stride_src_h + d, mask=mask), mask=mask)
+    x = tl.load(src + h * stride_src_h + d, mask=mask)
+    if QUANT:
+        x = to_e4m3(x.to(tl.float32), inv_scale, dst.dtype.element_ty)
+    tl.store(dst + h * stride_dst_h + d, x, mask=mask)
 
 
 # positions and the store index are views into one packed int64 buffer at offsets that move with the
@@ -83,10 +93,10 @@ def _rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, v_ptr, kd_ptr, vd_ptr, idx_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
     stride_vt, stride_vh, stride_kds, stride_kdh, stride_vds, stride_vdh,
-    num_positions, eps,
+    num_positions, eps, inv_k, inv_v,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     dst = tl.zeros([1, 1], tl.int64)
@@ -104,16 +114,17 @@ def _rope_kernel(
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
     _rotate_heads(
         q_ptr + t * stride_qt, qo_ptr + t * stride_qot, qw_ptr, stride_qh, stride_qoh, cos, sin, eps,
-        qo_ptr, 0, cache_ok, HQ, HALF, BLOCK_HQ, BLOCK_HALF, NORM, False,
+        qo_ptr, 0, cache_ok, inv_k, HQ, HALF, BLOCK_HQ, BLOCK_HALF, NORM, False, False,
     )  # fmt: skip
     _rotate_heads(
         k_ptr + t * stride_kt, ko_ptr + t * stride_kot, kw_ptr, stride_kh, stride_koh, cos, sin, eps,
-        kd_ptr + row * stride_kds, stride_kdh, cache_ok, HKV, HALF, BLOCK_HKV, BLOCK_HALF, NORM, STORE,
+        kd_ptr + row * stride_kds, stride_kdh, cache_ok, inv_k, HKV, HALF, BLOCK_HKV, BLOCK_HALF, NORM, STORE,
+        QUANT,
     )  # fmt: skip
     if STORE:
         _copy_heads(
-            v_ptr + t * stride_vt, vd_ptr + row * stride_vds, stride_vh, stride_vdh, cache_ok,
-            HKV, 2 * HALF, BLOCK_HKV, BLOCK_D,
+            v_ptr + t * stride_vt, vd_ptr + row * stride_vds, stride_vh, stride_vdh, cache_ok, inv_v,
+            HKV, 2 * HALF, BLOCK_HKV, BLOCK_D, QUANT,
         )  # fmt: skip
 
 
@@ -167,11 +178,12 @@ def rope(
     if store is not None:
         if v is None or v.shape != k.shape or v.dtype != k.dtype:
             fail(op, f"storing K/V needs v shaped like k {tuple(k.shape)} {k.dtype}")
-        check_store(op, k, v, store.k_dst, store.v_dst, store.index)
+        check_store(op, k, v, store.k_dst, store.v_dst, store.index, store.quant)
         check_same_device(op, q=q, v=v, k_dst=store.k_dst, v_dst=store.v_dst, index=store.index)
         for name, t in (("v", v), ("k_dst", store.k_dst), ("v_dst", store.v_dst)):
             if t.stride(-1) != 1:
                 fail(op, f"{name} must have a contiguous last dim")
+    quant = store.quant if store is not None else None
     q_out = torch.empty((tokens, hq, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((tokens, k.shape[1], d), dtype=k.dtype, device=k.device)
     if tokens == 0:
@@ -191,9 +203,9 @@ def rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
         k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
         vv.stride(0), vv.stride(1), kd.stride(0), kd.stride(1), vd.stride(0), vd.stride(1),
-        cos_sin.shape[0], float(eps),
+        cos_sin.shape[0], float(eps), *((quant.inv_k, quant.inv_v) if quant is not None else (1.0, 1.0)),
         HQ=hq, HKV=k.shape[1], HALF=half, BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half,
-        BLOCK_D=next_pow2(d), NORM=norm, STORE=store is not None,
+        BLOCK_D=next_pow2(d), NORM=norm, STORE=store is not None, QUANT=quant is not None,
         num_warps=4 if block_hq * block_half <= 2048 else 8, **rounding_options(q.dtype),
     )  # fmt: skip
     return q_out, k_out

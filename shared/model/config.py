@@ -7,6 +7,7 @@ Prefill and decode compare this object at handshake, so everything that changes 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,16 +15,20 @@ from typing import Any
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1 style frequency scaling (`rope_type == "llama3"` in Hugging Face configs)."""
+    """RoPE frequency scaling, Hugging Face's `rope_type`: "llama3" (Llama 3.1: long wavelengths slowed
+    by `factor`, a smooth ramp between the bands) or "linear" (every frequency divided by `factor`:
+    Gemma 3's global layers; the band fields unused)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    rope_type: str = "llama3"
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,18 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
+    # Gemma 3 (config_from_hf says where each comes from). The local layers' RoPE base, None: every
+    # layer rotates with rope_theta and rope_scaling. `rope_local_layers`: the layers that use it, the
+    # checkpoint's sliding ones (kept when `with_layout` changes which layers slide: the weights were
+    # trained with these bases).
+    rope_local_theta: float | None = None
+    rope_local_layers: tuple[int, ...] = ()
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    unit_offset_norms: bool = False  # every RMSNorm scales by (1 + weight); loaded as 1 + weight
+    sandwich_norms: bool = False  # a norm on each sublayer's output too, before its residual add
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), rounded to the dtype as HF does
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power (None: head_dim's)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_layers:
@@ -72,6 +89,20 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        if any(not 0 <= i < self.num_layers for i in self.rope_local_layers):
+            raise ValueError(f"rope_local_layers {self.rope_local_layers} name layers the model lacks")
+        if self.rope_local_layers and self.rope_local_theta is None:
+            raise ValueError("rope_local_layers given without rope_local_theta")
+
+    @property
+    def attn_scale(self) -> float:
+        """What attention multiplies q.k by: 1/sqrt(head_dim) (torch's SDPA default), or Gemma's
+        query_pre_attn_scalar**-0.5, each computed as the reference computes it."""
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5
+        return 1.0 / math.sqrt(self.head_dim)
 
     def is_sliding(self, layer: int) -> bool:
         """A query at position q in a sliding layer sees keys q-W+1 .. q (W tokens, itself included)."""
@@ -162,6 +193,7 @@ SUPPORTED_ARCHITECTURES = (
     "MinistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -169,6 +201,7 @@ _BY_MODEL_TYPE = {
     "ministral": "MinistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # The defaults of the pinned transformers' config classes, for keys a config.json may omit.
 _DEFAULT_MAX_POS = {
@@ -177,6 +210,7 @@ _DEFAULT_MAX_POS = {
     "MinistralForCausalLM": 4096 * 32,
     "Qwen2ForCausalLM": 32768,
     "Qwen3ForCausalLM": 32768,
+    "Gemma3ForCausalLM": 131072,
 }
 
 
@@ -198,8 +232,10 @@ def _rope(d: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in (None, "default"):
         return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling(factor=float(params["factor"]), rope_type="linear")
     if rope_type != "llama3":
-        raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, llama3")
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
     scaling = RopeScaling(
         factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),
@@ -238,41 +274,96 @@ def _layout(arch: str, d: dict[str, Any], num_layers: int) -> tuple[tuple[str, .
     return types, window
 
 
+def _gemma3(d: dict[str, Any], num_layers: int, max_pos: int) -> dict[str, Any]:
+    """Gemma 3's fields, as the pinned transformers' Gemma3TextConfig and Gemma3ForCausalLM read them:
+    the layout from `layer_types`, else `sliding_window_pattern` (every Nth layer full); RoPE per layer
+    type (transformers 5's `rope_parameters` by type, or the older `rope_theta` with `rope_scaling` for
+    the full layers and `rope_local_base_freq` for the sliding ones); (1 + w) norms around both
+    sublayers, q/k norms, GELU-tanh, embeddings scaled by sqrt(hidden), query_pre_attn_scalar."""
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("Gemma 3 with use_bidirectional_attention is not supported: it is not causal")
+    if d.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is not supported (Gemma 3 checkpoints set it to null)")
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"unsupported Gemma 3 hidden_activation {act!r}; supported: gelu_pytorch_tanh")
+    pattern = int(d.get("sliding_window_pattern") or 6)
+    types = tuple(d.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)])
+    params = d.get("rope_parameters") or {}
+    if FULL in params or SLIDING in params:
+        full, local = dict(params.get(FULL) or {}), dict(params.get(SLIDING) or {})
+    else:
+        full, local = dict(d.get("rope_scaling") or {}), {}
+    full.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", d.get("rope_local_base_freq", 10_000.0))
+    theta, scaling = _rope({"rope_parameters": full}, max_pos)
+    local_theta, local_scaling = _rope({"rope_parameters": local}, max_pos)
+    if local_scaling is not None:
+        raise ValueError("Gemma 3: RoPE scaling on the sliding layers is not supported")
+    softcap = d.get("final_logit_softcapping")
+    return dict(
+        layer_types=types,
+        sliding_window=d.get("sliding_window", 4096) if SLIDING in types else None,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_local_theta=local_theta,
+        rope_local_layers=tuple(i for i, t in enumerate(types) if t == SLIDING),
+        hidden_act="gelu_tanh",
+        unit_offset_norms=True,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        qk_norm=True,
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=None if softcap is None else float(softcap),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+    )
+
+
 def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     """A ModelConfig from a Hugging Face config.json dict."""
     arch = _architecture(d)
+    if arch == "Gemma3ForCausalLM":
+        return _config(arch, d, **_gemma3(d, int(d["num_hidden_layers"]), _max_pos(arch, d)))
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only silu (SwiGLU) is implemented")
     if d.get("mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
-    hidden, heads, layers = int(d["hidden_size"]), int(d["num_attention_heads"]), int(d["num_hidden_layers"])
+    theta, scaling = _rope(d, _max_pos(arch, d))
+    types, window = _layout(arch, d, int(d["num_hidden_layers"]))
+    return _config(
+        arch, d, rope_theta=theta, rope_scaling=scaling, layer_types=types, sliding_window=window,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), qk_norm=arch == "Qwen3ForCausalLM",
+        qkv_bias=arch == "Qwen2ForCausalLM",
+    )  # fmt: skip
+
+
+def _max_pos(arch: str, d: dict[str, Any]) -> int:
+    return int(d.get("max_position_embeddings") or _DEFAULT_MAX_POS[arch])
+
+
+def _config(arch: str, d: dict[str, Any], **family: Any) -> ModelConfig:
+    """The fields every architecture reads alike, and the family's own (`family`)."""
+    hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
     head_dim = d.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
-    max_pos = int(d.get("max_position_embeddings") or _DEFAULT_MAX_POS[arch])
-    theta, scaling = _rope(d, max_pos)
-    types, window = _layout(arch, d, layers)
-    if SLIDING in types and window is None:
+    window = family.pop("sliding_window")
+    if SLIDING in family["layer_types"] and window is None:
         raise ValueError(f"{arch}: layer_types has sliding layers but the config sets no sliding window")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(d["vocab_size"]),
         hidden_size=hidden,
-        num_layers=layers,
+        num_layers=int(d["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(d.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),
         intermediate_size=int(d["intermediate_size"]),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=max_pos,
-        layer_types=types,
+        max_position_embeddings=_max_pos(arch, d),
         sliding_window=None if window is None else int(window),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
-        qkv_bias=arch == "Qwen2ForCausalLM",
         attention_bias=bool(d.get("attention_bias", False))
-        and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
+        and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos(d.get("eos_token_id")),
         dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
+        **family,
     )

@@ -7,6 +7,10 @@ last `SAMPLE` bytes, and as many spread through it): cheap at start-up (a few MB
 model's size) and different for any two checkpoints that are not copies of each other, trained or
 quantized apart. The tokenizer's whole definition and its chat template are hashed too. Take it
 before anything rewrites the weights in place (`Transformer.fold_norms`).
+
+A model served with quantized weights (`Transformer.quantization`) has its quantization in front
+("fp8-block:3f2a..."), so that a handshake between an FP8 and an unquantized service of one
+checkpoint names why their weights differ.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ def _sample(t: torch.Tensor) -> bytes:
 
 @torch.no_grad()
 def fingerprint(model: Transformer, tokenizer: Tokenizer | None) -> str:
-    """A hex digest of the model's weights (sampled) and its tokenizer; equal for the same checkpoint
-    loaded in the same dtype, on any device."""
+    """A hex digest of the model's weights (sampled) and its tokenizer, after the quantization if any;
+    equal for the same checkpoint loaded in the same dtype and quantization, on any device."""
     h = hashlib.blake2b(digest_size=16)
     for name, p in sorted(model.named_parameters()):
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
@@ -44,4 +48,5 @@ def fingerprint(model: Transformer, tokenizer: Tokenizer | None) -> str:
     if tokenizer is not None:
         h.update(tokenizer.backend.to_str().encode())
         h.update((tokenizer.chat_template or "").encode())
-    return h.hexdigest()
+    quantization = getattr(model, "quantization", "none")
+    return h.hexdigest() if quantization == "none" else f"{quantization}:{h.hexdigest()}"

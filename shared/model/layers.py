@@ -1,8 +1,13 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding tables, SwiGLU MLP.
+"""Building blocks of the decoder: RMSNorm, rotary embedding tables, the gated MLP (SwiGLU, GeGLU).
 
 Numerics follow Hugging Face's Llama family (norm in float32, RoPE tables in float32, cast to the
 activation dtype) so that parity tests can hold a tight tolerance. The modules hold weights; the math
 is a `ModelKernels` the caller passes (fused Triton on CUDA), torch's reference when none is given.
+
+A Gemma norm, x * (1 + w), is an RMSNorm whose weight is loaded as 1 + w (`Transformer.load_weights`),
+so that every kernel, the fused q/k norm and the folding of norms into GEMMs take it as they are. In
+float32 that is Gemma's norm exactly; in bfloat16 the normed row is rounded before the weight
+multiplies it (Llama's order) where Gemma rounds once after: the two differ by the dtype's rounding.
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies; llama3 scaling slows long wavelengths by `factor`, with a smooth ramp between."""
+    """Inverse frequencies; llama3 scaling slows long wavelengths by `factor`, with a smooth ramp between;
+    linear scaling slows them all by `factor`."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
     old_len = scaling.original_max_position_embeddings
     low_freq_wavelen = old_len / scaling.low_freq_factor
     high_freq_wavelen = old_len / scaling.high_freq_factor
@@ -67,7 +75,9 @@ class Rotary(nn.Module):
     """cos/sin tables for every position up to max_position_embeddings, gathered by position.
 
     A table lookup (rather than computing per step) keeps the forward free of shape-dependent work, so
-    a decode step can be captured in a CUDA graph.
+    a decode step can be captured in a CUDA graph. A model whose local layers rotate with a base of
+    their own (Gemma 3: `rope_local_theta`) has a second table, `cos_sin_local`, that those layers read
+    (`local=True`).
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
@@ -75,30 +85,42 @@ class Rotary(nn.Module):
         self.head_dim = cfg.head_dim
         self.theta = cfg.rope_theta
         self.scaling = cfg.rope_scaling
+        self.local_theta = cfg.rope_local_theta
         self.max_positions = cfg.max_position_embeddings
-        self.register_buffer("cos_sin", self._table(device), persistent=False)
+        self.register_buffer("cos_sin", self._table(device, self.theta, self.scaling), persistent=False)
+        self.register_buffer("cos_sin_local", self._local_table(device), persistent=False)
 
-    def _table(self, device: torch.device | str | None) -> torch.Tensor:
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+    def _table(
+        self, device: torch.device | str | None, theta: float, scaling: RopeScaling | None
+    ) -> torch.Tensor:
+        inv_freq = rope_inv_freq(self.head_dim, theta, scaling).to(device)
         pos = torch.arange(self.max_positions, device=device, dtype=torch.int64).float()
         freqs = pos[:, None] * inv_freq[None, :]
         return torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D] float32: cos half | sin half
 
+    def _local_table(self, device: torch.device | str | None) -> torch.Tensor | None:
+        return None if self.local_theta is None else self._table(device, self.local_theta, None)
+
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
-        """Recompute the table (after a model was materialized from the meta device)."""
-        self.cos_sin = self._table(device)
+        """Recompute the tables (after a model was materialized from the meta device)."""
+        self.cos_sin = self._table(device, self.theta, self.scaling)
+        self.cos_sin_local = self._local_table(device)
+
+    def table(self, local: bool = False) -> torch.Tensor:
+        """The cos/sin table of a layer: the local layers' (`local`), where the model has one."""
+        return self.cos_sin_local if local and self.cos_sin_local is not None else self.cos_sin
 
     def args(
         self, positions: torch.Tensor, qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
-        rms: tuple[torch.Tensor, float] | None = None,
+        rms: tuple[torch.Tensor, float] | None = None, local: bool = False,
     ) -> RopeArgs:  # fmt: skip
         """RoPE of `positions` (and the q/k norm) for an attention that applies it itself; `rms` is
         the layer's input and its norm's eps when q, k and v are to be scaled by it (RopeArgs.rms_x)."""
         rx, reps = rms if rms is not None else (None, 0.0)
         if qk_norm is None:
-            return RopeArgs(positions, self.cos_sin, rms_x=rx, rms_eps=reps)
+            return RopeArgs(positions, self.table(local), rms_x=rx, rms_eps=reps)
         q_norm, k_norm = qk_norm
-        return RopeArgs(positions, self.cos_sin, q_norm.weight, k_norm.weight, q_norm.eps, rx, reps)
+        return RopeArgs(positions, self.table(local), q_norm.weight, k_norm.weight, q_norm.eps, rx, reps)
 
     def forward(
         self,
@@ -110,26 +132,30 @@ class Rotary(nn.Module):
         *,
         store: KVStore | None = None,
         v: torch.Tensor | None = None,
+        local: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] rotated to `positions`; with `qk_norm` (Qwen3's q_norm and k_norm)
         each head is normed first, in the same kernel. With `store`, the rotated k and `v` are also
-        written into the KV cache rows it names, still in the same kernel."""
+        written into the KV cache rows it names, still in the same kernel. `local`: with the local
+        layers' table (`table`)."""
         norm: tuple[torch.Tensor, torch.Tensor, float] | tuple[()] = ()
         if qk_norm is not None:
             norm = (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
         if store is None:
-            return kernels.rope(q, k, positions, self.cos_sin, *norm)
+            return kernels.rope(q, k, positions, self.table(local), *norm)
         if v is None:
             raise ValueError("Rotary: storing K/V needs v")
-        return kernels.rope_store(q, k, v, positions, self.cos_sin, store, *norm)
+        return kernels.rope_store(q, k, v, positions, self.table(local), store, *norm)
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul: act is silu (SwiGLU), or
+    GELU's tanh approximation (`activation="gelu_tanh"`: Gemma's GeGLU)."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, activation: str = "silu") -> None:
         super().__init__()
         self.intermediate = intermediate
+        self.activation = activation
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
@@ -142,7 +168,11 @@ class SwiGLU(nn.Module):
         rsqrt(mean(x^2) + eps), which commutes with the GEMM. With `residual` (which the call
         consumes), residual + the output, the add inside the down projection's GEMM."""
         gate_up = kernels.linear(x, self.gate_up_proj)
-        act = kernels.silu_mul(gate_up) if rms_eps is None else kernels.silu_mul_rms(gate_up, x, rms_eps)
+        gelu = self.activation == "gelu_tanh"
+        if rms_eps is None:
+            act = kernels.gelu_tanh_mul(gate_up) if gelu else kernels.silu_mul(gate_up)
+        else:
+            act = (kernels.gelu_tanh_mul_rms if gelu else kernels.silu_mul_rms)(gate_up, x, rms_eps)
         if residual is not None:
             return kernels.linear_add(act, self.down_proj, residual)
         return kernels.linear(act, self.down_proj)

@@ -12,9 +12,18 @@ from pathlib import Path
 
 import torch
 
+from shared.kernels.fp8 import E4M3
+from shared.kernels.fp8.ops import check_device as check_fp8_device
 from shared.model.config import ModelConfig, config_from_hf, with_layout
 from shared.model.gguf_loader import gguf_file_dtype, gguf_weights, open_gguf
 from shared.model.progress import Progress, track
+from shared.model.quant import (
+    Fp8Checkpoint,
+    convert,
+    dequantize_unconverted,
+    fp8_checkpoint,
+    served_quantization,
+)
 from shared.model.tokenizer import Tokenizer
 from shared.model.transformer import Transformer
 
@@ -104,15 +113,36 @@ def _build(
     dtype: torch.dtype,
     device: torch.device | str,
     progress: Progress,
+    quantization: str = "none",
+    checkpoint: Fp8Checkpoint | None = None,
 ) -> Transformer:
+    """`quantization` (what `served_quantization` resolved): the projections FP8, quantized as each
+    checkpoint tensor arrives (never the whole model in its dtype at once) or, from an FP8
+    `checkpoint`, loaded as stored."""
     # Built on the meta device so that no memory is spent on random init of weights we overwrite.
     with torch.device("meta"):
         model = Transformer(cfg)
-    model.to(dtype).to_empty(device=device)
+    model.to(dtype)
+    if quantization != "none":  # after the cast, which would cast e4m3 weights too
+        check_fp8_device(device)
+        if checkpoint is None:
+            convert(model, quantization)
+        else:
+            convert(model, quantization, checkpoint_rows=checkpoint.block[0], keep=checkpoint.keeps)
+    model.to_empty(device=device)
     model.tie_weights()
     model.rotary.reset_buffers(device)  # float32 tables: computed after the cast, never rounded to dtype
-    model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in track(weights, progress))
+    if checkpoint is not None:
+        weights = dequantize_unconverted(model, weights, checkpoint)
+    model.load_weights((name, _to_model(name, t, dtype, device)) for name, t in track(weights, progress))
     return model.eval().requires_grad_(False)
+
+
+def _to_model(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A checkpoint tensor on the model's device, in its dtype; FP8 weights and their scales as stored."""
+    if t.dtype == E4M3 or name.endswith(".weight_scale_inv"):
+        return t.to(device=device)
+    return t.to(device=device, dtype=dtype)
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -167,15 +197,19 @@ def _load_hf_dir(
     device: torch.device | str,
     layout: dict,
     progress: bool | None,
+    quantization: str,
 ) -> LoadedModel:
     hf = json.loads((path / "config.json").read_text())
+    checkpoint = fp8_checkpoint(hf)
+    # An FP8 checkpoint's weights are not its dtype: `torch_dtype` names the rest (bf16 for Qwen3's).
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(_hf_stored_dtype(hf))
     cfg = config_from_hf(hf)
     cfg = _with_eos(with_layout(cfg, **layout), _generation_eos(path))
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
     files = _safetensors_files(path)
     bar = Progress(f"loading {checkpoint_name(path)}", _safetensors_count(files), progress)
-    model = _build(cfg, _safetensors_weights(files), dtype, device, bar)
+    served = served_quantization(quantization, checkpoint)
+    model = _build(cfg, _safetensors_weights(files), dtype, device, bar, served, checkpoint)
     tok = Tokenizer.from_hf_dir(path, cfg.eos_token_ids) if (path / "tokenizer.json").exists() else None
     return LoadedModel(cfg, model, tok, checkpoint_name(path))
 
@@ -186,12 +220,14 @@ def _load_gguf(
     device: torch.device | str,
     layout: dict,
     progress: bool | None,
+    quantization: str,
 ) -> LoadedModel:
     reader, meta, cfg = open_gguf(path)
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(gguf_file_dtype(meta))
     cfg = dataclasses.replace(with_layout(cfg, **layout), dtype=str(dtype).removeprefix("torch."))
     bar = Progress(f"loading {checkpoint_name(path)}", len(reader.tensors), progress)
-    model = _build(cfg, gguf_weights(reader, meta["general.architecture"], cfg, dtype), dtype, device, bar)
+    weights = gguf_weights(reader, meta["general.architecture"], cfg, dtype)
+    model = _build(cfg, weights, dtype, device, bar, served_quantization(quantization, None))
     tok = Tokenizer.from_gguf_metadata(meta)
     return LoadedModel(cfg, model, tok, checkpoint_name(path))
 
@@ -204,21 +240,24 @@ def load_model(
     sliding_window: int | None = None,
     layer_types: str | Sequence[str] | None = None,
     progress: bool | None = None,
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Load a checkpoint: a Hugging Face directory (config.json + safetensors), a .gguf file, or None for
     the embedded default (SmolLM2-135M-Instruct, Q4_1, dequantized). `sliding_window` / `layer_types`
     override the attention layout (see config.with_layout). `dtype`: a dtype, or a rule choosing one
     from the dtype the checkpoint stores its weights in (None when quantized or unsaid). `progress`: a
     bar on stderr (True), none (False), or (None) a bar when stderr is a terminal, else a log line
-    every few seconds of a long load (shared/model/progress.py)."""
+    every few seconds of a long load (shared/model/progress.py). `quantization` (`QUANTIZATIONS`):
+    "auto" serves an FP8 checkpoint in FP8 and any other as it is; "fp8" / "fp8-block" quantize the
+    projections at load (an FP8 checkpoint keeps its own scales); "none" dequantizes an FP8 one."""
     layout = {"sliding_window": sliding_window, "layer_types": layer_types}
     if source is None:
-        return _load_gguf(default_gguf_path(), dtype, device, layout, progress)
+        return _load_gguf(default_gguf_path(), dtype, device, layout, progress, quantization)
     path = Path(source)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json")
-        return _load_hf_dir(path, dtype, device, layout, progress)
+        return _load_hf_dir(path, dtype, device, layout, progress, quantization)
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, device, layout, progress)
+        return _load_gguf(path, dtype, device, layout, progress, quantization)
     raise FileNotFoundError(f"{source!s} is neither a model directory nor a .gguf file")

@@ -54,7 +54,7 @@ class DenseAttention:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.cfg.attn_scale
         )
         return out.transpose(0, 1)
 

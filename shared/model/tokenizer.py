@@ -1,7 +1,8 @@
 """Text <-> token ids, chat templates and streaming detokenization, on top of the `tokenizers` library.
 
 Built from a Hugging Face tokenizer.json, or rebuilt from a GGUF file's `tokenizer.ggml.*` metadata the
-way transformers' GGUF integration does it, so that both give the same ids as transformers.
+way transformers' GGUF integration does it (`gguf_tokenizer.py`), so that both give the same ids as
+transformers.
 """
 
 from __future__ import annotations
@@ -15,98 +16,10 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-# llama.cpp's token types (gguf's TokenType): which vocabulary entries are added tokens.
-_CONTROL, _USER_DEFINED = 3, 4
-
-# Split regexes for the `tokenizer.ggml.pre` names transformers knows; any other name (SmolLM2's
-# "smollm" included) gets GPT-2's own regex inside the ByteLevel pre-tokenizer, as in transformers.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_SPLITS = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-}
-
-
-def _byte_spelling() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, that byte-level BPE vocabularies are written in."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def _gguf_backend(meta: Mapping[str, Any]) -> HFTokenizer:
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE)"
-        )
-    spelling = _byte_spelling()
-    alphabet = set(spelling.values())
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    # Tokens written with characters outside the byte alphabet are respelled byte by byte.
-    vocab = {
-        (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
-        for i, t in enumerate(tokens)
-    }
-    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges") or []]
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
-    split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    tok.decoder = decoders.ByteLevel()
-    types = list(meta.get("tokenizer.ggml.token_type") or [])
-    # A control token spelled outside the byte alphabet is a llama.cpp mislabel: adding it would grow the
-    # vocabulary past the model's, so (like transformers) it is skipped.
-    tok.add_special_tokens(
-        [
-            AddedToken(t, normalized=False, special=True)
-            for t, k in zip(tokens, types, strict=False)
-            if k == _CONTROL and set(t) <= alphabet
-        ]
-    )
-    tok.add_tokens(
-        [
-            AddedToken(t, normalized=False, special=False)
-            for t, k in zip(tokens, types, strict=False)
-            if k == _USER_DEFINED and t in vocab
-        ]
-    )
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
-        )
-    return tok
+from shared.model.gguf_tokenizer import gguf_backend, gguf_chat_template
 
 
 def _token_text(value: Any) -> str | None:
@@ -168,12 +81,13 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
-        """meta: GGUF key -> value (strings decoded, arrays as lists), at least the tokenizer.* keys."""
+        """meta: GGUF key -> value (strings decoded, arrays as lists), at least the tokenizer.* keys. A
+        file without its chat template gets its architecture's, where we know it (Gemma 3's)."""
         tokens = meta["tokenizer.ggml.tokens"]
         bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
         return cls(
-            _gguf_backend(meta),
-            chat_template=meta.get("tokenizer.chat_template"),
+            gguf_backend(meta),
+            chat_template=gguf_chat_template(meta),
             bos_token=tokens[bos] if bos is not None else None,
             eos_token=tokens[eos] if eos is not None else None,
             eos_token_ids=() if eos is None else (int(eos),),

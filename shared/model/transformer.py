@@ -1,4 +1,5 @@
-"""Decoder-only transformer (Llama / Mistral / Ministral / Qwen2 / Qwen3) over a flattened token batch.
+"""Decoder-only transformer (Llama / Mistral / Ministral / Qwen2 / Qwen3 / Gemma 3) over a flattened
+token batch.
 
 The model never does attention itself: each layer hands RoPE'd q, k and v to an `AttentionFn`, which
 owns KV storage and masking (paged caches in the engine, a dense mask in `reference.py`). That keeps
@@ -10,12 +11,18 @@ attention and four small kernels (two norms, RoPE, SwiGLU; RoPE goes inside deco
 the norms folded into the GEMMs after them (`Transformer.fold_norms`, what the engine does on CUDA),
 a decode layer runs its four GEMMs, attention and the SwiGLU kernel: the row scales go into
 attention and SwiGLU.
+
+Gemma 3 (`ModelConfig.sandwich_norms` and the fields after it) also norms each sublayer's output
+before its residual add, so that add is a kernel of its own after the norm rather than inside the
+GEMM; its norms scale by 1 + w (loaded so, `load_weights`); its MLP is GeGLU; its embeddings are
+scaled by sqrt(hidden); its sliding layers rotate with a RoPE base of their own.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -30,7 +37,8 @@ class AttentionFn(Protocol):
     """Attention of one layer over the flattened batch.
 
     q: [T, Hq, D], k and v: [T, Hkv, D], RoPE (and Qwen3's q/k norm) already applied, unless `rope` is
-    given (see `takes_rope`). Returns [T, Hq, D]. Scores are scaled by 1/sqrt(D). Which keys each query
+    given (see `takes_rope`). Returns [T, Hq, D]. Scores are scaled by `ModelConfig.attn_scale`
+    (1/sqrt(D), or Gemma's query_pre_attn_scalar^-1/2). Which keys each query
     sees (causality, sequence boundaries, the sliding window of `layer`) is the function's business.
     """
 
@@ -65,6 +73,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.local_rope = layer in cfg.rope_local_layers  # Rotary.table: the local layers' RoPE base
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionFn,
@@ -86,9 +95,10 @@ class Attention(nn.Module):
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
         if rope_inside:
             rms = (x, rms_eps) if rms_eps is not None else None
-            out = attn(self.layer, q, k, v, rope=rotary.args(positions, qk_norm, rms))
+            out = attn(self.layer, q, k, v, rope=rotary.args(positions, qk_norm, rms, self.local_rope))
         else:
-            q, k = rotary(positions, q, k, kernels, qk_norm, store=attn.store_target(self.layer), v=v)
+            store = attn.store_target(self.layer)
+            q, k = rotary(positions, q, k, kernels, qk_norm, store=store, v=v, local=self.local_rope)
             out = attn(self.layer, q, k, v)
         if residual is not None:
             return kernels.linear_add(out.reshape(t, self.q_size), self.o_proj, residual)
@@ -100,8 +110,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # before the MLP
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        # Gemma's norms of the attention's and the MLP's outputs (its post_attention_layernorm and
+        # post_feedforward_layernorm; its pre_feedforward_layernorm is our post_attention_layernorm)
+        self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         # Transformer.fold_norms: post_attention_layernorm's weight lives in mlp.gate_up_proj's, and
         # (attn_norm_folded) input_layernorm's in self_attn.qkv_proj's
         self.mlp_norm_folded = False
@@ -117,13 +131,22 @@ class DecoderLayer(nn.Module):
 
         A norm folded into the GEMM after it (`Transformer.fold_norms`) runs no kernel: that GEMM reads
         the stream itself and the norm's row scale is applied after it (in attention, or a kernel of its
-        own; in the SwiGLU activation)."""
+        own; in the SwiGLU activation).
+
+        With sandwich norms (Gemma) each sublayer's output is normed first: `x = x + norm(attn(...))`,
+        the add after the norm's kernel."""
         attn_eps = self.input_layernorm.eps if self.attn_norm_folded else None
         h = x if self.attn_norm_folded else self.input_layernorm(x, kernels)
-        x = self.self_attn(h, positions, rotary, attn, kernels, residual=x, rms_eps=attn_eps)
+        if self.attn_out_norm is None:
+            x = self.self_attn(h, positions, rotary, attn, kernels, residual=x, rms_eps=attn_eps)
+        else:
+            out = self.self_attn(h, positions, rotary, attn, kernels, rms_eps=attn_eps)
+            x = x + self.attn_out_norm(out, kernels)
         mlp_eps = self.post_attention_layernorm.eps if self.mlp_norm_folded else None
         h = x if self.mlp_norm_folded else self.post_attention_layernorm(x, kernels)
-        return self.mlp(h, kernels, mlp_eps, residual=x)
+        if self.mlp_out_norm is None:
+            return self.mlp(h, kernels, mlp_eps, residual=x)
+        return x + self.mlp_out_norm(self.mlp(h, kernels, mlp_eps), kernels)
 
 
 # Checkpoint (Hugging Face) names -> (our parameter, shard index in a fused parameter or None).
@@ -135,6 +158,19 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+# Gemma's sandwich norms -> ours (DecoderLayer): its norm before the MLP is our post_attention_layernorm.
+_SANDWICH = {
+    "post_attention_layernorm": "attn_out_norm",
+    "pre_feedforward_layernorm": "post_attention_layernorm",
+    "post_feedforward_layernorm": "mlp_out_norm",
+}
+
+
+@functools.cache
+def _embed_scale(hidden: int, dtype: torch.dtype) -> float:
+    """sqrt(hidden) as Hugging Face's Gemma multiplies by it: a float32 tensor cast to the embedding's
+    dtype first (sqrt(3072) = 55.4256 is 55.5 in bfloat16)."""
+    return float(torch.tensor(hidden**0.5).to(dtype))
 
 
 class Transformer(nn.Module):
@@ -144,6 +180,10 @@ class Transformer(nn.Module):
         # "auto": fused Triton kernels when the input is on CUDA, torch otherwise (see kernels_for).
         self.kernel_backend: Backend = kernels
         self.gemm_backend: Gemm = "auto"  # the Triton path's layer GEMMs (kernels_for)
+        # "none", or how `shared/model/quant` quantized the projections ("fp8", "fp8-block"), which
+        # then also sets the kernels that run them (fp8_kernels_for): chosen once, not per step.
+        self.quantization = "none"
+        self.kernel_factory: Callable[[torch.device, Backend, Gemm], ModelKernels] = kernels_for
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -159,8 +199,10 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions: [T] (the batch's sequences, concatenated). Returns normed hidden [T, H]."""
-        kernels = kernels_for(input_ids.device, self.kernel_backend, self.gemm_backend)
+        kernels = self.kernel_factory(input_ids.device, self.kernel_backend, self.gemm_backend)
         x = self.embed_tokens(input_ids)
+        if self.cfg.scale_embeddings:
+            x = x * _embed_scale(self.cfg.hidden_size, x.dtype)
         for layer in self.layers:
             x = layer(x, positions, self.rotary, attn, kernels)
         return self.norm(x, kernels)
@@ -169,9 +211,11 @@ class Transformer(nn.Module):
         """hidden: [N, H] (rows the caller picked, e.g. each sequence's last). Returns [N, V] logits,
         float32 unless `float32=False` (then the model's dtype: a greedy argmax needs no upcast, which
         at batch 64 and a 128k vocabulary is a 48 MB pass of its own)."""
-        kernels = kernels_for(hidden.device, self.kernel_backend, self.gemm_backend)
+        kernels = self.kernel_factory(hidden.device, self.kernel_backend, self.gemm_backend)
         logits = kernels.head(hidden, self.lm_head)
-        return logits.float() if float32 else logits
+        logits = logits.float() if float32 else logits
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # -- weights -------------------------------------------------------------------------------------------
 
@@ -188,14 +232,16 @@ class Transformer(nn.Module):
         the row scales are applied after them, in the SwiGLU activation and in attention; each residual
         add goes inside the GEMM before it. Results agree with the unfolded model to the dtype's
         rounding (each weight product is rounded once, from float32). Idempotent; weights cannot be
-        loaded into a folded model."""
+        loaded into a folded model. A norm before an FP8 projection stays (its kernel quantizes the
+        GEMM's input: `shared/model/quant/fp8.py` says why), as do Gemma's norms of the sublayers'
+        outputs (no GEMM follows them before the residual add)."""
         attention_too = all(layer.self_attn.qkv_proj.bias is None for layer in self.layers)
         for layer in self.layers:
             pairs = [("mlp_norm_folded", layer.mlp.gate_up_proj, layer.post_attention_layernorm)]
             if attention_too:
                 pairs.append(("attn_norm_folded", layer.self_attn.qkv_proj, layer.input_layernorm))
             for flag, linear, norm in pairs:
-                if not getattr(layer, flag):
+                if isinstance(linear, nn.Linear) and not getattr(layer, flag):
                     w = linear.weight
                     w.copy_((w.float() * norm.weight.float()[None, :]).to(w.dtype))
                     setattr(layer, flag, True)
@@ -210,10 +256,13 @@ class Transformer(nn.Module):
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the model; every parameter must be covered."""
+        """Copy Hugging Face-named tensors into the model; every parameter must be covered. Gemma's norm
+        weights w arrive as its checkpoints store them and are kept as 1 + w (`unit_offset_norms`)."""
         if self.norms_folded:
             raise ValueError("load_weights: the model's norms are folded into its weights; use a fresh model")
         params = dict(self.named_parameters())
+        # Layers that take their checkpoint tensors themselves (FP8: quantized, or e4m3 as they are).
+        loaders = {n: m for n, m in self.named_modules() if hasattr(m, "load_tensor")}
         expected = set()
         for name in params:
             shards = self._shards(name)
@@ -224,6 +273,13 @@ class Transformer(nn.Module):
             if target is None:
                 continue
             name, shard = target
+            owner, _, kind = name.rpartition(".")
+            if owner in loaders:
+                rows = self._shards(name) or [params[f"{owner}.weight"].shape[0]]
+                start = sum(rows[:shard]) if shard is not None else 0
+                filled = loaders[owner].load_tensor(kind, tensor, start, rows[shard or 0])
+                loaded.update(f"{owner}.{k}" + ("" if shard is None else f"#{shard}") for k in filled)
+                continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}")
             dst = params[name].data
@@ -234,6 +290,8 @@ class Transformer(nn.Module):
                 raise ValueError(
                     f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}"
                 )
+            if self.cfg.unit_offset_norms and name.endswith("norm.weight"):
+                tensor = tensor.float() + 1.0  # Gemma's x * (1 + w): the norm holds the multiplier
             dst.copy_(tensor)
             loaded.add(name if shard is None else f"{name}#{shard}")
         missing = sorted(expected - loaded)
@@ -251,6 +309,8 @@ class Transformer(nn.Module):
             return (hf_name.removeprefix("model."), None)
         layer, rest = m.groups()
         module, _, kind = rest.rpartition(".")
+        if self.cfg.sandwich_norms and module in _SANDWICH:
+            return (f"layers.{layer}.{_SANDWICH[module]}.{kind}", None)
         if module in _FUSED:
             fused, shard = _FUSED[module]
             return (f"layers.{layer}.{fused}.{kind}", shard)

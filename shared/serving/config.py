@@ -16,7 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TypeVar
 
-__all__ = ["COMMON_HELP", "DTYPES", "CommonConfig", "normalize_dtype", "parse_config"]
+__all__ = [
+    "COMMON_HELP", "DTYPES", "KV_CACHE_DTYPES", "QUANTIZATIONS", "CommonConfig", "normalize_dtype",
+    "parse_config",
+]  # fmt: skip
 
 # What users write -> the torch name; "auto" is resolved where the model loads
 # (shared/serving/api/model_source.py): the checkpoint's dtype on CUDA, float32 or bfloat16 on CPU.
@@ -26,6 +29,17 @@ DTYPES = {
     "fp16": "float16", "float16": "float16", "half": "float16",
     "fp32": "float32", "float32": "float32", "float": "float32",
 }  # fmt: skip
+
+
+# --quantization: the projections' weights (shared/model/quant/fp8.py). A copy, not an import: the
+# flags parse without loading torch.
+QUANTIZATIONS = ("auto", "none", "fp8", "fp8-block")
+
+
+# What the KV cache holds: "auto" follows --dtype (the model's); "fp8_e4m3" is float8 e4m3 with a
+# static per-tensor scale per layer for K and one for V (shared/kernels/kv_quant.py). "fp8" is vLLM's
+# alias of it.
+KV_CACHE_DTYPES = {"auto": "auto", "fp8_e4m3": "fp8_e4m3", "fp8": "fp8_e4m3"}
 
 
 def normalize_dtype(name: str) -> str:
@@ -43,6 +57,8 @@ class CommonConfig:
     model: str = ""  # checkpoint path; "" = the embedded default; random:<json> = a tiny test model
     device: str = "auto"  # auto = cuda when available, else cpu
     dtype: str = "auto"  # normalized at parse (bf16 -> bfloat16); auto: see DTYPES
+    kv_cache_dtype: str = "auto"  # auto: --dtype's; fp8_e4m3 (fp8): an FP8 cache (KV_CACHE_DTYPES)
+    quantization: str = "auto"  # weights: auto | none | fp8 | fp8-block (shared/model/quant)
     gemm: str = "auto"  # the layers' GEMMs on CUDA at few rows (Transformer.gemm_backend)
     tune_gemms: bool = True  # EngineConfig.tune_gemms
     page_size: int = 16
@@ -71,6 +87,13 @@ class CommonConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))  # frozen: normalized once, here
+        kv = self.kv_cache_dtype.strip().lower()
+        if kv not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be auto or fp8_e4m3 (fp8), got {self.kv_cache_dtype!r}"
+                + (" (e5m2 is not served: e4m3 keeps a mantissa bit more)" if "e5m2" in kv else "")
+            )
+        object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPES[kv])
         for name in ("page_size", "max_running", "max_batch_tokens", "max_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -86,6 +109,10 @@ class CommonConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.gemm not in ("auto", "cublas", "skinny"):
             raise ValueError(f"gemm must be auto, cublas or skinny, got {self.gemm!r}")
         if not 0 <= self.metrics_port < 65536:
@@ -109,9 +136,21 @@ COMMON_HELP = {
     "model": "HF directory or .gguf file; empty = the embedded SmolLM2-135M-Instruct. "
     "Testing aid: random:<json> serves a tiny random model (see shared/serving/api/model_source.py)",
     "device": "auto, cpu, cuda or cuda:N",
-    "dtype": "model and KV dtype: auto, bfloat16 (bf16), float16 (fp16, half) or float32 (fp32, float). "
+    "dtype": "model dtype (the KV cache's too, unless --kv-cache-dtype): auto, bfloat16 (bf16), float16 "
+    "(fp16, half) or float32 (fp32, float). "
     "auto: the checkpoint's dtype on CUDA (bfloat16 for a float32 or quantized checkpoint; float16 where "
     "the GPU has no bfloat16), on CPU bfloat16 where the CPU has AMX, else float32",
+    "kv_cache_dtype": "what the KV cache holds: auto (the model's --dtype) or fp8_e4m3 (alias fp8): "
+    "float8 e4m3 pages and sliding-window rings, half the memory and transfer bytes of bfloat16, with one "
+    "K and one V scale per layer (the checkpoint's k_scale / v_scale, else 1.0); attention dequantizes "
+    "and accumulates in float32. Prefill and decode must agree (the KV handshake refuses otherwise). "
+    "docs/quantization.md",
+    "quantization": "the weights of the layers' projections: auto (an FP8 checkpoint's FP8 weights, any "
+    "other checkpoint as it is), none (FP8 checkpoints dequantized to --dtype at load), fp8 (quantized to "
+    "float8 e4m3 at load, one scale per output channel; an FP8 checkpoint keeps its own scales) or "
+    "fp8-block (128x128 block scales, as FP8 checkpoints ship them). Activations are quantized per token "
+    "as they come; embeddings, norms and the LM head stay in --dtype. FP8 GEMMs need a GPU of compute "
+    "capability 8.9+ (Ada, Hopper); on CPU the reference kernels run. docs/quantization.md",
     "gemm": "the layers' GEMMs on CUDA: auto (the Triton skinny kernel up to 16 rows, and up to 64 for "
     "deep weights such as the down projection; cuBLAS above), cublas, or skinny (up to 64 rows)",
     "tune_gemms": "on CUDA, time cuBLASLt's algorithms for the decode GEMMs at start and keep the fastest "

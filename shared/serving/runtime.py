@@ -26,11 +26,13 @@ from grpc_reflection.v1alpha import reflection
 from invariants import InvariantViolation, Violation
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv.cache import KVCache, KVConfig
+from shared.kernels.kv_quant import FP8_KV_DTYPE
 from shared.model import LoadedModel, Transformer
 from shared.model.fingerprint import fingerprint
 from shared.serving.api.model_source import load_served_model
 from shared.serving.binding import bind
 from shared.serving.config import CommonConfig
+from shared.serving.kv_scales import checkpoint_kv_scales
 from shared.serving.kv_sizing import (
     MemoryPlan,
     Sizing,
@@ -89,17 +91,28 @@ def build_engine(cfg: CommonConfig, role: str, *, mixed: bool = False) -> tuple[
         torch.cuda.set_device(device)  # this loading thread's kernels and graph captures go there
     # CPU auto sizing: the RAM free before the weights take theirs (they are subtracted as a whole).
     ram = cpu_available_bytes() if device.type == "cpu" and not cfg.num_pages else 0
-    loaded = load_served_model(cfg.model, device=device, dtype=cfg.dtype)  # "auto" resolved there
+    loaded = load_served_model(cfg.model, device=device, dtype=cfg.dtype, quantization=cfg.quantization)
+    if loaded.model.quantization != "none":
+        log.info("weights: %s (the layers' projections; shared/model/quant)", loaded.model.quantization)
     # Before the engine rewrites any weight (its folded norms): what the KV handshake compares.
     loaded = dataclasses.replace(loaded, fingerprint=fingerprint(loaded.model, loaded.tokenizer))
     loaded.model.gemm_backend = cfg.gemm
-    kv_dtype = next(loaded.model.parameters()).dtype
+    # The activations' dtype (the embedding's: FP8 projections hold float8 weights), or an FP8 cache.
+    kv_dtype, scales = loaded.model.embed_tokens.weight.dtype, ()
+    if cfg.kv_cache_dtype == "fp8_e4m3":  # the checkpoint's per-layer scales, else 1.0
+        kv_dtype = FP8_KV_DTYPE
+        try:
+            scales = checkpoint_kv_scales(cfg.model, loaded.config.num_layers)
+        except ValueError as e:
+            raise StartupError(f"--kv-cache-dtype fp8_e4m3: {e}") from e
+        log.info("KV cache: %s, %s", FP8_KV_DTYPE, "the checkpoint's scales" if scales else "scales 1.0")
     kv = KVConfig(
         page_size=cfg.page_size,
         num_pages=cfg.num_pages or 1,
         max_requests=cfg.max_running,
         dtype=kv_dtype,
         device=str(device),
+        scales=scales,
     )
     engine_cfg = EngineConfig(
         max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running, mixed=mixed,

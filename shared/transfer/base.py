@@ -30,6 +30,11 @@ class KVLayout:
     # The weights and tokenizer (`shared/model/fingerprint.py`): the same layout with other weights
     # hands over KV that decodes as garbage.
     weights: str
+    # An FP8 cache's scales (shared/kernels/kv_quant.py): their kind ("" without scales, "per_tensor":
+    # one K and one V scale per layer) and values (each layer's K then V). The same bytes under other
+    # scales mean other K/V. Defaults: what a peer that predates them sends.
+    kv_scale_kind: str = ""
+    kv_scales: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, cache: KVCache, model_name: str, weights: str) -> KVLayout:
@@ -45,15 +50,20 @@ class KVLayout:
             num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim,
             vocab_size=m.vocab_size,
+            kv_scale_kind="per_tensor" if cache.cfg.fp8 else "",
+            kv_scales=cache.scale_values,
         )
 
     def to_pb(self) -> pb.KVLayout:
-        return pb.KVLayout(**{**asdict(self), "layer_types": list(self.layer_types)})
+        values = asdict(self)
+        return pb.KVLayout(
+            **{**values, "layer_types": list(self.layer_types), "kv_scales": list(self.kv_scales)}
+        )
 
     @classmethod
     def from_pb(cls, msg: pb.KVLayout) -> KVLayout:
         values = {f.name: getattr(msg, f.name) for f in fields(cls)}
-        return cls(**{**values, "layer_types": tuple(msg.layer_types)})
+        return cls(**{**values, "layer_types": tuple(msg.layer_types), "kv_scales": tuple(msg.kv_scales)})
 
 
 _SHOWN = 80  # characters of a value a mismatch message shows: a peer's field may be any size
@@ -61,12 +71,17 @@ _SHOWN = 80  # characters of a value a mismatch message shows: a peer's field ma
 
 def mismatches(a: KVLayout, b: KVLayout) -> list[str]:
     """Every field on which `a` and `b` differ, as "name: a != b" (empty when they agree); values are
-    cut to a few dozen characters, since one side is whatever a caller sent."""
+    cut to a few dozen characters, since one side is whatever a caller sent. Two sequences of one
+    length (layer types, scales) also name their first difference, which the cut may hide."""
     out = []
     for f in fields(KVLayout):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if x != y:
-            out.append(f"{f.name}: {_short(x)} != {_short(y)}")
+            line = f"{f.name}: {_short(x)} != {_short(y)}"
+            if isinstance(x, tuple) and isinstance(y, tuple) and len(x) == len(y):
+                i = next(i for i, (u, v) in enumerate(zip(x, y, strict=True)) if u != v)
+                line += f" (first at [{i}]: {_short(x[i])} != {_short(y[i])})"
+            out.append(line)
     return out
 
 

@@ -21,6 +21,7 @@ import torch
 
 from shared.engine.host_copy import to_device
 from shared.engine.kv.cache import KVCache
+from shared.kernels.kv_quant import as_bytes
 from shared.model.config import SLIDING
 from shared.transfer.base import Chunk, KVLayout
 
@@ -121,13 +122,15 @@ def stage(
     dev, m = cache.device, cache.model
     first = max(0, num_tokens - cache.window)
     full = win = None
+    # An FP8 cache's rows are gathered as bytes (`as_bytes`): the chunks are bytes either way.
     if cache.full_layers:
         idx = to_device(_flat_index(pages, cache.page_size, full_from, num_tokens - full_from), dev)
         shape = (len(cache.full_layers), -1, m.num_kv_heads, m.head_dim)
-        full = _download(cache.k_pages.view(shape)[:, idx], cache.v_pages.view(shape)[:, idx])
+        k_pages, v_pages = as_bytes(cache.k_pages), as_bytes(cache.v_pages)
+        full = _download(k_pages.view(shape)[:, idx], v_pages.view(shape)[:, idx])
     if window and cache.sliding_layers:
         ring = to_device(torch.arange(first, num_tokens) % cache.window, dev)
-        win = _download(cache.k_ring[:, slot, ring], cache.v_ring[:, slot, ring])
+        win = _download(as_bytes(cache.k_ring)[:, slot, ring], as_bytes(cache.v_ring)[:, slot, ring])
     event = None
     if dev.type == "cuda":
         event = torch.cuda.Event()
@@ -324,14 +327,15 @@ def apply_batch(cache: KVCache, pages: list[int], slot: int, batch: KVBatch, *, 
         raise ValueError(f"chunk tokens [{start}, {start + n}) exceed the pages")
     if not batch.window and start < full_from:
         raise HeldPositions(f"chunk tokens [{start}, {start + n}) before {full_from}: shared pages")
-    k, v = to_device(batch.k, dev), to_device(batch.v, dev)
+    # An FP8 cache's rows go in as bytes (`as_bytes`: torch has no float8 index_copy_ on a CPU).
+    k, v = as_bytes(to_device(batch.k, dev)), as_bytes(to_device(batch.v, dev))
     if batch.window:
         pos = torch.arange(start, start + n)
         idx = to_device(pos % cache.window, dev)
-        cache.k_ring_l[i][slot].index_copy_(0, idx, k)
-        cache.v_ring_l[i][slot].index_copy_(0, idx, v)
+        as_bytes(cache.k_ring_l[i][slot]).index_copy_(0, idx, k)
+        as_bytes(cache.v_ring_l[i][slot]).index_copy_(0, idx, v)
         cache.ring_pos_l[i][slot].index_copy_(0, idx, to_device(pos.to(cache.ring_pos.dtype), dev))
         return
     idx = to_device(_flat_index(pages, cache.page_size, start, n), dev)
-    cache.k_pages_flat[i].index_copy_(0, idx, k)
-    cache.v_pages_flat[i].index_copy_(0, idx, v)
+    as_bytes(cache.k_pages_flat[i]).index_copy_(0, idx, k)
+    as_bytes(cache.v_pages_flat[i]).index_copy_(0, idx, v)

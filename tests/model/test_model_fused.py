@@ -22,6 +22,8 @@ CONFIGS = {
     },
     "qwen2-qkv-bias": {"architectures": ["Qwen2ForCausalLM"]},
     "qwen3-qk-norm": {"architectures": ["Qwen3ForCausalLM"]},
+    # GeGLU, sandwich norms (the output norms stay when the others fold), a local RoPE table
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"]},
 }  # fmt: skip
 # No bias anywhere: every norm folds (test_folded_norms_give_the_same_logits).
 UNBIASED = {"llama-plain": {"architectures": ["LlamaForCausalLM"]}}

@@ -48,6 +48,6 @@ def test_gguf_with_an_unsupported_architecture_is_a_clear_error(tmp_path: Path) 
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(
-        ValueError, match="unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3"
+        ValueError, match="unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3, gemma3"
     ):
         load_model(tmp_path / "m.gguf")

@@ -10,7 +10,7 @@ from kernel_testutil import assert_matches
 from shared.kernels import KVStore, TorchKernels, TritonKernels, kernels_for, reference
 from shared.kernels.rms_norm import rms_norm, rms_scale
 from shared.kernels.rope import rope
-from shared.kernels.silu_mul import silu_mul, silu_mul_rms
+from shared.kernels.silu_mul import gelu_tanh_mul, gelu_tanh_mul_rms, silu_mul, silu_mul_rms
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -155,6 +155,23 @@ def test_silu_mul_rms_matches_reference(rows: int, size: int, hidden: int, dtype
     # The row scale is the RMSNorm's: gate_up of x equals gate_up of its norm, scaled.
     rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
     assert_matches(reference.silu_mul_rms(gate_up, x, 1e-5), silu_mul((gate_up.float() * rstd).to(dtype)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "size", "hidden"), [(1, 1, 1), (3, 7, 33), (4, 1500, 100)])
+def test_gelu_tanh_mul_matches_reference(rows: int, size: int, hidden: int, dtype: torch.dtype) -> None:
+    """Gemma's GeGLU: GELU's tanh approximation as torch computes it, alone and after a folded norm."""
+    gate_up = rand(rows, 2 * size, dtype=dtype, scale=4.0, seed=7)
+    assert_matches(gelu_tanh_mul(gate_up), reference.gelu_tanh_mul(gate_up))
+    x = rand(rows, hidden + 5, dtype=dtype, scale=30.0, seed=8)[:, 2 : 2 + hidden]
+    assert_matches(gelu_tanh_mul_rms(gate_up, x, 1e-5), reference.gelu_tanh_mul_rms(gate_up, x, 1e-5))
+
+
+def test_gelu_tanh_mul_saturates_without_nan() -> None:
+    gate_up = torch.tensor([[-200.0, -12.0, 0.0, 90.0, 2.0, 3.0, 4.0, 5.0]], device=DEVICE)
+    out = gelu_tanh_mul(gate_up)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, reference.gelu_tanh_mul(gate_up))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # numpy, interpreting

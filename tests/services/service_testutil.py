@@ -25,6 +25,7 @@ from decode_service.server import add_services, build_serving
 from decode_service.servicer import SERVICE_NAME, Serving
 from shared.client.client import Client, GenerationError
 from shared.engine.kv.cache import KVCache, KVConfig
+from shared.model import LoadedModel
 from shared.model.fingerprint import fingerprint
 from shared.pb.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.serving.api.model_source import load_served_model
@@ -45,7 +46,11 @@ def random_spec(**overrides: Any) -> str:
 
 def kv_layout(page_size: int, **overrides: Any) -> prefill_pb2.KVLayout:
     """The KV layout a service serving random_spec(**overrides) with --page-size announces."""
-    loaded = load_served_model(random_spec(**overrides))
+    return layout_of(load_served_model(random_spec(**overrides)), page_size)
+
+
+def layout_of(loaded: LoadedModel, page_size: int) -> prefill_pb2.KVLayout:
+    """The KV layout a service serving `loaded` (as loaded, norms unfolded) with --page-size announces."""
     cache = KVCache(loaded.config, KVConfig(page_size=page_size, num_pages=1, max_requests=1))
     return KVLayout.of(cache, loaded.name, fingerprint(loaded.model, loaded.tokenizer)).to_pb()
 

@@ -120,3 +120,4 @@ def test_model_info(client: Client) -> None:
     assert list(info.layer_types) == ["sliding_attention"] * 2 + ["full_attention", "sliding_attention"]
     assert (info.sliding_window, info.page_size, info.dtype, info.has_tokenizer) == (8, 4, "float32", True)
     assert info.kv_pool.pages_total == 512 and info.kv_pool.window_slots_total == 4
+    assert info.quantization == "none"  # --quantization auto on an unquantized checkpoint

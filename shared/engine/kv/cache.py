@@ -4,6 +4,11 @@ Full layers: `k_pages/v_pages [n_full, num_pages, page_size, Hkv, D]`; a request
 whole sequence. Sliding layers: `k_ring/v_ring [n_sliding, num_slots, W, Hkv, D]` plus `ring_pos
 [n_sliding, num_slots, W]` (the position stored at each ring index, -1 = empty); a request owns one
 slot, so its sliding-layer memory is W tokens whatever its length. Everything is preallocated once.
+
+`KVConfig.dtype` is what the pages and rings hold: the model's dtype, or float8 e4m3 (an FP8 cache,
+`--kv-cache-dtype fp8_e4m3`) with one K and one V scale per layer (`quant`; shared/kernels/kv_quant.py):
+attention quantizes what it stores and dequantizes what it reads. Whatever copies raw rows (snapshots,
+transfers) moves the same bytes either way, one byte an element instead of two.
 """
 
 from __future__ import annotations
@@ -14,9 +19,12 @@ import torch
 
 from shared.engine.host_copy import to_device
 from shared.engine.kv.allocator import UnitAllocator
+from shared.kernels.kv_quant import FP8_KV_DTYPE, KVQuant
 from shared.model.config import ModelConfig
 
-__all__ = ["KVCache", "KVConfig"]
+__all__ = ["KV_DTYPES", "KVCache", "KVConfig"]
+
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8_KV_DTYPE)
 
 
 @dataclass(frozen=True)
@@ -24,13 +32,28 @@ class KVConfig:
     page_size: int = 16
     num_pages: int = 512
     max_requests: int = 32  # window slots; also bounds the running batch
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # the model's, or FP8_KV_DTYPE (an FP8 cache)
     device: str = "cpu"
+    # An FP8 cache's scales, (k_scale, v_scale) for every layer of the model (a checkpoint's k_scale /
+    # v_scale); () = 1.0 for every layer. Only with dtype FP8_KV_DTYPE.
+    scales: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "max_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"KVConfig.dtype must be one of {[str(d) for d in KV_DTYPES]}, got {self.dtype}")
+        if self.scales and self.dtype != FP8_KV_DTYPE:
+            raise ValueError(f"KVConfig.scales are an FP8 cache's ({FP8_KV_DTYPE}), not {self.dtype}'s")
+        for pair in self.scales:
+            if len(pair) != 2:
+                raise ValueError(f"KVConfig.scales holds (k_scale, v_scale) pairs, got {pair!r}")
+            KVQuant(*pair)  # raises for a scale that is not a positive float32
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == FP8_KV_DTYPE
 
 
 class KVCache:
@@ -70,6 +93,23 @@ class KVCache:
         self.ring_pos_flat = [t.view(-1) for t in self.ring_pos_l]
         self.pages = UnitAllocator(cfg.num_pages, "page")
         self.slots = UnitAllocator(cfg.max_requests, "window slot")
+        # Each layer's FP8 scales (attention's `quant=`), or None for every layer of a model-dtype cache.
+        self.quant: tuple[KVQuant | None, ...] = self._quant(model, cfg)
+
+    @staticmethod
+    def _quant(model: ModelConfig, cfg: KVConfig) -> tuple[KVQuant | None, ...]:
+        if not cfg.fp8:
+            return (None,) * model.num_layers
+        if cfg.scales and len(cfg.scales) != model.num_layers:
+            pairs, layers = len(cfg.scales), model.num_layers
+            raise ValueError(f"KVConfig.scales has {pairs} (k_scale, v_scale) pairs for {layers} layers")
+        return tuple(KVQuant(*pair) for pair in cfg.scales) or (KVQuant(),) * model.num_layers
+
+    @property
+    def scale_values(self) -> tuple[float, ...]:
+        """Every layer's K then V scale, as float32 values (an FP8 cache's; () otherwise): what the
+        transfer handshake compares."""
+        return tuple(x for q in self.quant if q is not None for x in (q.k_scale, q.v_scale))
 
     @property
     def device(self) -> torch.device:

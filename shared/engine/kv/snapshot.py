@@ -23,6 +23,7 @@ from invariants import expect, predicates
 from shared.engine.host_copy import to_device
 from shared.engine.kv.cache import KVCache
 from shared.engine.kv.invariants import PREFIX_WINDOW_RESTORED
+from shared.kernels.kv_quant import as_bytes
 
 __all__ = ["pages_for_snapshot", "restore_window", "save_window"]
 
@@ -49,8 +50,10 @@ def _index(cache: KVCache, boundary: int, pages: list[int]) -> torch.Tensor:
 
 
 def _pool_rows(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool's K and V storage as token rows; an FP8 pool's as bytes (`as_bytes`): a snapshot
+    copies stored rows as they are, quantized or not."""
     h, d = cache.model.num_kv_heads, cache.model.head_dim
-    return cache.k_pages.view(-1, h, d), cache.v_pages.view(-1, h, d)
+    return as_bytes(cache.k_pages).view(-1, h, d), as_bytes(cache.v_pages).view(-1, h, d)
 
 
 def save_window(cache: KVCache, slot: int, boundary: int, pages: list[int]) -> torch.Tensor:
@@ -60,8 +63,8 @@ def save_window(cache: KVCache, slot: int, boundary: int, pages: list[int]) -> t
     h, d = cache.model.num_kv_heads, cache.model.head_dim
     idx = _index(cache, boundary, pages)
     k_rows, v_rows = _pool_rows(cache)
-    k_rows.index_copy_(0, idx, cache.k_ring[:, slot, :r].reshape(-1, h, d))
-    v_rows.index_copy_(0, idx, cache.v_ring[:, slot, :r].reshape(-1, h, d))
+    k_rows.index_copy_(0, idx, as_bytes(cache.k_ring)[:, slot, :r].reshape(-1, h, d))
+    v_rows.index_copy_(0, idx, as_bytes(cache.v_ring)[:, slot, :r].reshape(-1, h, d))
     return cache.ring_pos[:, slot, :r].clone()
 
 
@@ -75,8 +78,8 @@ def restore_window(
     s, h, d = len(cache.sliding_layers), cache.model.num_kv_heads, cache.model.head_dim
     idx = _index(cache, boundary, pages)
     k_rows, v_rows = _pool_rows(cache)
-    cache.k_ring[:, slot, :r] = k_rows.index_select(0, idx).view(s, r, h, d)
-    cache.v_ring[:, slot, :r] = v_rows.index_select(0, idx).view(s, r, h, d)
+    as_bytes(cache.k_ring)[:, slot, :r] = k_rows.index_select(0, idx).view(s, r, h, d)
+    as_bytes(cache.v_ring)[:, slot, :r] = v_rows.index_select(0, idx).view(s, r, h, d)
     cache.ring_pos[:, slot].fill_(-1)
     cache.ring_pos[:, slot, :r] = positions
     rows = torch.full((1,), slot, dtype=torch.int32)

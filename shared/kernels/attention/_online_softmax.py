@@ -75,21 +75,22 @@ def tile_queries(
     q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, qlen, kvh, q_off, has_key, stride_qt, stride_qh, stride_ot,
     stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions,
     qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh, stride_vds, stride_vdh,
-    rms_ptr, stride_rms, rms_size, rms_eps,
+    rms_ptr, stride_rms, rms_size, rms_eps, inv_k, inv_v,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, RMS: tl.constexpr, BLOCK_H: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """A program's query tile (`query_rows`), and with ROPE (decode-shaped calls) its prologue first:
     `fused_rope.decode_rope` rotates the token's query heads into the output rows, where the tile is
-    then loaded from, and where `has_key` rotates and stores the token's key. Returns query_rows'
-    values."""
+    then loaded from, and where `has_key` rotates and stores the token's key (quantized into an FP8
+    cache: KV_FP8, inv_k, inv_v). Returns query_rows' values."""
     if ROPE:
         decode_rope(
             q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, kvh, q_off < qlen, has_key, stride_qt, stride_qh,
             stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr, stride_cs,
             num_positions, qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh, stride_vds,
-            stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, GROUP, GROUP_P2, BLOCK_D, HEAD_DIM, NORM, RMS,
-            BLOCK_H,
+            stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, inv_k, inv_v, GROUP, GROUP_P2, BLOCK_D,
+            HEAD_DIM, NORM, RMS, BLOCK_H, KV_FP8,
         )  # fmt: skip
         rows_ptr, stride_t, stride_h = out_ptr, stride_ot, stride_oh
     else:

@@ -41,8 +41,9 @@ import triton
 import triton.language as tl
 
 from shared.kernels._checks import check_dims, check_dtype, check_same_device, check_store, fail
-from shared.kernels._round import round_to
+from shared.kernels._round import round_to, to_e4m3
 from shared.kernels._rows import load_row, rstd_of
+from shared.kernels.kv_quant import KVQuant
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,10 @@ def check_rope_in_kernel(
     k_new: torch.Tensor | None,
     v_new: torch.Tensor | None,
     max_q: int,
+    quant: KVQuant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every argument check of RoPE inside attention; returns the chunk's (k_new, v_new)."""
+    """Every argument check of RoPE inside attention; returns the chunk's (k_new, v_new). `quant`: the
+    store goes into an FP8 cache with these scales."""
     if k_new is None or v_new is None:
         fail(op, "RoPE inside attention needs the chunk's k_new and v_new")
     if max_q != 1:
@@ -106,7 +109,7 @@ def check_rope_in_kernel(
     for name, w in (("rope.q_weight", rope.q_weight), ("rope.k_weight", rope.k_weight)):
         if w is not None and (w.shape != (d,) or w.stride(0) != 1):
             fail(op, f"{name} must be a contiguous [{d}] tensor, got {tuple(w.shape)}")
-    check_store(op, k_new, v_new, rope.k_dst, rope.v_dst, rope.store_index)
+    check_store(op, k_new, v_new, rope.k_dst, rope.v_dst, rope.store_index, quant)
     if rope.rms_x is not None:
         x = rope.rms_x
         check_dims(op, "rope.rms_x", x, 2, "[T, H]")
@@ -179,15 +182,16 @@ def decode_rope(
     q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, kvh, has_tok, has_key, stride_qt, stride_qh, stride_ot,
     stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr, stride_cs, num_positions,
     qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh, stride_vds, stride_vdh,
-    rms_ptr, stride_rms, rms_size, rms_eps,
+    rms_ptr, stride_rms, rms_size, rms_eps, inv_k, inv_v,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NORM: tl.constexpr, RMS: tl.constexpr, BLOCK_H: tl.constexpr,
+    NORM: tl.constexpr, RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """A decode program's prologue: token tok0's GROUP query heads of kv head `kvh` rotated into this
     program's output rows (where `has_tok`: the program has a token), and, where `has_key` (the
     program that owns the token's key), its key rotated and stored with its v at store_index[tok0]
-    (a negative index: neither stored nor attended). Ends with a barrier: every thread's stores land
-    before any thread reads the query rows or the key back.
+    (a negative index: neither stored nor attended); into an FP8 cache (KV_FP8) quantized with inv_k
+    and inv_v, as any store into it is. Ends with a barrier: every thread's stores land before any
+    thread reads the query rows or the key back.
 
     Every load that needs only the token is issued first, the position's cos/sin next, then the math:
     a program's prologue is a chain of dependent loads that no K/V traffic hides (in a batch-64
@@ -252,7 +256,10 @@ def decode_rope(
     tl.store(out, q_rot, mask=q_mask)
     k = rotate(xk, xkp, ck, sk, kw, kwp, eps, scale, first, kn_ptr.dtype.element_ty, HALF, NORM, RMS)
     if RMS:
-        v = round_to(v.to(tl.float32) * scale, kd_ptr.dtype.element_ty).to(v.dtype)
+        v = round_to(v.to(tl.float32) * scale, vn_ptr.dtype.element_ty).to(v.dtype)
+    if KV_FP8:
+        k = to_e4m3(k.to(tl.float32), inv_k, kd_ptr.dtype.element_ty)
+        v = to_e4m3(v.to(tl.float32), inv_v, vd_ptr.dtype.element_ty)
     stored = k_ok & (dst >= 0)
     keep = k_mask & stored[:, None]
     row = tl.maximum(dst, 0)

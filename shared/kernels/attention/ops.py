@@ -6,6 +6,10 @@ attention call takes q and k before RoPE with `rope=` (`fused_rope.RopeInKernel`
 stores the K/V itself, which the Triton kernels do inside attention (`BatchAttention`,
 shared/engine/runner.py). Both implementations share every argument check and contract, and take
 only host-side sizes as Python ints, so neither ever syncs.
+
+`quant` (a layer's `KVQuant`, for an FP8 cache): every store into the cache quantizes, every read of it
+dequantizes, and a sliding layer's chunk keys are attended as the ring will hold them
+(`shared/kernels/kv_quant.py`). None (the default): the cache holds q's dtype, as always.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from shared.kernels.attention import reference
 from shared.kernels.attention.fused_rope import RopeInKernel, check_rope_in_kernel
+from shared.kernels.kv_quant import KVQuant
 
 Tensor = torch.Tensor
 
@@ -29,7 +34,7 @@ class AttentionOps(ABC):
     @abstractmethod
     def store_kv(
         self, k_new: torch.Tensor, v_new: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
-        dst_index: torch.Tensor,
+        dst_index: torch.Tensor, quant: KVQuant | None = None,
     ) -> None:  # fmt: skip
         """k_dst[dst_index[t]] = k_new[t], v likewise; dst [S, Hkv, D] is a cache or ring viewed flat."""
 
@@ -38,7 +43,7 @@ class AttentionOps(ABC):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
         cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
         k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-        rope: RopeInKernel | None = None,
+        rope: RopeInKernel | None = None, quant: KVQuant | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Causal (optionally windowed) attention over a paged cache that already holds the chunk.
 
@@ -50,7 +55,7 @@ class AttentionOps(ABC):
     def ring_attention(
         self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor,
         v_ring: torch.Tensor, slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int,
-        scale: float, window: int, rope: RopeInKernel | None = None,
+        scale: float, window: int, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Sliding-window attention over a ring of the history before the chunk plus the chunk itself.
 
@@ -65,40 +70,46 @@ class TorchOps(AttentionOps):
 
     name = "torch"
 
-    def store_kv(self, k_new: Tensor, v_new: Tensor, k_dst: Tensor, v_dst: Tensor, dst_index: Tensor) -> None:
-        reference.store_kv(k_new, v_new, k_dst, v_dst, dst_index)
+    def store_kv(
+        self, k_new: Tensor, v_new: Tensor, k_dst: Tensor, v_dst: Tensor, dst_index: Tensor,
+        quant: KVQuant | None = None,
+    ) -> None:  # fmt: skip
+        reference.store_kv(k_new, v_new, k_dst, v_dst, dst_index, quant)
 
     def paged_attention(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_q: Tensor, q_start: Tensor,
         *, max_q: int, scale: float, window: int | None, k_new: Tensor | None = None,
-        v_new: Tensor | None = None, rope: RopeInKernel | None = None,
+        v_new: Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
     ) -> Tensor:  # fmt: skip
         if rope is not None:
-            q, _, _ = _rope_and_store("paged_attention", rope, q, k_new, v_new, max_q)
+            q, _, _ = _rope_and_store("paged_attention", rope, q, k_new, v_new, max_q, quant)
         return reference.paged_attention(
-            q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window
-        )
+            q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window,
+            quant=quant,
+        )  # fmt: skip
 
     def ring_attention(
         self, q: Tensor, k_new: Tensor, v_new: Tensor, k_ring: Tensor, v_ring: Tensor, slots: Tensor,
         cu_q: Tensor, q_start: Tensor, *, max_q: int, scale: float, window: int,
-        rope: RopeInKernel | None = None,
+        rope: RopeInKernel | None = None, quant: KVQuant | None = None,
     ) -> Tensor:  # fmt: skip
         if rope is not None:
-            q, k_new, v_new = _rope_and_store("ring_attention", rope, q, k_new, v_new, max_q)
+            q, k_new, v_new = _rope_and_store("ring_attention", rope, q, k_new, v_new, max_q, quant)
         return reference.ring_attention(
-            q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window
-        )
+            q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window,
+            quant=quant,
+        )  # fmt: skip
 
 
 def _rope_and_store(
-    op: str, rope: RopeInKernel, q: Tensor, k_new: Tensor | None, v_new: Tensor | None, max_q: int
-) -> tuple[Tensor, Tensor, Tensor]:
+    op: str, rope: RopeInKernel, q: Tensor, k_new: Tensor | None, v_new: Tensor | None, max_q: int,
+    quant: KVQuant | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """What the Triton kernels do inside attention, in torch: the input norm's row scale (`rms_x`),
-    RoPE (and the q/k norm), then the store."""
+    RoPE (and the q/k norm), then the store (quantized into an FP8 cache)."""
     from shared.kernels import reference as model_reference
 
-    k_new, v_new = check_rope_in_kernel(op, rope, q, k_new, v_new, max_q)
+    k_new, v_new = check_rope_in_kernel(op, rope, q, k_new, v_new, max_q, quant)
     if rope.rms_x is not None:
         x, eps = rope.rms_x, rope.rms_eps
         q, k_new, v_new = (
@@ -107,7 +118,7 @@ def _rope_and_store(
     q, k_new = model_reference.rope(
         q, k_new, rope.positions, rope.cos_sin, rope.q_weight, rope.k_weight, rope.eps
     )
-    reference.store_kv(k_new, v_new, rope.k_dst, rope.v_dst, rope.store_index)
+    reference.store_kv(k_new, v_new, rope.k_dst, rope.v_dst, rope.store_index, quant)
     return q, k_new, v_new
 
 
@@ -126,27 +137,30 @@ class TritonOps(AttentionOps):
         self._paged = paged_attention.paged_attention
         self._ring = ring_attention.ring_attention
 
-    def store_kv(self, k_new: Tensor, v_new: Tensor, k_dst: Tensor, v_dst: Tensor, dst_index: Tensor) -> None:
-        self._store_kv(k_new, v_new, k_dst, v_dst, dst_index)
+    def store_kv(
+        self, k_new: Tensor, v_new: Tensor, k_dst: Tensor, v_dst: Tensor, dst_index: Tensor,
+        quant: KVQuant | None = None,
+    ) -> None:  # fmt: skip
+        self._store_kv(k_new, v_new, k_dst, v_dst, dst_index, quant)
 
     def paged_attention(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_q: Tensor, q_start: Tensor,
         *, max_q: int, scale: float, window: int | None, k_new: Tensor | None = None,
-        v_new: Tensor | None = None, rope: RopeInKernel | None = None,
+        v_new: Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
     ) -> Tensor:  # fmt: skip
         return self._paged(
             q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window,
-            k_new=k_new, v_new=v_new, rope=rope,
+            k_new=k_new, v_new=v_new, rope=rope, quant=quant,
         )  # fmt: skip
 
     def ring_attention(
         self, q: Tensor, k_new: Tensor, v_new: Tensor, k_ring: Tensor, v_ring: Tensor, slots: Tensor,
         cu_q: Tensor, q_start: Tensor, *, max_q: int, scale: float, window: int,
-        rope: RopeInKernel | None = None,
+        rope: RopeInKernel | None = None, quant: KVQuant | None = None,
     ) -> Tensor:  # fmt: skip
         return self._ring(
             q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window,
-            rope=rope,
+            rope=rope, quant=quant,
         )  # fmt: skip
 
 

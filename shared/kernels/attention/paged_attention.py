@@ -8,6 +8,10 @@ writes a partial result that `merge_splits` combines (`_split_k.py`).
 
 All loop bounds are read on the device from cu_q / q_start, so the launch depends on host sizes
 only and the whole call can be captured in a CUDA graph.
+
+An FP8 cache (`quant`, KV_FP8) is read a tile at a time and converted to q's dtype (exact: every e4m3
+value is one), so the loop is the plain kernel's: K's per-tensor scale is folded into the softmax
+scale and V's multiplies the output once, after the loop.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import triton.language as tl
 
 from shared.kernels._checks import check_last_dim_contiguous, check_paged
 from shared.kernels._launch import (
-    LOG2E,
     Tiles,
     check_triton_device,
     choose_splits,
     f32_dot,
     fills_gpu,
+    quant_args,
     resolve_tiles,
+    softmax_scale,
 )
 from shared.kernels._round import rounding_options
 from shared.kernels.attention._online_softmax import attend_block, chunk_of, tile_queries
@@ -35,6 +40,7 @@ from shared.kernels.attention.fused_rope import (
     kernel_args,
     rms_constexprs,
 )
+from shared.kernels.kv_quant import KVQuant
 
 
 # num_tokens and the block table's width change every step, num_splits every batch shape: specializing
@@ -51,11 +57,11 @@ def _paged_attention_kernel(
     stride_bt, stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
     kn_ptr, vn_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
-    stride_vdh, num_positions, eps, rms_ptr, stride_rms, rms_size, rms_eps,
+    stride_vdh, num_positions, eps, rms_ptr, stride_rms, rms_size, rms_eps, v_scale, inv_k, inv_v,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-    RMS: tl.constexpr, BLOCK_H: tl.constexpr,
+    RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -72,8 +78,8 @@ def _paged_attention_kernel(
         q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, qlen, kvh, q_off, live & (split == num_splits - 1), stride_qt,
         stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr,
         stride_cs, num_positions, qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh,
-        stride_vds, stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, GROUP, GROUP_P2, BLOCK_M, BLOCK_D,
-        HEAD_DIM, ROPE, NORM, RMS, BLOCK_H,
+        stride_vds, stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, inv_k, inv_v, GROUP, GROUP_P2,
+        BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM, RMS, BLOCK_H, KV_FP8,
     )  # fmt: skip
     qpos = start + qi
     # Keys this tile can see: [lo, hi). A tile past the chunk's end (max_q covers the longest chunk)
@@ -101,10 +107,15 @@ def _paged_attention_kernel(
         k = tl.load(k_ptr + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v_row = page * stride_vp + slot * stride_vs + kvh * stride_vh
         v = tl.load(v_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:  # exact; the scales are applied outside the loop
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
         visible = n_ok[None, :] & (n[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             visible = visible & (n[None, :] > qpos[:, None] - window)
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
+    if KV_FP8:
+        acc = acc * v_scale
 
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
@@ -116,7 +127,7 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
     num_splits: int | None = None, tiles: Tiles | None = None, k_new: torch.Tensor | None = None,
-    v_new: torch.Tensor | None = None, rope: RopeInKernel | None = None,
+    v_new: torch.Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.paged_attention` (same arguments, same contracts).
 
@@ -129,14 +140,14 @@ def paged_attention(
     for tuning sweeps.
     """
     op = "paged_attention"
-    vl = check_paged(op, q, k_cache, v_cache, block_table, cu_q, q_start, max_q, scale, window)
+    vl = check_paged(op, q, k_cache, v_cache, block_table, cu_q, q_start, max_q, scale, window, quant)
     check_last_dim_contiguous(op, q=q, k_cache=k_cache, v_cache=v_cache)
     if block_table.stride(1) != 1:
         raise ValueError(f"{op}: block_table rows must be contiguous, got strides {block_table.stride()}")
     check_triton_device(op, q.device)
     kn, vn = k_cache[0], v_cache[0]  # unread without rope
     if rope is not None:
-        kn, vn = check_rope_in_kernel(op, rope, q, k_new, v_new, max_q)
+        kn, vn = check_rope_in_kernel(op, rope, q, k_new, v_new, max_q, quant)
         check_last_dim_contiguous(op, k_new=kn, v_new=vn)
     page_size = k_cache.shape[1]
     full = fills_gpu(q.device, vl.batch * vl.num_kv_heads)
@@ -151,13 +162,14 @@ def paged_attention(
         q, k_cache, v_cache, block_table, cu_q, q_start, out, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads, float(scale) * LOG2E,
+        out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads, softmax_scale(scale, quant),
         window if window is not None else 0, num_splits,
         kn, vn, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), *kernel_args(rope, q, kn),
+        *quant_args(quant),
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim, PAGE_SIZE=page_size,
         HAS_WINDOW=window is not None, F32_DOT=f32_dot(q.dtype), ROPE=rope is not None,
-        NORM=rope is not None and rope.norm, **rms_constexprs(rope),
+        NORM=rope is not None and rope.norm, **rms_constexprs(rope), KV_FP8=quant is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **rounding_options(q.dtype),
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

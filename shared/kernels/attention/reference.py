@@ -4,6 +4,11 @@ Shapes are fixed by host-side sizes only (T, B, max_q, the block table's width, 
 nothing here waits for the device: sequences are padded to a [B, max_q] query grid and a [B, K] key
 grid, and masks decide what is seen. That costs memory (scores are [B, Hkv, max_q * G, K] in fp32)
 but is simple enough to trust.
+
+With `quant` (an FP8 cache, `shared/kernels/kv_quant.py`) stores quantize and reads dequantize to
+float32; a sliding layer's chunk keys, which attention takes from k_new/v_new rather than the ring,
+are read as the ring will hold them (quantized and back), so every key a query sees is what the cache
+holds, whichever path computed it.
 """
 
 from __future__ import annotations
@@ -11,16 +16,24 @@ from __future__ import annotations
 import torch
 
 from shared.kernels._checks import check_paged, check_ring, check_store
+from shared.kernels.kv_quant import KVQuant, dequantize, quantize
 
 
 def store_kv(
     k_new: torch.Tensor, v_new: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
-    dst_index: torch.Tensor,
+    dst_index: torch.Tensor, quant: KVQuant | None = None,
 ) -> None:  # fmt: skip
-    """Scatter rows: k_dst[dst_index[t]] = k_new[t] (same for v); rows with dst_index < 0 are skipped."""
-    check_store("store_kv", k_new, v_new, k_dst, v_dst, dst_index)
+    """Scatter rows: k_dst[dst_index[t]] = k_new[t] (same for v); rows with dst_index < 0 are skipped.
+    With `quant` the destination is FP8 and the rows are quantized first."""
+    check_store("store_kv", k_new, v_new, k_dst, v_dst, dst_index, quant)
     if k_new.shape[0] == 0:
         return
+    if quant is not None:  # the rows' FP8 bytes, moved as uint8 (torch has few float8 ops)
+        k_new, v_new = (
+            quantize(k_new, quant.inv_k).view(torch.uint8),
+            quantize(v_new, quant.inv_v).view(torch.uint8),
+        )
+        k_dst, v_dst = k_dst.view(torch.uint8), v_dst.view(torch.uint8)
     # Skipped rows cannot be dropped without a data-dependent shape, so they are redirected onto a
     # "donor" (the first kept row) and carry the donor's data: duplicate writes then write identical
     # bytes and the result does not depend on which one lands. With no kept row at all, the donor is
@@ -33,6 +46,13 @@ def store_kv(
     for new, dst in ((k_new, k_dst), (v_new, v_dst)):
         donor = torch.where(any_kept[:, None, None], new.index_select(0, first), dst[:1])
         dst.index_copy_(0, index, torch.where(keep[:, None, None], new, donor))
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """cache[index]; an FP8 cache's (`scale` given) gathered as bytes and dequantized to float32."""
+    if scale is None:
+        return cache[index]
+    return dequantize(cache.view(torch.uint8)[index].view(cache.dtype), scale)
 
 
 def _query_grid(
@@ -74,6 +94,7 @@ def _attend(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
+    quant: KVQuant | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Causal (optionally sliding-window) attention of varlen queries over a paged KV cache.
 
@@ -81,7 +102,9 @@ def paged_attention(
     window W only p-W+1..p. Contracts: cu_q[-1] == T, every chunk has <= max_q tokens, and each
     sequence's pages up to its last query position are in its block_table row.
     """
-    vl = check_paged("paged_attention", q, k_cache, v_cache, block_table, cu_q, q_start, max_q, scale, window)
+    vl = check_paged(
+        "paged_attention", q, k_cache, v_cache, block_table, cu_q, q_start, max_q, scale, window, quant
+    )
     num_pages, page_size, hkv, d = k_cache.shape
     b, max_pages = block_table.shape
     tok, q_ok, qpos, slot = _query_grid(cu_q, q_start, max_q, vl.num_tokens)
@@ -92,8 +115,9 @@ def paged_attention(
     ctx = (q_start.long() + (cu_q[1:] - cu_q[:-1]).long())[:, None]
     key_ok = kpos[None, :] < ctx  # [B, K]
     keep = key_ok[:, :, None, None]
-    k = torch.where(keep, k_cache[pages].view(b, -1, hkv, d), 0)
-    v = torch.where(keep, v_cache[pages].view(b, -1, hkv, d), 0)
+    k_scale, v_scale = (None, None) if quant is None else (quant.k_scale, quant.v_scale)
+    k = torch.where(keep, _gather(k_cache, pages, k_scale).view(b, -1, hkv, d), 0)
+    v = torch.where(keep, _gather(v_cache, pages, v_scale).view(b, -1, hkv, d), 0)
     visible = key_ok[:, None, :] & (kpos[None, None, :] <= qpos[:, :, None])
     if window is not None:
         visible &= kpos[None, None, :] > qpos[:, :, None] - window
@@ -113,6 +137,7 @@ def ring_positions(q_start: torch.Tensor, window: int) -> torch.Tensor:
 def ring_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
     slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int,
+    quant: KVQuant | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Sliding-window attention over a ring of the last W positions plus the chunk's own K/V.
 
@@ -120,7 +145,7 @@ def ring_attention(
     Query position p sees keys in p-W+1..p drawn from the ring and from the chunk (causally).
     """
     vl = check_ring(
-        "ring_attention", q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q, scale, window
+        "ring_attention", q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q, scale, window, quant
     )
     tok, q_ok, qpos, slot = _query_grid(cu_q, q_start, max_q, vl.num_tokens)
     ring_pos = ring_positions(q_start, window)
@@ -128,8 +153,14 @@ def ring_attention(
     key_ok = torch.cat([ring_pos >= 0, q_ok], dim=1)
     keep = key_ok[:, :, None, None]
     ring_rows = slots.long()
-    k = torch.where(keep, torch.cat([k_ring[ring_rows], k_new[tok]], dim=1), 0)
-    v = torch.where(keep, torch.cat([v_ring[ring_rows], v_new[tok]], dim=1), 0)
+    if quant is None:
+        k_hist, v_hist, k_chunk, v_chunk = k_ring[ring_rows], v_ring[ring_rows], k_new[tok], v_new[tok]
+    else:  # the chunk's keys as the ring will hold them
+        k_hist, v_hist = _gather(k_ring, ring_rows, quant.k_scale), _gather(v_ring, ring_rows, quant.v_scale)
+        k_chunk = dequantize(quantize(k_new[tok], quant.inv_k), quant.k_scale)
+        v_chunk = dequantize(quantize(v_new[tok], quant.inv_v), quant.v_scale)
+    k = torch.where(keep, torch.cat([k_hist, k_chunk], dim=1), 0)
+    v = torch.where(keep, torch.cat([v_hist, v_chunk], dim=1), 0)
     rel = kpos[:, None, :] - qpos[:, :, None]  # key position minus query position
     visible = key_ok[:, None, :] & (rel <= 0) & (rel > -window)
     return _attend(q[tok], k, v, visible, q_ok, slot, scale)

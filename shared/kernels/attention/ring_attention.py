@@ -11,6 +11,10 @@ the ring holds it too, as its newest entry: pass 1 reads it last, and there is n
 Decode-shaped calls (see `_launch.choose_splits`) split pass 1 over num_splits programs per query
 tile, each taking a run of whole key tiles of the filled entries; pass 2 belongs to the last split,
 and `merge_splits` combines the partial results (`_split_k.py`, shared with paged attention).
+
+An FP8 ring (`quant`, KV_FP8) is read as paged attention reads FP8 pages (converted to q's dtype,
+K's scale in the softmax scale, V's on the output); pass 2's chunk keys, read from k_new/v_new, are
+quantized and converted back first, so that they are what the ring will hold (as the reference does).
 """
 
 from __future__ import annotations
@@ -21,15 +25,16 @@ import triton.language as tl
 
 from shared.kernels._checks import check_last_dim_contiguous, check_ring
 from shared.kernels._launch import (
-    LOG2E,
     Tiles,
     check_triton_device,
     choose_splits,
     f32_dot,
     fills_gpu,
+    quant_args,
     resolve_tiles,
+    softmax_scale,
 )
-from shared.kernels._round import rounding_options
+from shared.kernels._round import rounding_options, to_e4m3
 from shared.kernels.attention._online_softmax import attend_block, chunk_of, tile_queries
 from shared.kernels.attention._split_k import merge, outputs, split_range, store_result
 from shared.kernels.attention.fused_rope import (
@@ -38,6 +43,7 @@ from shared.kernels.attention.fused_rope import (
     kernel_args,
     rms_constexprs,
 )
+from shared.kernels.kv_quant import KVQuant
 
 
 # num_tokens changes every step and num_splits every batch shape: specializing on either (== 1, % 16)
@@ -54,11 +60,11 @@ def _ring_attention_kernel(
     stride_krs, stride_kri, stride_krh, stride_vrs, stride_vri, stride_vrh,
     stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
-    stride_vdh, num_positions, eps, rms_ptr, stride_rms, rms_size, rms_eps,
+    stride_vdh, num_positions, eps, rms_ptr, stride_rms, rms_size, rms_eps, v_scale, inv_k, inv_v,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
     ROPE: tl.constexpr, NORM: tl.constexpr,
-    RMS: tl.constexpr, BLOCK_H: tl.constexpr,
+    RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -94,8 +100,8 @@ def _ring_attention_kernel(
         q_ptr, out_ptr, kn_ptr, vn_ptr, tok0, qlen, kvh, q_off, has_key, stride_qt,
         stride_qh, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh, pos_ptr, cs_ptr,
         stride_cs, num_positions, qw_ptr, kw_ptr, eps, idx_ptr, kd_ptr, vd_ptr, stride_kds, stride_kdh,
-        stride_vds, stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, GROUP, GROUP_P2, BLOCK_M, BLOCK_D,
-        HEAD_DIM, ROPE, NORM, RMS, BLOCK_H,
+        stride_vds, stride_vdh, rms_ptr, stride_rms, rms_size, rms_eps, inv_k, inv_v, GROUP, GROUP_P2,
+        BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM, RMS, BLOCK_H, KV_FP8,
     )  # fmt: skip
     qpos = start + qi
 
@@ -113,6 +119,9 @@ def _ring_attention_kernel(
         kv_mask = t_ok[:, None] & d_ok
         k = tl.load(kr_base + i[:, None] * stride_kri + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(vr_base + i[:, None] * stride_vri + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:  # exact; the scales are applied outside the loop
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
         visible = t_ok[None, :] & ((first + t)[None, :] > qpos[:, None] - window)
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
 
@@ -131,9 +140,14 @@ def _ring_attention_kernel(
             k = tl.load(kn_ptr + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v_row = jt * stride_vnt + kvh * stride_vnh
             v = tl.load(vn_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:  # as the ring will hold them
+                k = to_e4m3(k.to(tl.float32), inv_k, kr_ptr.dtype.element_ty).to(q_ptr.dtype.element_ty)
+                v = to_e4m3(v.to(tl.float32), inv_v, vr_ptr.dtype.element_ty).to(q_ptr.dtype.element_ty)
             rel = j[None, :] - qi[:, None]
             visible = j_ok[None, :] & (rel <= 0) & (rel > -window)
             acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
+    if KV_FP8:
+        acc = acc * v_scale
 
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
@@ -145,6 +159,7 @@ def ring_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
     slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int,
     num_splits: int | None = None, tiles: Tiles | None = None, rope: RopeInKernel | None = None,
+    quant: KVQuant | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.ring_attention` (same arguments, same contracts).
 
@@ -156,11 +171,11 @@ def ring_attention(
     num_stages (`_launch.resolve_tiles` checks it; None is `choose_tiles`): for tuning sweeps.
     """
     op = "ring_attention"
-    vl = check_ring(op, q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q, scale, window)
+    vl = check_ring(op, q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q, scale, window, quant)
     check_last_dim_contiguous(op, q=q, k_new=k_new, v_new=v_new, k_ring=k_ring, v_ring=v_ring)
     check_triton_device(op, q.device)
     if rope is not None:
-        check_rope_in_kernel(op, rope, q, k_new, v_new, max_q)
+        check_rope_in_kernel(op, rope, q, k_new, v_new, max_q, quant)
     full = fills_gpu(q.device, vl.batch * vl.num_kv_heads)
     tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q, full)
     # The ring's W entries are what gets split (the chunk's keys all go to the last split).
@@ -172,11 +187,11 @@ def ring_attention(
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_ring.stride(0), k_ring.stride(1), k_ring.stride(2), v_ring.stride(0), v_ring.stride(1),
         v_ring.stride(2), out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads,
-        float(scale) * LOG2E, window, num_splits, *kernel_args(rope, q, k_new),
+        softmax_scale(scale, quant), window, num_splits, *kernel_args(rope, q, k_new), *quant_args(quant),
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim,
         F32_DOT=f32_dot(q.dtype), ROPE=rope is not None, NORM=rope is not None and rope.norm,
-        **rms_constexprs(rope), num_warps=tiles.num_warps,
+        **rms_constexprs(rope), KV_FP8=quant is not None, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **rounding_options(q.dtype),
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

@@ -24,6 +24,7 @@ def model_info(
         eos_token_ids=list(cfg.eos_token_ids),
         has_tokenizer=loaded.tokenizer is not None,
         has_chat_template=loaded.tokenizer is not None and loaded.tokenizer.chat_template is not None,
+        quantization=loaded.model.quantization,
         kv_pool=pb.KVPoolState(
             pages_total=pool.pages_total,
             pages_free=pool.pages_free,

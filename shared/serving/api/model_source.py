@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from shared.model import FULL, SLIDING, LoadedModel, ModelConfig, Tokenizer, Transformer, load_model
+from shared.model.quant import quantize_model
 
 __all__ = [
     "RANDOM_PREFIX", "auto_dtype", "cpu_bf16_fast", "load_served_model", "random_model_config",
@@ -121,15 +122,19 @@ def auto_dtype(device: torch.device | str, stored: torch.dtype | None) -> torch.
 
 
 def load_served_model(
-    spec: str, *, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32
-) -> LoadedModel:
+    spec: str, *, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32,
+    quantization: str = "auto",
+) -> LoadedModel:  # fmt: skip
     """`spec`: "" (embedded default), a checkpoint path (HF directory or .gguf), or `random:<json>`.
-    `dtype`: a torch dtype, its name (`bfloat16`, as CommonConfig normalizes it), or `auto`."""
+    `dtype`: a torch dtype, its name (`bfloat16`, as CommonConfig normalizes it), or `auto`.
+    `quantization`: the projections' weights (`shared/model/quant`: auto, none, fp8, fp8-block); a
+    random model is quantized after it is built, as a checkpoint is while it loads."""
     if spec.startswith(RANDOM_PREFIX):
-        return _random_model(spec, device, torch.float32 if dtype == "auto" else _dtype(dtype))
-    if dtype == "auto":
-        return load_model(spec or None, dtype=lambda stored: auto_dtype(device, stored), device=device)
-    return load_model(spec or None, dtype=_dtype(dtype), device=device)
+        loaded = _random_model(spec, device, torch.float32 if dtype == "auto" else _dtype(dtype))
+        quantize_model(loaded.model, quantization)
+        return loaded
+    rule = (lambda stored: auto_dtype(device, stored)) if dtype == "auto" else _dtype(dtype)
+    return load_model(spec or None, dtype=rule, device=device, quantization=quantization)
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:

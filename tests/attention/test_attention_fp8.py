@@ -1,0 +1,269 @@
+"""FP8 KV caches (`quant=`): the quantizer saturates and rounds to nearest-even, every Triton store
+(store_kv, RoPE's store, RoPE inside decode attention) writes the torch reference's bytes, and paged
+and ring attention over FP8 pages and rings compute what the naive attention computes over the
+dequantized history: interpreted on CPU, compiled on CUDA (`gpu`: serving-sized shapes too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attn_testutil import TOLERANCE, Batch, assert_close, make_batch, naive
+from cases import SPECS
+
+from shared.kernels import KVStore, TorchKernels
+from shared.kernels.attention import ops_for
+from shared.kernels.attention.fused_rope import RopeInKernel
+from shared.kernels.kv_quant import FP8_KV_DTYPE, FP8_MAX, KVQuant, dequantize, quantize
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+QUANTS = {"scale-1": KVQuant(), "calibrated": KVQuant(0.03, 4.0)}
+BACKENDS = ["torch", "triton"]
+
+
+def same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes, NaN's sign aside (the GPU's cast and torch's may differ on it)."""
+    nan = a.float().isnan()
+    return torch.equal(nan, b.float().isnan()) and torch.equal(
+        a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan]
+    )
+
+
+def awkward(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Values over many octaves (e4m3's subnormals to past its range), with ties, saturation, inf, NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape, generator=gen) * 3)
+    flat = x.view(-1)
+    special = [8.5, 9.5, -(2.0**-10), 1.5 * 2.0**-10, 2.0**-9, 447.0, 460.0, -1e6, float("inf"), float("nan")]
+    flat[: len(special)] = torch.tensor(special)
+    return x.to(dtype).to(DEVICE)
+
+
+def test_quantize_saturates_rounds_to_nearest_even_and_keeps_nan() -> None:
+    x = torch.tensor([0.0, 1.0, 7.9, 8.5, 9.5, 447.9, 448.0, 449.0, 1e6, float("inf"), -float("inf"),
+                      2.0**-9, 2.0**-10, 1.5 * 2.0**-10, 2.0**-12, -3.3, float("nan")])  # fmt: skip
+    want = [0.0, 1.0, 8.0, 8.0, 10.0, 448.0, 448.0, 448.0, 448.0, 448.0, -448.0,
+            2.0**-9, 0.0, 2.0**-9, 0.0, -3.25]  # fmt: skip
+    q = quantize(x, 1.0)
+    assert q.dtype == FP8_KV_DTYPE and FP8_MAX == 448.0
+    assert q.float()[:-1].tolist() == want and q.float()[-1].isnan()
+    # A scale maps the range: 1000 / 4 = 250 -> 256 (steps of 16 there), read back as 1024.
+    assert dequantize(quantize(torch.tensor([1000.0]), KVQuant(4.0).inv_k), 4.0).item() == 1024.0
+
+
+def test_scales_are_float32_and_positive() -> None:
+    q = KVQuant(0.1, 2)
+    assert q.k_scale == torch.tensor(0.1).item() and q.v_scale == 2.0 and q.inv_v == 0.5
+    for bad in (0.0, -1.0, float("inf"), float("nan"), 1e-300, 1e300, True):
+        with pytest.raises(ValueError, match="positive float32"):
+            KVQuant(k_scale=bad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("quant", list(QUANTS))
+def test_store_kv_quantizes_like_the_reference(backend: str, dtype: torch.dtype, quant: str) -> None:
+    q = QUANTS[quant]
+    k_new, v_new = awkward((6, 2, 16), dtype, 1), awkward((6, 2, 16), dtype, 2)
+    index = torch.tensor([7, -1, 0, 19, -1, 12], device=DEVICE)
+    k_dst = torch.full((20, 2, 16), 3.0, device=DEVICE).to(FP8_KV_DTYPE)
+    v_dst = k_dst.clone()
+    ops_for(DEVICE, backend=backend).store_kv(k_new, v_new, k_dst, v_dst, index, q)
+    want_k = torch.full((20, 2, 16), 3.0).to(FP8_KV_DTYPE)
+    want_v = want_k.clone()
+    for t, dst in enumerate(index.tolist()):
+        if dst >= 0:
+            want_k[dst], want_v[dst] = quantize(k_new[t].cpu(), q.inv_k), quantize(v_new[t].cpu(), q.inv_v)
+    assert same_fp8(k_dst.cpu(), want_k) and same_fp8(v_dst.cpu(), want_v)
+
+
+def test_an_fp8_cache_needs_its_scales_and_scales_an_fp8_cache() -> None:
+    ops = ops_for(DEVICE, backend="torch")
+    k = torch.randn(2, 1, 4, device=DEVICE)
+    fp8 = torch.zeros(4, 1, 4, device=DEVICE).to(FP8_KV_DTYPE)
+    index = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ValueError, match="needs quant="):
+        ops.store_kv(k, k, fp8, fp8.clone(), index)
+    with pytest.raises(ValueError, match=r"needs a torch\.float8_e4m3fn cache"):
+        ops.store_kv(k, k, k.new_zeros(4, 1, 4), k.new_zeros(4, 1, 4), index, KVQuant())
+    b = make_batch([(3, 1)], device=DEVICE)
+    k8, v8 = (quantize(c, 1.0) for c in (b.k_cache, b.v_cache))
+    with pytest.raises(ValueError, match="an FP8 cache needs quant="):
+        ops.paged_attention(
+            b.q, k8, v8, b.block_table, b.cu_q, b.q_start, max_q=1, scale=b.scale, window=None
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("quant", list(QUANTS))
+def test_ropes_store_quantizes_like_the_reference(dtype: torch.dtype, quant: str) -> None:
+    from shared.kernels import rope as rope_kernel
+
+    q_scales = QUANTS[quant]
+    gen = torch.Generator().manual_seed(3)
+    t, hq, hkv, d = 5, 4, 2, 16
+    q, k, v = (torch.randn(t, h, d, generator=gen).mul(8).to(dtype).to(DEVICE) for h in (hq, hkv, hkv))
+    positions = torch.tensor([0, 3, 9, 17, 2], device=DEVICE)
+    freqs = torch.arange(32, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
+    index = torch.tensor([4, 0, -1, 9, 2], device=DEVICE)
+    caches = []
+    for store in (rope_kernel.rope, TorchKernels().rope_store):
+        kd, vd = (torch.zeros(12, hkv, d, device=DEVICE).to(FP8_KV_DTYPE) for _ in "kv")
+        target = KVStore(kd, vd, index, q_scales)
+        if store is rope_kernel.rope:
+            store(q, k, positions, cos_sin, store=target, v=v)
+        else:
+            store(q, k, v, positions, cos_sin, target)
+        caches.append((kd.cpu(), vd.cpu()))
+    (kt, vt), (kr, vr) = caches
+    assert same_fp8(vt, vr)
+    if dtype != torch.float32 or DEVICE == "cpu":  # a GPU may fuse fp32 products and sums
+        assert same_fp8(kt, kr)
+    else:
+        torch.testing.assert_close(kt.float(), kr.float(), rtol=0.07, atol=0)
+
+
+def fp8_batch(
+    specs: list[tuple[int, int]], quant: KVQuant, **kw
+) -> tuple[Batch, list[torch.Tensor], list[torch.Tensor]]:
+    """make_batch with its pages and rings stored in FP8 (NaN fill stays NaN: reading outside a
+    sequence shows), and the history as attention must see it: quantized and back, in float32."""
+    b = make_batch(specs, device=DEVICE, **kw)
+    b.k_cache, b.v_cache = quantize(b.k_cache, quant.inv_k), quantize(b.v_cache, quant.inv_v)
+    if b.k_ring is not None and b.v_ring is not None:
+        b.k_ring, b.v_ring = quantize(b.k_ring, quant.inv_k), quantize(b.v_ring, quant.inv_v)
+    hist_k = [dequantize(quantize(h, quant.inv_k), quant.k_scale) for h in b.hist_k]
+    hist_v = [dequantize(quantize(h, quant.inv_v), quant.v_scale) for h in b.hist_v]
+    return b, hist_k, hist_v
+
+
+CASES = ["prefill-from-0", "prefill-mid", "decode-around-W", "mixed"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quant", list(QUANTS))
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("case", CASES)
+def test_paged_attention_over_fp8_pages(backend, dtype, quant, window, case) -> None:
+    q = QUANTS[quant]
+    b, hist_k, hist_v = fp8_batch(SPECS[case], q, hq=4, hkv=2, d=16, page_size=4, window=window, dtype=dtype)
+    out = ops_for(DEVICE, backend=backend).paged_attention(
+        *b.paged_args(), max_q=b.max_q, scale=b.scale, window=window, quant=q
+    )
+    assert_close(out, naive(b.q, hist_k, hist_v, b.specs, window=window, scale=b.scale))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quant", list(QUANTS))
+@pytest.mark.parametrize("window", [1, 5, 8])
+@pytest.mark.parametrize("case", CASES)
+def test_ring_attention_over_fp8_rings(backend, dtype, quant, window, case) -> None:
+    """The chunk's own keys come from k_new/v_new, and are attended as the ring will hold them."""
+    q = QUANTS[quant]
+    b, hist_k, hist_v = fp8_batch(SPECS[case], q, hq=6, hkv=2, d=24, page_size=4, window=window, dtype=dtype)
+    out = ops_for(DEVICE, backend=backend).ring_attention(
+        *b.ring_args(), max_q=b.max_q, scale=b.scale, window=window, quant=q
+    )
+    assert_close(out, naive(b.q, hist_k, hist_v, b.specs, window=window, scale=b.scale))
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_split_k_over_fp8(num_splits: int) -> None:
+    q = QUANTS["calibrated"]
+    ops = ops_for(DEVICE, backend="triton")
+    b, hist_k, hist_v = fp8_batch(SPECS["decode-pages"], q, hq=8, hkv=2, window=5, dtype=torch.bfloat16)
+    want = naive(b.q, hist_k, hist_v, b.specs, window=5, scale=b.scale)
+    paged = ops._paged(*b.paged_args(), max_q=1, scale=b.scale, window=5, num_splits=num_splits, quant=q)
+    ring = ops._ring(*b.ring_args(), max_q=1, scale=b.scale, window=5, num_splits=num_splits, quant=q)
+    assert_close(paged, want)
+    assert_close(ring, want)
+
+
+ROPE_SPECS = [(6, 1), (7, 1), (8, 1), (3, 1), (16, 1), (33, 1)]
+
+
+@pytest.mark.parametrize("kind", ["ring", "paged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_rope_inside_attention_stores_fp8_like_the_reference(kind: str, dtype, num_splits: int) -> None:
+    """Decode's RoPE inside attention: the Triton kernel's quantized K/V store is the torch path's,
+    byte for byte, and so is what it attends (the token read back from its FP8 page or entry)."""
+    q, w, page, d = QUANTS["calibrated"], 8, 4, 16
+    b = make_batch(ROPE_SPECS, hq=4, hkv=2, d=d, page_size=page, window=w, dtype=dtype, device=DEVICE, seed=5)
+    freqs = torch.arange(64, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
+    if kind == "ring":
+        dst = (b.slots.long() * w + b.q_start.long() % w).to(DEVICE)
+        caches = (quantize(b.k_ring, q.inv_k), quantize(b.v_ring, q.inv_v))
+    else:
+        dst = torch.tensor([int(b.block_table[i, l0 // page]) * page + l0 % page for i, (l0, _) in
+                            enumerate(ROPE_SPECS)], device=DEVICE)  # fmt: skip
+        caches = (quantize(b.k_cache, q.inv_k), quantize(b.v_cache, q.inv_v))
+    outs, stored = [], []
+    for backend in BACKENDS:
+        kc, vc = (c.clone() for c in caches)
+        rope = RopeInKernel(b.q_start.long(), cos_sin, kc.view(-1, 2, d), vc.view(-1, 2, d), dst)
+        ops = ops_for(DEVICE, backend=backend)
+        split = {"num_splits": num_splits} if backend == "triton" else {}
+        if kind == "ring":
+            call = ops._ring if backend == "triton" else ops.ring_attention
+            out = call(b.q, b.k_new, b.v_new, kc, vc, b.slots, b.cu_q, b.q_start, max_q=1, scale=b.scale,
+                       window=w, rope=rope, quant=q, **split)  # fmt: skip
+        else:
+            call = ops._paged if backend == "triton" else ops.paged_attention
+            out = call(b.q, kc, vc, b.block_table, b.cu_q, b.q_start, max_q=1, scale=b.scale, window=None,
+                       k_new=b.k_new, v_new=b.v_new, rope=rope, quant=q, **split)  # fmt: skip
+        outs.append(out)
+        stored.append((kc.cpu(), vc.cpu()))
+    torch.testing.assert_close(outs[1].cpu(), outs[0].cpu(), **TOLERANCE[dtype])
+    assert same_fp8(stored[1][1], stored[0][1])
+    if dtype != torch.float32 or DEVICE == "cpu":  # a GPU may fuse fp32 products and sums
+        assert same_fp8(stored[1][0], stored[0][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 1024])
+def test_fp8_kernels_at_serving_shapes_match_the_reference(window: int | None) -> None:
+    """Compiled on the GPU, at an engine's shapes: GQA 32/8 x 128, pages of 16, a decode batch of 48
+    rows with contexts up to ~1500 (split-K picked by the launch rule) beside prompt chunks; FP8 pages
+    and rings against the torch reference on the same device, and the hardware's stores against
+    torch's quantizer."""
+    q = KVQuant(0.02, 0.5)
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 1500, (48,), generator=gen).tolist()
+    specs = [(n, 1) for n in lengths] + [(0, 200), (700, 64)]
+    b = make_batch(specs, hq=32, hkv=8, d=128, page_size=16, window=window, dtype=torch.bfloat16,
+                   device="cuda", seed=1)  # fmt: skip
+    b.k_cache, b.v_cache = quantize(b.k_cache, q.inv_k), quantize(b.v_cache, q.inv_v)
+    triton_ops, torch_ops = ops_for("cuda"), ops_for("cuda", backend="torch")
+    assert triton_ops.name == "triton"
+    want = torch_ops.paged_attention(*b.paged_args(), max_q=b.max_q, scale=b.scale, window=window, quant=q)
+    got = triton_ops.paged_attention(*b.paged_args(), max_q=b.max_q, scale=b.scale, window=window, quant=q)
+    assert_close(got, want)
+    decode = make_batch([(n, 1) for n in lengths], hq=32, hkv=8, d=128, page_size=16, window=window,
+                        dtype=torch.bfloat16, device="cuda", seed=2)  # fmt: skip
+    decode.k_cache, decode.v_cache = quantize(decode.k_cache, q.inv_k), quantize(decode.v_cache, q.inv_v)
+    want = torch_ops.paged_attention(
+        *decode.paged_args(), max_q=1, scale=decode.scale, window=window, quant=q
+    )
+    got = triton_ops.paged_attention(
+        *decode.paged_args(), max_q=1, scale=decode.scale, window=window, quant=q
+    )
+    assert_close(got, want)
+    if window is not None:
+        for batch, max_q in ((b, b.max_q), (decode, 1)):
+            assert batch.k_ring is not None and batch.v_ring is not None
+            batch.k_ring, batch.v_ring = quantize(batch.k_ring, q.inv_k), quantize(batch.v_ring, q.inv_v)
+            want = torch_ops.ring_attention(*batch.ring_args(), max_q=max_q, scale=batch.scale, window=window,
+                                            quant=q)  # fmt: skip
+            got = triton_ops.ring_attention(*batch.ring_args(), max_q=max_q, scale=batch.scale, window=window,
+                                            quant=q)  # fmt: skip
+            assert_close(got, want)
+    x = awkward((4096, 8, 128), torch.bfloat16, 4)
+    k_dst, v_dst = (torch.zeros(5000, 8, 128, device="cuda").to(FP8_KV_DTYPE) for _ in "kv")
+    index = torch.randperm(5000, device="cuda")[:4096]
+    triton_ops.store_kv(x, x, k_dst, v_dst, index, q)
+    for dst, inv in ((k_dst, q.inv_k), (v_dst, q.inv_v)):  # rows gathered as bytes: few float8 ops on CUDA
+        assert same_fp8(dst.view(torch.uint8)[index].view(FP8_KV_DTYPE).cpu(), quantize(x, inv).cpu())

@@ -1,0 +1,162 @@
+"""FP8 weights' kernels on CPU: the torch reference (block quantize / dequantize and its error bounds,
+the scaled GEMM), and the Triton quantizers and GEMM (interpreted) against it. The same kernels on a
+GPU, with cuBLAS's scaled GEMMs: tests/model/test_fp8_gpu.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from shared.kernels.fp8 import E4M3, FP8_MAX, Fp8Act, fp8_kernels_for
+from shared.kernels.fp8 import reference as ref
+
+BLOCKS = [(1, 200), (128, 128), (1, 128), (64, 32)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Rows and columns of very different ranges, as trained weights have them."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * torch.rand(1, k, generator=g) * 4
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_block_round_trip_error_bounds(block: tuple[int, int]) -> None:
+    n, k = 300, 200  # partial blocks at both ends
+    w = _weight(n, k)
+    q, scale = ref.quantize_weight(w, block)
+    assert q.dtype == E4M3 and scale.dtype == torch.float32
+    assert tuple(scale.shape) == (math.ceil(n / block[0]), math.ceil(k / block[1]))
+    back = ref.dequantize(q, scale, block)
+    full = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 of a normal value; subnormals are 2^-9 apart.
+    bound = torch.maximum(w.abs() * 2**-4, full * 2**-10)
+    assert ((back - w).abs() <= bound * (1 + 1e-6)).all()
+    # Each block's largest value lands on 448 exactly: the whole e4m3 range, no saturation.
+    assert (ref._groups(q.float(), *block).abs().amax(dim=(1, 3)) == FP8_MAX).all()
+
+
+def test_zero_and_tiny_blocks() -> None:
+    w = torch.zeros(128, 256)
+    w[:, 128:] = 1e-30
+    q, scale = ref.quantize_weight(w, (128, 128))
+    assert torch.isfinite(scale).all() and (scale > 0).all()
+    assert (ref.dequantize(q, scale, (128, 128))[:, :128] == 0).all()
+
+
+def test_activation_groups() -> None:
+    x = torch.randn(5, 300) * torch.tensor([1e-3, 1, 10, 100, 1e4])[:, None]
+    for group, groups in ((128, 3), (300, 1), (1000, 1)):
+        a = ref.quantize(x, group)
+        assert tuple(a.scale.shape) == (5, groups) and a.group == min(group, 300)
+        assert a.dtype == x.dtype and a.shape == x.shape
+        back = ref.dequantize_act(a)
+        full = a.scale.repeat_interleave(a.group, 1)[:, :300]
+        assert ((back - x).abs() <= torch.maximum(x.abs() * 2**-4, full * 2**-10) * (1 + 1e-6)).all()
+
+
+# ---- Triton (interpreted) against the reference ---------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("rows", "size", "group"), [(3, 200, 128), (1, 64, 128), (4, 1000, 1000), (2, 1152, 128)]
+)
+def test_quantize_kernel_is_the_reference(dtype: torch.dtype, rows: int, size: int, group: int) -> None:
+    from shared.kernels.fp8.quant import quantize
+
+    x = (torch.randn(rows, size) * 10).to(dtype)
+    x[0, :7] = 0
+    strided = torch.zeros(rows, size + 5, dtype=dtype)
+    strided[:, :size] = x
+    for inp in (x, strided[:, :size]):  # rows by stride
+        got, want = quantize(inp, group), ref.quantize(x, group)
+        assert torch.equal(got.scale, want.scale)
+        assert torch.equal(_bits(got.data), _bits(want.data))
+        assert got.scale.stride(0) == 1 or rows == 1  # column-major: what cuBLAS's 1x128 scaling reads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("size", "group"), [(256, 128), (200, 128), (576, 576), (64, 128)])
+def test_rms_norm_quant_kernel_is_the_reference(dtype: torch.dtype, size: int, group: int) -> None:
+    from shared.kernels.fp8.rms_norm_quant import rms_norm_quant
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, size, generator=g) * 3).to(dtype)
+    w = (torch.rand(size, generator=g) + 0.5).to(dtype)
+    got, want = rms_norm_quant(x, w, 1e-5, group), ref.rms_norm_quant(x, w, 1e-5, group)
+    if dtype == torch.bfloat16:  # the normed row is rounded to bf16 first: the float32 sum order vanishes
+        assert torch.equal(got.scale, want.scale) and torch.equal(_bits(got.data), _bits(want.data))
+    else:
+        torch.testing.assert_close(got.scale, want.scale, rtol=1e-6, atol=0)
+        torch.testing.assert_close(ref.dequantize_act(got), ref.dequantize_act(want), rtol=0.07, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block"),
+    [(3, 96, 200, (1, 200)), (5, 256, 256, (128, 128)), (17, 200, 384, (1, 128)), (1, 130, 300, (128, 128)),
+     (70, 48, 100, (1, 100))],
+)  # fmt: skip
+def test_gemm_kernel_matches_the_reference(
+    dtype: torch.dtype, m: int, n: int, k: int, block: tuple[int, int]
+) -> None:  # fmt: skip
+    from shared.kernels.fp8.gemm import gemm
+
+    g = torch.Generator().manual_seed(1)
+    wq, ws = ref.quantize_weight(_weight(n, k) * 0.1, block)
+    a = ref.quantize(torch.randn(m, k, generator=g).to(dtype), block[1])
+    bias = torch.randn(n, generator=g).to(dtype)
+    residual = torch.randn(m, n, generator=g).to(dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(gemm(a, wq, ws, block), ref.gemm(a, wq, ws, block), **tol)
+    out = residual.clone()
+    got = gemm(a, wq, ws, block, bias, out)
+    assert got.data_ptr() == out.data_ptr()  # the sum written into the residual
+    torch.testing.assert_close(got, ref.gemm(a, wq, ws, block, bias, residual), **tol)
+
+
+def test_gemm_refuses_mismatched_groups() -> None:
+    from shared.kernels.fp8.gemm import gemm
+
+    wq, ws = ref.quantize_weight(torch.randn(64, 256), (128, 128))
+    with pytest.raises(ValueError, match="group"):
+        gemm(ref.quantize(torch.randn(2, 256), 256), wq, ws, (128, 128))
+    with pytest.raises(ValueError, match="scale must be"):
+        gemm(ref.quantize(torch.randn(2, 256), 128), wq, ws[:, :1], (128, 128))
+
+
+# ---- the kernels' seam ---------------------------------------------------------------------------
+
+
+class _Layer(nn.Module):
+    def __init__(self, w: torch.Tensor, block: tuple[int, int]) -> None:
+        super().__init__()
+        self.weight, self.weight_scale_inv = ref.quantize_weight(w, block)
+        self.block, self.bias = block, None
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_kernels_route_by_layer(backend: str) -> None:
+    kernels = fp8_kernels_for("cpu", backend)
+    x = torch.randn(4, 256)
+    plain = nn.Linear(256, 64, bias=False)
+    layer = _Layer(plain.weight.detach(), (1, 256))
+    torch.testing.assert_close(kernels.linear(x, plain), x @ plain.weight.t())  # an unquantized layer
+    want = ref.gemm(ref.quantize(x, 256), layer.weight, layer.weight_scale_inv, layer.block)
+    torch.testing.assert_close(kernels.linear(x, layer), want, rtol=1e-5, atol=1e-5)
+    a = kernels.rms_norm_quant(x, torch.ones(256), 1e-6, 256)
+    assert isinstance(a, Fp8Act)
+    residual = torch.randn(4, 64)
+    torch.testing.assert_close(
+        kernels.linear_add(a, layer, residual.clone()),
+        ref.gemm(a, layer.weight, layer.weight_scale_inv, layer.block, None, residual), rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+    assert not kernels.takes_cublas(64, layer)
+    assert fp8_kernels_for("cpu", backend) is kernels  # shared, like kernels_for's
