@@ -250,13 +250,17 @@ def bench_prefill(
             "peak_tflops": peak / 1e12, "share_of_peak": flops / secs / peak}  # fmt: skip
 
 
-def profile_decode(model, cfg, batch: int, prompt_len: int, steps: int = 8) -> None:
-    """Kernel time per decode step, by kernel: where the step goes against the roofline."""
+def profile_decode(
+    model, cfg, batch: int, prompt_len: int, steps: int = 8, kv_dtype: torch.dtype = torch.bfloat16,
+    eager: bool = True,
+) -> None:  # fmt: skip
+    """Kernel time per decode step, by kernel: where the step goes against the roofline (from CUDA
+    graphs, then eager unless `eager` is False)."""
     from torch.profiler import ProfilerActivity, profile
 
-    for sizes in ((batch,), ()):
+    for sizes in ((batch,), ()) if eager else ((batch,),):
         pages = batch * ((prompt_len + 64) // 16 + 1) + 16
-        kv = KVConfig(page_size=16, num_pages=pages, max_requests=batch, dtype=torch.bfloat16, device="cuda")
+        kv = KVConfig(page_size=16, num_pages=pages, max_requests=batch, dtype=kv_dtype, device="cuda")
         ecfg = engine_config(max_running=batch, cuda_graph_sizes=sizes)
         engine = Engine(model, kv, ecfg)
         prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len)).tolist()
@@ -272,7 +276,8 @@ def profile_decode(model, cfg, batch: int, prompt_len: int, steps: int = 8) -> N
                 engine.step()
             torch.cuda.synchronize()
         label = "graphs" if sizes else "eager"
-        print(f"--- decode batch {batch}, {label}, {steps} steps ---")
+        what = f"{model.quantization} weights, {kv_dtype} KV"
+        print(f"--- decode batch {batch}, {label}, {steps} steps, {what} ---")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
         print_timeline(prof, steps)
         while not engine.idle:
@@ -377,7 +382,11 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--prefill-prompt", type=int, default=4096, help="0: skip the prefill benchmark")
-    ap.add_argument("--profile", type=int, default=0, help="profile decode at this batch (graphs and eager)")
+    ap.add_argument(
+        "--profile", type=int, default=0,
+        help="profile decode at this batch (graphs and eager; with several --quantization values, each "
+        "model and KV dtype from graphs)",
+    )  # fmt: skip
     ap.add_argument("--kernels", choices=["auto", "torch"], default="auto",
                     help="fused Triton elementwise ops (auto, on CUDA) or unfused torch")  # fmt: skip
     ap.add_argument(
@@ -484,8 +493,10 @@ def main() -> None:
                 json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
                 flush=True,
             )
-    if args.profile:
-        profile_decode(model, cfg, args.profile, args.prompt)
+        for kv_name in kv_dtypes if args.profile and len(args.quantization) > 1 else ():
+            profile_decode(model, cfg, args.profile, args.prompt, kv_dtype=KV_DTYPES[kv_name], eager=False)
+    if args.profile and len(args.quantization) == 1:
+        profile_decode(model, cfg, args.profile, args.prompt, kv_dtype=KV_DTYPES[kv_dtypes[-1]])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

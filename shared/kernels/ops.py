@@ -73,6 +73,11 @@ class ModelKernels(ABC):
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """`rope`, and the rotated k and v [T, Hkv, D] stored as `store` says (the KV cache write)."""
 
+    def glu(self, gate_up: Tensor, gelu: bool, before: nn.Module) -> Tensor:
+        """The MLP's activation, silu(gate) * up (gelu: `gelu_tanh_mul`), as the projection after it
+        (`before`) takes its input: here 16-bit rows (FP8 kernels: quantized ones)."""
+        return self.gelu_tanh_mul(gate_up) if gelu else self.silu_mul(gate_up)
+
     @abstractmethod
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """gate_up [T, 2I] -> silu(gate) * up [T, I]."""

@@ -30,6 +30,20 @@ from shared.kernels._rows import row_rstd
 
 
 @triton.jit
+def glu(gate, up, dtype: tl.constexpr, GELU: tl.constexpr):
+    """act(gate) * up from float32 gate and up, rounded to `dtype` as torch rounds each op: silu, or
+    GELU's tanh approximation (GELU)."""
+    if GELU:  # torch's formula, its saturation (exact zeros far left) included
+        inner = 0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))
+        mag = tl.minimum(tl.abs(inner), 15.0)  # tanh(15) is 1.0 in float32; exp(30) does not overflow
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * mag) + 1.0)
+        act = round_to(0.5 * gate * (1.0 + tl.where(inner < 0, -tanh, tanh)), dtype)
+    else:
+        act = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
+    return round_to(act * up, dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(
     x_ptr, out_ptr, h_ptr, stride_x, stride_out, stride_h, size, hidden, eps,
     BLOCK: tl.constexpr, RMS: tl.constexpr, BLOCK_H: tl.constexpr, GELU: tl.constexpr,
@@ -44,14 +58,7 @@ def _silu_mul_kernel(
         rstd = row_rstd(h_ptr, row, stride_h, hidden, eps, BLOCK_H)
         gate = round_to(gate * rstd, dtype)
         up = round_to(up * rstd, dtype)
-    if GELU:  # torch's formula, its saturation (exact zeros far left) included
-        inner = 0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))
-        mag = tl.minimum(tl.abs(inner), 15.0)  # tanh(15) is 1.0 in float32; exp(30) does not overflow
-        tanh = 1.0 - 2.0 / (tl.exp(2.0 * mag) + 1.0)
-        act = round_to(0.5 * gate * (1.0 + tl.where(inner < 0, -tanh, tanh)), dtype)
-    else:
-        act = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
-    tl.store(out_ptr + row * stride_out + cols, round_to(act * up, dtype).to(dtype), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, glu(gate, up, dtype, GELU).to(dtype), mask=mask)
 
 
 def _launch(

@@ -27,20 +27,24 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.kernels._launch import f32_dot, next_pow2
+from shared.kernels._launch import f32_dot, interpreting, next_pow2
 from shared.kernels._norm_checks import check_triton_device, fail
+from shared.kernels._round import round_to
 from shared.kernels._tickets import tickets
 
-__all__ = ["GemmConfig", "choose_config", "skinny_gemm"]
+__all__ = ["GemmConfig", "Scales", "choose_config", "skinny_gemm"]
 
 
-# M (the batch's rows) changes every step: only masks read it, and specializing on it would compile
-# mid-traffic. BLOCK_M takes three values (16, 32, 64), which the engine's warm-up launches.
-@triton.jit(do_not_specialize=["M"])
+# M (the batch's rows) changes every step: only masks and the activation scales' stride read it, and
+# specializing on it would compile mid-traffic. BLOCK_M takes three values (16, 32, 64), which the
+# engine's warm-up launches.
+@triton.jit(do_not_specialize=["M", "stride_asg"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
+    as_ptr, ws_ptr, bias_ptr, stride_asm, stride_asg, stride_wsn, stride_wsg,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr, ADD: tl.constexpr,
+    F32_DOT: tl.constexpr, ADD: tl.constexpr, SCALED: tl.constexpr, A_GROUPED: tl.constexpr,
+    W_GROUPED: tl.constexpr, W_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -52,6 +56,11 @@ def _skinny_gemm_kernel(
     out = out_ptr + rm[:, None] * stride_om + rn[None, :]
     if ADD:  # out holds the addend; loaded first, its latency under the loop's rather than at the tail
         addend = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
+    # FP8 operands' scales (SCALED): a row's (x) and a column's (w), either one per K step (GROUPED:
+    # the step is one scale group, and its partial product is scaled before it joins the sum) or one
+    # for all of K (the sum is scaled once, at the end).
+    as_rows = as_ptr + rm * stride_asm
+    ws_cols = ws_ptr + (rn // W_ROWS) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_first = pid_k * k_chunk
     for k0 in range(k_first, k_first + k_chunk, BLOCK_K):  # k_chunk is a multiple of BLOCK_K
@@ -62,14 +71,26 @@ def _skinny_gemm_kernel(
         w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
         w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if F32_DOT:  # fp32 operands, or bf16 in the interpreter (whose dot cannot take bf16)
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            part = tl.dot(x, tl.trans(w))
+        if A_GROUPED:
+            part = part * tl.load(as_rows + (k0 // BLOCK_K) * stride_asg, mask=m_ok, other=0.0)[:, None]
+        if W_GROUPED:
+            part = part * tl.load(ws_cols + (k0 // BLOCK_K) * stride_wsg, mask=n_ok, other=0.0)[None, :]
+        acc += part
+    if SCALED:  # a split's partial scaled on its own: the scaling is linear
+        if not A_GROUPED:
+            acc = acc * tl.load(as_rows, mask=m_ok, other=0.0)[:, None]
+        if not W_GROUPED:
+            acc = acc * tl.load(ws_cols, mask=n_ok, other=0.0)[None, :]
     dtype = out_ptr.dtype.element_ty
     if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ADD:
             acc += addend
-        tl.store(out, acc.to(dtype), mask=out_mask)
+        tl.store(out, round_to(acc, dtype).to(dtype), mask=out_mask)
     else:
         tile = rm[:, None] * N + rn[None, :]  # partials: [SPLIT_K, BLOCK_M, N] fp32
         tl.store(part_ptr + pid_k * BLOCK_M * N + tile, acc, mask=out_mask)
@@ -81,9 +102,11 @@ def _skinny_gemm_kernel(
                 total += tl.load(
                     part_ptr + s * BLOCK_M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg"
                 )
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             if ADD:
                 total += addend
-            tl.store(out, total.to(dtype), mask=out_mask)
+            tl.store(out, round_to(total, dtype).to(dtype), mask=out_mask)
             tl.atomic_xchg(ticket_ptr + pid_n, 0)  # ready for the next launch
 
 
@@ -101,30 +124,50 @@ class GemmConfig:
 _SMEM_BUDGET = 192 << 10
 
 
-def choose_config(m: int, n: int, k: int, *, itemsize: int = 2) -> GemmConfig:
+def choose_config(m: int, n: int, k: int, *, itemsize: int = 2, group: int | None = None) -> GemmConfig:
     """The sweep's best at a decode step's shapes (`bench/gemm_decode.py` on an H200, M = 64; the quick
     sweep at 16 and 1 rows, 32-column blocks only, agreed but for o): outputs too narrow for 32-column
     blocks to fill the SMs take 16-column blocks, or split K four ways when K is deep (the down
-    projection); wide outputs stream 128-deep K tiles. The K tile, then
-    the pipeline, shrink until the stages' operand tiles fit in shared memory."""
+    projection); wide outputs stream 128-deep K tiles (1-byte operands: twice as deep, the same
+    bytes). FP8 operands scaled per K group take that group as their K tile. The K tile, then the
+    pipeline, shrink until the stages' operand tiles fit in shared memory."""
     narrow = triton.cdiv(n, 32) < 96
     split = 4 if narrow and k >= 4096 else 1
     block_n = 16 if narrow and split == 1 else 32
-    block_k, stages = (256 if split == 1 and n <= 4096 else 128), 4
+    block_k, stages = (256 if split == 1 and n <= 4096 else 128) * max(1, 2 // itemsize), 4
+    if group is not None:
+        block_k = group
     a_rows = max(16, next_pow2(m))
     while stages * block_k * itemsize * (a_rows + block_n) > _SMEM_BUDGET and stages > 2:
-        if block_k > 64:
+        if block_k > 64 and group is None:
             block_k //= 2
         else:
             stages -= 1
     return GemmConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=stages)
 
 
+@dataclass(frozen=True)
+class Scales:
+    """FP8 operands' float32 dequantizing scales (value = e4m3 * scale), as `shared/kernels/fp8`
+    holds them: x's [M, ceil(K / x_group)] (any strides) and w's [ceil(N / w_block[0]),
+    ceil(K / w_block[1])]; the output's dtype and an optional bias [N] in it. A scale per K group
+    needs the K tile to be that group (`choose_config(..., group=)`)."""
+
+    x: torch.Tensor
+    x_group: int
+    w: torch.Tensor
+    w_block: tuple[int, int]
+    out_dtype: torch.dtype
+    bias: torch.Tensor | None = None
+
+
 def skinny_gemm(
-    x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None, *, add: torch.Tensor | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None, *, add: torch.Tensor | None = None,
+    scales: Scales | None = None,
+) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation; M <= 64. With `add` ([M, N],
-    x's dtype, rows contiguous): add + x @ w^T, rounded once, written into `add` and returned."""
+    x's dtype, rows contiguous): add + x @ w^T, rounded once, written into `add` and returned. With
+    `scales`, x and w are e4m3 and the product is dequantized (+ the bias) in `scales.out_dtype`."""
     op = "skinny_gemm"
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         fail(op, f"x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
@@ -136,27 +179,65 @@ def skinny_gemm(
     if x.stride(1) != 1 or w.stride(1) != 1:
         fail(op, "x and w must be contiguous along K")
     check_triton_device(op, x.device)
-    cfg = cfg or choose_config(m, n, k, itemsize=x.element_size())
+    dtype = x.dtype if scales is None else scales.out_dtype
+    a_grouped, w_grouped = _grouping(op, m, n, k, x, scales)
+    group = scales.x_group if a_grouped else scales.w_block[1] if w_grouped else None  # type: ignore[union-attr]
+    cfg = cfg or choose_config(m, n, k, itemsize=x.element_size(), group=group)
+    if group is not None and cfg.block_k != group:
+        fail(op, f"scales per {group}-column group need block_k = {group}, got {cfg.block_k}")
     if add is not None:
-        if add.shape != (m, n) or add.dtype != x.dtype or add.device != x.device or add.stride(1) != 1:
-            fail(op, f"add must be [{m}, {n}] {x.dtype} on {x.device}, rows contiguous, got "
+        if add.shape != (m, n) or add.dtype != dtype or add.device != x.device or add.stride(1) != 1:
+            fail(op, f"add must be [{m}, {n}] {dtype} on {x.device}, rows contiguous, got "
                      f"{tuple(add.shape)} {add.dtype} on {add.device}")  # fmt: skip
         out = add
     else:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        out = torch.empty((m, n), dtype=dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    bias = None if scales is None else scales.bias
     if k == 0:  # an empty sum
-        return out if add is not None else out.zero_()
+        out = out if add is not None else out.zero_()
+        return out if bias is None else out.add_(bias)
     block_m = max(16, next_pow2(m))  # the smallest tile a tensor-core dot takes
     blocks = triton.cdiv(n, cfg.block_n)
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_chunk)  # no empty split: each adds its partial and takes its ticket
     part = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     ticket = tickets(x.device, blocks, 4096)
+    sx, sw = (out, out) if scales is None else (scales.x, scales.w)
     _skinny_gemm_kernel[(blocks, split)](
         x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
-        SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, F32_DOT=f32_dot(x.dtype),
-        ADD=add is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        sx, sw, bias if bias is not None else out, sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1),
+        SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        F32_DOT=f32_dot(x.dtype) or (scales is not None and interpreting()), ADD=add is not None,
+        SCALED=scales is not None, A_GROUPED=a_grouped, W_GROUPED=w_grouped,
+        W_ROWS=1 if scales is None else scales.w_block[0], HAS_BIAS=bias is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+def _grouping(op: str, m: int, n: int, k: int, x: torch.Tensor, scales: Scales | None) -> tuple[bool, bool]:
+    """Whether x's and w's scales are per K group; shapes and dtypes checked (never values)."""
+    if scales is None:
+        return False, False
+    if x.dtype != torch.float8_e4m3fn:
+        fail(op, f"scaled operands must be float8_e4m3fn, got {x.dtype}")
+    (bn, bk), g = scales.w_block, scales.x_group
+    if bn < 1 or bk < 1 or g < 1:
+        fail(op, f"scale groups must be positive, got x_group {g} and w_block {scales.w_block}")
+    wants = {
+        "scales.x": (scales.x, (m, triton.cdiv(k, g))),
+        "scales.w": (scales.w, (triton.cdiv(n, bn), triton.cdiv(k, bk))),
+    }
+    for name, (t, want) in wants.items():
+        if tuple(t.shape) != want or t.dtype != torch.float32 or t.device != x.device:
+            got = f"{t.dtype} {list(t.shape)} on {t.device}"
+            fail(op, f"{name} must be float32 {list(want)} on {x.device}, got {got}")
+    a_grouped, w_grouped = g < k, bk < k
+    if a_grouped and w_grouped and g != bk:
+        fail(op, f"x's groups ({g} columns) and w's blocks ({bk} columns) must match")
+    b = scales.bias
+    if b is not None and (tuple(b.shape) != (n,) or b.dtype != scales.out_dtype or b.stride(0) != 1):
+        fail(op, f"scales.bias must be a contiguous [{n}] tensor of {scales.out_dtype}")
+    return a_grouped, w_grouped

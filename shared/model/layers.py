@@ -170,7 +170,7 @@ class SwiGLU(nn.Module):
         gate_up = kernels.linear(x, self.gate_up_proj)
         gelu = self.activation == "gelu_tanh"
         if rms_eps is None:
-            act = kernels.gelu_tanh_mul(gate_up) if gelu else kernels.silu_mul(gate_up)
+            act = kernels.glu(gate_up, gelu, self.down_proj)
         else:
             act = (kernels.gelu_tanh_mul_rms if gelu else kernels.silu_mul_rms)(gate_up, x, rms_eps)
         if residual is not None:

@@ -41,6 +41,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize(("size", "group"), [(4096, 128), (576, 128), (4096, 4096), (1536, 1536)])
 def test_quantizers_give_the_reference_bits(size: int, group: int) -> None:
     _fp8_gpu()
+    from shared.kernels.fp8.glu_quant import glu_quant
     from shared.kernels.fp8.quant import quantize
     from shared.kernels.fp8.rms_norm_quant import rms_norm_quant
 
@@ -49,6 +50,10 @@ def test_quantizers_give_the_reference_bits(size: int, group: int) -> None:
         w = (torch.rand(size, device="cuda") + 0.5).to(torch.bfloat16)
         pairs = [(quantize(x, group), ref.quantize(x, group))]
         pairs.append((rms_norm_quant(x, w, 1e-6, group), ref.rms_norm_quant(x, w, 1e-6, group)))
+        gate_up = torch.cat([x, x.flip(0)], dim=1)
+        pairs += [
+            (glu_quant(gate_up, group, gelu), ref.glu_quant(gate_up, group, gelu)) for gelu in (False, True)
+        ]
         for got, want in pairs:
             assert torch.equal(got.scale, want.scale)
             assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
@@ -72,6 +77,7 @@ def test_gemm_paths_match_the_reference(n: int, k: int, block: tuple[int, int], 
     _fp8_gpu()
     from shared.kernels.fp8 import scaled_mm
     from shared.kernels.fp8.gemm import gemm
+    from shared.kernels.skinny_gemm import Scales, skinny_gemm
 
     kernels = fp8_kernels_for("cuda")
     sm90 = torch.cuda.get_device_capability() == (9, 0)
@@ -85,8 +91,11 @@ def test_gemm_paths_match_the_reference(n: int, k: int, block: tuple[int, int], 
             x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
             a = kernels.quantize(x, block[1])
             want = ref.gemm(a, layer.weight, layer.weight_scale_inv, block, layer.bias)
-            _close(kernels.linear(x, layer), want)  # cuBLAS where it takes it, else Triton
+            _close(kernels.linear(x, layer), want)  # skinny to 64 rows, then cuBLAS where it takes it
             _close(gemm(a, layer.weight, layer.weight_scale_inv, block, layer.bias), want)  # Triton always
+            if rows <= 64:  # the decode GEMM
+                scales = Scales(a.scale, a.group, layer.weight_scale_inv, block, torch.bfloat16, layer.bias)
+                _close(skinny_gemm(a.data, layer.weight, scales=scales), want)
             residual = torch.randn(rows, n, device="cuda").to(torch.bfloat16)
             want = ref.gemm(a, layer.weight, layer.weight_scale_inv, block, layer.bias, residual)
             _close(kernels.linear_add(x, layer, residual.clone()), want)

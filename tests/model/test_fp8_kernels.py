@@ -122,6 +122,69 @@ def test_gemm_kernel_matches_the_reference(
     torch.testing.assert_close(got, ref.gemm(a, wq, ws, block, bias, residual), **tol)
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block", "group", "split"),
+    [(3, 96, 256, (1, 256), 256, 1), (5, 96, 256, (1, 256), 256, 2), (7, 256, 384, (128, 128), 128, 3),
+     (4, 80, 384, (1, 128), 128, 1), (6, 64, 256, (1, 256), 128, 2), (33, 40, 200, (1, 200), 200, 1)],
+    ids=["per-channel", "per-channel-split-k", "blocks-split-k", "row-groups", "groups-x-channels", "odd"],
+)  # fmt: skip
+def test_skinny_gemm_takes_fp8_operands(
+    m: int, n: int, k: int, block: tuple[int, int], group: int, split: int
+) -> None:  # fmt: skip
+    """The decode GEMM with FP8 operands: each K group's partial scaled as it joins the sum (x's groups
+    against per-channel weights included), per-row scales once at the end, split K or not, the bias
+    and the residual inside: the reference, rounded once."""
+    from shared.kernels.skinny_gemm import GemmConfig, Scales, skinny_gemm
+
+    g = torch.Generator().manual_seed(2)
+    wq, ws = ref.quantize_weight(_weight(n, k) * 0.1, block)
+    a = ref.quantize(torch.randn(m, k, generator=g).to(torch.bfloat16), group)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    residual = torch.randn(m, n, generator=g).to(torch.bfloat16)
+    block_k = group if group < k else block[1] if block[1] < k else 64
+    cfg = GemmConfig(block_n=16, block_k=block_k, split_k=split, num_warps=2, num_stages=2)
+    out = residual.clone()
+    got = skinny_gemm(
+        a.data, wq, cfg, add=out, scales=Scales(a.scale, a.group, ws, block, torch.bfloat16, bias)
+    )
+    assert got.data_ptr() == out.data_ptr()
+    want = ref.gemm(a, wq, ws, block, bias, residual)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # float32 sums in another order
+    plain = skinny_gemm(a.data, wq, cfg, scales=Scales(a.scale, a.group, ws, block, torch.bfloat16))
+    torch.testing.assert_close(plain, ref.gemm(a, wq, ws, block), rtol=1e-2, atol=1e-2)
+
+
+def test_skinny_gemm_refuses_scales_that_do_not_fit() -> None:
+    from shared.kernels.skinny_gemm import GemmConfig, Scales, skinny_gemm
+
+    wq, ws = ref.quantize_weight(torch.randn(64, 256), (128, 128))
+    a = ref.quantize(torch.randn(2, 256), 64)
+    with pytest.raises(ValueError, match="must match"):
+        skinny_gemm(a.data, wq, scales=Scales(a.scale, 64, ws, (128, 128), torch.bfloat16))
+    a = ref.quantize(torch.randn(2, 256), 128)
+    with pytest.raises(ValueError, match="block_k = 128"):
+        cfg = GemmConfig(block_k=64)
+        skinny_gemm(a.data, wq, cfg, scales=Scales(a.scale, 128, ws, (128, 128), torch.bfloat16))
+    with pytest.raises(ValueError, match=r"scales.w must be float32 \[1, 2\]"):
+        skinny_gemm(a.data, wq, scales=Scales(a.scale, 128, ws[:, :1], (128, 128), torch.bfloat16))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        skinny_gemm(a.data.float(), wq.float(), scales=Scales(a.scale, 128, ws, (128, 128), torch.bfloat16))
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu-tanh"])
+@pytest.mark.parametrize(("size", "group"), [(384, 128), (200, 128), (300, 300)])
+def test_glu_quant_kernel_is_the_reference(gelu: bool, size: int, group: int) -> None:
+    """The MLP's activation quantized in its own kernel: the reference's bits (bf16 rounds each op)."""
+    from shared.kernels.fp8.glu_quant import glu_quant
+
+    gate_up = (torch.randn(5, 2 * size, generator=torch.Generator().manual_seed(3)) * 3).to(torch.bfloat16)
+    gate_up[1] = 0  # an all-zero row: the floor scale, zeros
+    got, want = glu_quant(gate_up, group, gelu), ref.glu_quant(gate_up, group, gelu)
+    assert torch.equal(got.scale, want.scale)
+    assert torch.equal(_bits(got.data), _bits(want.data))
+    assert got.group == min(group, size) and got.dtype == torch.bfloat16
+
+
 def test_gemm_refuses_mismatched_groups() -> None:
     from shared.kernels.fp8.gemm import gemm
 

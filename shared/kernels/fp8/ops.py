@@ -19,6 +19,12 @@ from torch import nn
 from shared.kernels.fp8 import reference
 from shared.kernels.fp8.reference import Fp8Act
 from shared.kernels.ops import Backend, Gemm, ModelKernels, TorchKernels, TritonKernels, kernels_for
+from shared.kernels.skinny_gemm import Scales, skinny_gemm
+
+# Decode-sized batches go to the skinny GEMM, FP8 operands and all (`--gemm cublas`: to cuBLAS's scaled
+# GEMM instead, where it takes the layer): it reads the weights in one kernel with the residual add
+# and the bias inside, where cuBLAS's FP8 GEMM at these rows needs an add kernel after it.
+_SKINNY_ROWS = 64
 
 __all__ = ["Fp8Kernels", "Fp8Layer", "Fp8TorchKernels", "Fp8TritonKernels", "check_device", "fp8_kernels_for"]
 
@@ -60,6 +66,15 @@ class Fp8Kernels(ModelKernels):
         """`rms_norm(x, weight, eps)` quantized as `quantize` would, for the FP8 GEMM after the norm."""
         return reference.rms_norm_quant(x, weight, eps, group)
 
+    def glu(self, gate_up: Tensor, gelu: bool, before: nn.Module) -> Tensor | Fp8Act:  # type: ignore[override]
+        if isinstance(before, nn.Linear):
+            return super().glu(gate_up, gelu, before)
+        return self.glu_quant(gate_up, before.block[1], gelu)  # type: ignore[union-attr]
+
+    def glu_quant(self, gate_up: Tensor, group: int, gelu: bool) -> Fp8Act:
+        """`glu`'s activation quantized as `quantize` would, for the FP8 down projection."""
+        return reference.glu_quant(gate_up, group, gelu)
+
     def fp8_gemm(self, a: Fp8Act, layer: Fp8Layer, residual: Tensor | None = None) -> Tensor:
         """a @ layer's weight^T (+ bias), or with `residual` (consumed) residual + that: `reference.gemm`."""
         return reference.gemm(a, layer.weight, layer.weight_scale_inv, layer.block, layer.bias, residual)
@@ -81,16 +96,20 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
     def __init__(self, gemm: Gemm = "auto") -> None:
         super().__init__(gemm)
         from shared.kernels.fp8 import gemm as fp8_gemm
-        from shared.kernels.fp8 import quant, rms_norm_quant, scaled_mm
+        from shared.kernels.fp8 import glu_quant, quant, rms_norm_quant, scaled_mm
 
         self._quantize, self._rms_norm_quant = quant.quantize, rms_norm_quant.rms_norm_quant
-        self._triton_gemm, self._scaled_mm = fp8_gemm.gemm, scaled_mm
+        self._glu_quant = glu_quant.glu_quant
+        self._triton_gemm, self._scaled_mm, self._skinny_gemm = fp8_gemm.gemm, scaled_mm, skinny_gemm
 
     def quantize(self, x: Tensor, group: int) -> Fp8Act:
         return self._quantize(x, group)
 
     def rms_norm_quant(self, x: Tensor, weight: Tensor, eps: float, group: int) -> Fp8Act:
         return self._rms_norm_quant(x, weight, eps, group)
+
+    def glu_quant(self, gate_up: Tensor, group: int, gelu: bool) -> Fp8Act:
+        return self._glu_quant(gate_up, group, gelu)
 
     def _on_cublas(self, layer: Fp8Layer) -> bool:
         """Whether cuBLASLt runs this layer's GEMMs: decided once a layer, by its shapes and (once a
@@ -103,6 +122,9 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
         return use
 
     def fp8_gemm(self, a: Fp8Act, layer: Fp8Layer, residual: Tensor | None = None) -> Tensor:
+        if a.shape[0] <= _SKINNY_ROWS and self.gemm != "cublas":
+            scales = Scales(a.scale, a.group, layer.weight_scale_inv, layer.block, a.dtype, layer.bias)
+            return self._skinny_gemm(a.data, layer.weight, add=residual, scales=scales)
         # cuBLAS for 16-bit activations (what `scaled_mm.supported` probes); a float32 model's, Triton
         if a.dtype != torch.float32 and self._on_cublas(layer):
             out = self._scaled_mm.scaled_mm(a, layer.weight, layer.weight_scale_inv, layer.block, layer.bias)

@@ -25,8 +25,8 @@ import torch
 from shared.kernels import reference
 
 __all__ = [
-    "E4M3", "FP8_MAX", "Fp8Act", "dequantize", "dequantize_act", "gemm", "quantize", "quantize_weight",
-    "rms_norm_quant",
+    "E4M3", "FP8_MAX", "Fp8Act", "dequantize", "dequantize_act", "gemm", "glu_quant", "quantize",
+    "quantize_weight", "rms_norm_quant",
 ]  # fmt: skip
 
 E4M3 = torch.float8_e4m3fn
@@ -60,7 +60,9 @@ def _groups(x: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    return amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    # A tensor divisor: CUDA torch multiplies by the reciprocal of a Python scalar divisor, which is
+    # off by an ulp now and then; IEEE division gives the same bits on every device and in the kernels.
+    return amax.clamp(min=AMAX_FLOOR) / torch.full_like(amax, FP8_MAX)
 
 
 def _to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -104,6 +106,13 @@ def dequantize_act(a: Fp8Act) -> torch.Tensor:
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int) -> Fp8Act:
     """`reference.rms_norm` (rounded to x's dtype, as a layer's norm gives it), then `quantize`."""
     return quantize(reference.rms_norm(x, weight, eps), group)
+
+
+def glu_quant(gate_up: torch.Tensor, group: int, gelu: bool = False) -> Fp8Act:
+    """`reference.silu_mul` (gelu: `gelu_tanh_mul`), rounded as the layer's activation gives it, then
+    `quantize`: the down projection's FP8 input."""
+    act = reference.gelu_tanh_mul(gate_up) if gelu else reference.silu_mul(gate_up)
+    return quantize(act, group)
 
 
 def gemm(
