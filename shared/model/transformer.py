@@ -151,6 +151,12 @@ class DecoderLayer(nn.Module):
 
 # Checkpoint (Hugging Face) names -> (our parameter, shard index in a fused parameter or None).
 _LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+# An FP8 KV cache's per-layer scales as checkpoints name them (llm-compressor's k_scale / v_scale,
+# AutoFP8's k_proj / v_proj output_scale): no weight of the model; `shared/serving/kv_scales.py`
+# reads them for the cache.
+KV_SCALE_NAME = re.compile(
+    r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:(k|v)_scale|(k|v)_proj\.output_scale)$"
+)
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
@@ -299,7 +305,7 @@ class Transformer(nn.Module):
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
 
     def _target(self, hf_name: str) -> tuple[str, int | None] | None:
-        if hf_name.endswith("rotary_emb.inv_freq"):
+        if hf_name.endswith("rotary_emb.inv_freq") or KV_SCALE_NAME.match(hf_name):
             return None
         if hf_name == "lm_head.weight":
             # A tied checkpoint may still carry a copy of the embedding as lm_head: the embedding wins.

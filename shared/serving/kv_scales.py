@@ -12,16 +12,14 @@ guessing the rest would store those layers' K/V at a scale nothing calibrated.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from shared.kernels.kv_quant import KVQuant
+from shared.model.transformer import KV_SCALE_NAME
 
 __all__ = ["checkpoint_kv_scales"]
 
-_NAME = re.compile(
-    r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:(k|v)_scale|(k|v)_proj\.output_scale)$"
-)  # fmt: skip
+_NAME = KV_SCALE_NAME
 
 
 def checkpoint_kv_scales(model: str, num_layers: int) -> tuple[tuple[float, float], ...]:

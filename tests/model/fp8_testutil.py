@@ -47,10 +47,11 @@ class Checkpoint:
 
 def write_checkpoint(
     path: Path, shape: Shape = Shape(), *, fp8: bool = True, fp8_lm_head: bool = False,
-    not_converted: tuple[str, ...] = (), std: float = 0.05,
+    not_converted: tuple[str, ...] = (), std: float = 0.05, kv_scales: bool = False,
 ) -> Checkpoint:  # fmt: skip
     """A random checkpoint in bf16; with `fp8` its projections in e4m3 with block scales (and the LM
-    head too with `fp8_lm_head`), except modules whose name contains an entry of `not_converted`."""
+    head too with `fp8_lm_head`), except modules whose name contains an entry of `not_converted`;
+    with `kv_scales` an FP8 KV cache's per-layer k_scale and v_scale as llm-compressor names them."""
     s = shape
     path.mkdir(parents=True)
     config: dict = {
@@ -94,6 +95,9 @@ def write_checkpoint(
             tensors[p + "self_attn.k_norm.weight"] = 1 + rand(s.head_dim, scale=0.1)
         for name in PROJECTIONS:
             tensors[p + name + ".weight"] = rand(*dims[name])
+        if kv_scales:
+            tensors[p + "self_attn.k_scale"] = torch.tensor(0.05 * (i + 1))
+            tensors[p + "self_attn.v_scale"] = torch.tensor(0.02 * (i + 1))
     if fp8:
         modules = [n.removesuffix(".weight") for n in tensors if any(p in n for p in PROJECTIONS)]
         modules += ["lm_head"] if fp8_lm_head else []

@@ -93,6 +93,23 @@ def test_hf_fp8_checkpoint_matches_the_dequantized_bf16_model(tmp_path: Path) ->
     assert triton_err < 1e-3, triton_err
 
 
+def test_a_checkpoints_kv_cache_scales_are_no_weights(tmp_path: Path) -> None:
+    """An FP8 checkpoint made with a KV cache scheme loads: its k_scale / v_scale tensors go to the
+    cache (`checkpoint_kv_scales`), not into the model."""
+    from shared.serving.kv_scales import checkpoint_kv_scales
+
+    ckpt = write_checkpoint(tmp_path / "fp8", ALIGNED, kv_scales=True)
+    with_scales = load_model(ckpt.path, dtype=torch.float32, progress=False)
+    plain = load_model(
+        write_checkpoint(tmp_path / "plain", ALIGNED).path, dtype=torch.float32, progress=False
+    )
+    assert torch.equal(reference_logits(with_scales.model, SEQS)[0], reference_logits(plain.model, SEQS)[0])
+    layers = ALIGNED.layers
+    want = tuple((0.05 * (i + 1), 0.02 * (i + 1)) for i in range(layers))
+    got = checkpoint_kv_scales(str(ckpt.path), layers)
+    assert [round(v, 6) for pair in got for v in pair] == [round(v, 6) for pair in want for v in pair]
+
+
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-block"])
 @pytest.mark.parametrize("shape", [ALIGNED, MISALIGNED], ids=["aligned", "misaligned"])
 def test_online_quantization_at_load(tmp_path: Path, quantization: str, shape: Shape) -> None:
