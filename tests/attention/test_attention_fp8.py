@@ -140,8 +140,10 @@ def fp8_batch(
 CASES = ["prefill-from-0", "prefill-mid", "decode-around-W", "mixed"]
 
 
+# float16 too: interpreted, bfloat16 takes attend_block's exact-fp32 products (F32_DOT) and float16
+# the tensor-core path, both over the float16 tiles an FP8 cache is read as.
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("quant", list(QUANTS))
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("case", CASES)
@@ -155,7 +157,7 @@ def test_paged_attention_over_fp8_pages(backend, dtype, quant, window, case) -> 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("quant", list(QUANTS))
 @pytest.mark.parametrize("window", [1, 5, 8])
 @pytest.mark.parametrize("case", CASES)
@@ -167,6 +169,23 @@ def test_ring_attention_over_fp8_rings(backend, dtype, quant, window, case) -> N
         *b.ring_args(), max_q=b.max_q, scale=b.scale, window=window, quant=q
     )
     assert_close(out, naive(b.q, hist_k, hist_v, b.specs, window=window, scale=b.scale))
+
+
+@pytest.mark.parametrize("kind", ["paged", "ring"])
+def test_fp8_attention_takes_bf16_queries_past_float16s_range(kind: str) -> None:
+    """An FP8 cache's dots run in float16 with the softmax scale folded into q first, so a bf16 query
+    past float16's 65504 (|q| up to ~1.3e5, head_dim 128) stays finite and matches the reference."""
+    q = QUANTS["scale-1"]
+    b, hist_k, hist_v = fp8_batch(SPECS["mixed"], q, hq=4, hkv=2, d=128, page_size=4, window=8,
+                                  dtype=torch.bfloat16)  # fmt: skip
+    b.q = (b.q.float() * 3e4).to(torch.bfloat16)
+    assert b.q.float().abs().max() > 65504
+    ops = ops_for(DEVICE, backend="triton")
+    if kind == "paged":
+        out = ops.paged_attention(*b.paged_args(), max_q=b.max_q, scale=b.scale, window=8, quant=q)
+    else:
+        out = ops.ring_attention(*b.ring_args(), max_q=b.max_q, scale=b.scale, window=8, quant=q)
+    assert_close(out, naive(b.q, hist_k, hist_v, b.specs, window=8, scale=b.scale))
 
 
 @pytest.mark.parametrize("num_splits", [2, 3])

@@ -14,17 +14,21 @@ from shared.kernels.attention.fused_rope import decode_rope
 
 
 @triton.jit
-def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexpr):
+def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexpr, SCALED_Q: tl.constexpr):
     """Fold one key block into the running (acc [M, D], max m_i [M], sum l_i [M]); k, v are [N, D].
 
     F32_DOT computes both products in exact fp32: for fp32 inputs (tf32 would lose the tight
     agreement fp32 callers expect), and for bf16 under the interpreter, whose bf16 tl.dot is wrong.
+    SCALED_Q: q already carries qk_scale (an FP8 cache's float16 dots, `fp16_query`), so the scores
+    are not scaled again.
     """
     if F32_DOT:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(visible, s * qk_scale, float("-inf"))
+    if not SCALED_Q:
+        s = s * qk_scale
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead avoids -inf - -inf.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -38,6 +42,13 @@ def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexp
         pv = tl.dot(p.to(v.dtype), v)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
+
+
+@triton.jit
+def fp16_query(q, qk_scale):
+    """The query tile of an FP8 cache's float16 dots, qk_scale folded in (~0.13 at head_dim 128, far
+    from float16's 65504) so the scores need no scaling after (attend_block's SCALED_Q)."""
+    return (q.to(tl.float32) * qk_scale).to(tl.float16)
 
 
 @triton.jit

@@ -9,9 +9,11 @@ writes a partial result that `merge_splits` combines (`_split_k.py`).
 All loop bounds are read on the device from cu_q / q_start, so the launch depends on host sizes
 only and the whole call can be captured in a CUDA graph.
 
-An FP8 cache (`quant`, KV_FP8) is read a tile at a time and converted to q's dtype (exact: every e4m3
-value is one), so the loop is the plain kernel's: K's per-tensor scale is folded into the softmax
-scale and V's multiplies the output once, after the loop.
+An FP8 cache (`quant`, KV_FP8) is read a tile at a time and converted to float16 (exact: every e4m3
+value is one; a bf16 q's dtype would cost several instructions a pair on sm_90, float16 one), and a
+bf16 or float16 q's loop runs its dots in float16, the query tile scaled by qk_scale once before it
+(`fp16_query`), p rounded to float16, accumulating in fp32 (an fp32 q's reads convert to fp32). K's
+per-tensor scale is folded into the softmax scale and V's multiplies the output once, after the loop.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from shared.kernels._launch import (
     softmax_scale,
 )
 from shared.kernels._round import rounding_options
-from shared.kernels.attention._online_softmax import attend_block, chunk_of, tile_queries
+from shared.kernels.attention._online_softmax import attend_block, chunk_of, fp16_query, tile_queries
 from shared.kernels.attention._split_k import merge, outputs, split_range, store_result
 from shared.kernels.attention.fused_rope import (
     RopeInKernel,
@@ -82,6 +84,12 @@ def _paged_attention_kernel(
         BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM, RMS, BLOCK_H, KV_FP8,
     )  # fmt: skip
     qpos = start + qi
+    # An FP8 cache's tiles convert to float16, not to a bf16 q's dtype: e4m3 -> f16 is one instruction
+    # on sm_90 (-> bf16 several), and float16 holds every e4m3 value exactly. The dots run in float16.
+    F16: tl.constexpr = KV_FP8 and q_ptr.dtype.element_ty != tl.float32
+    kv_ty: tl.constexpr = tl.float16 if F16 else q_ptr.dtype.element_ty
+    if F16:
+        q = fp16_query(q, qk_scale)
     # Keys this tile can see: [lo, hi). A tile past the chunk's end (max_q covers the longest chunk)
     # gets an empty range and stores nothing.
     hi = start + tl.minimum(q_off + BLOCK_Q, qlen)
@@ -108,12 +116,12 @@ def _paged_attention_kernel(
         v_row = page * stride_vp + slot * stride_vs + kvh * stride_vh
         v = tl.load(v_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:  # exact; the scales are applied outside the loop
-            k = k.to(q_ptr.dtype.element_ty)
-            v = v.to(q_ptr.dtype.element_ty)
+            k = k.to(kv_ty)
+            v = v.to(kv_ty)
         visible = n_ok[None, :] & (n[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             visible = visible & (n[None, :] > qpos[:, None] - window)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT, F16)
     if KV_FP8:
         acc = acc * v_scale
 

@@ -12,9 +12,10 @@ Decode-shaped calls (see `_launch.choose_splits`) split pass 1 over num_splits p
 tile, each taking a run of whole key tiles of the filled entries; pass 2 belongs to the last split,
 and `merge_splits` combines the partial results (`_split_k.py`, shared with paged attention).
 
-An FP8 ring (`quant`, KV_FP8) is read as paged attention reads FP8 pages (converted to q's dtype,
-K's scale in the softmax scale, V's on the output); pass 2's chunk keys, read from k_new/v_new, are
-quantized and converted back first, so that they are what the ring will hold (as the reference does).
+An FP8 ring (`quant`, KV_FP8) is read as paged attention reads FP8 pages (converted to float16 for
+float16 dots, K's scale in the softmax scale, V's on the output); pass 2's chunk keys, read from
+k_new/v_new, are quantized and converted back first, so that they are what the ring will hold (as the
+reference does).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from shared.kernels._launch import (
     softmax_scale,
 )
 from shared.kernels._round import rounding_options, to_e4m3
-from shared.kernels.attention._online_softmax import attend_block, chunk_of, tile_queries
+from shared.kernels.attention._online_softmax import attend_block, chunk_of, fp16_query, tile_queries
 from shared.kernels.attention._split_k import merge, outputs, split_range, store_result
 from shared.kernels.attention.fused_rope import (
     RopeInKernel,
@@ -104,6 +105,12 @@ def _ring_attention_kernel(
         BLOCK_M, BLOCK_D, HEAD_DIM, ROPE, NORM, RMS, BLOCK_H, KV_FP8,
     )  # fmt: skip
     qpos = start + qi
+    # As in paged attention: an FP8 ring's tiles convert to float16 (one instruction on sm_90, bf16
+    # several; exact), and the dots run in float16.
+    F16: tl.constexpr = KV_FP8 and q_ptr.dtype.element_ty != tl.float32
+    kv_ty: tl.constexpr = tl.float16 if F16 else q_ptr.dtype.element_ty
+    if F16:
+        q = fp16_query(q, qk_scale)
 
     d = tl.arange(0, BLOCK_D)
     d_ok = (d < HEAD_DIM)[None, :]
@@ -120,10 +127,10 @@ def _ring_attention_kernel(
         k = tl.load(kr_base + i[:, None] * stride_kri + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(vr_base + i[:, None] * stride_vri + d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:  # exact; the scales are applied outside the loop
-            k = k.to(q_ptr.dtype.element_ty)
-            v = v.to(q_ptr.dtype.element_ty)
+            k = k.to(kv_ty)
+            v = v.to(kv_ty)
         visible = t_ok[None, :] & ((first + t)[None, :] > qpos[:, None] - window)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT, F16)
 
     # Pass 2, the chunk: key offsets j with qi - W < j <= qi for some row of the tile. Only the last
     # split reads them (a decode's one key, or a short chunk: not worth a split of their own). With
@@ -141,11 +148,11 @@ def _ring_attention_kernel(
             v_row = jt * stride_vnt + kvh * stride_vnh
             v = tl.load(vn_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             if KV_FP8:  # as the ring will hold them
-                k = to_e4m3(k.to(tl.float32), inv_k, kr_ptr.dtype.element_ty).to(q_ptr.dtype.element_ty)
-                v = to_e4m3(v.to(tl.float32), inv_v, vr_ptr.dtype.element_ty).to(q_ptr.dtype.element_ty)
+                k = to_e4m3(k.to(tl.float32), inv_k, kr_ptr.dtype.element_ty).to(kv_ty)
+                v = to_e4m3(v.to(tl.float32), inv_v, vr_ptr.dtype.element_ty).to(kv_ty)
             rel = j[None, :] - qi[:, None]
             visible = j_ok[None, :] & (rel <= 0) & (rel > -window)
-            acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT)
+            acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT, F16)
     if KV_FP8:
         acc = acc * v_scale
 
