@@ -11,9 +11,11 @@
     python bench/engine.py --batches 64 --no-hf --prefill-prompt 0 --window synced --settle 0,0.5
     python bench/engine.py --batches 64,1 --no-hf --prefill-prompt 0 --prefix-cache on,off,on,off
     python bench/engine.py --batches 64,1 --no-hf --quantization none,fp8 --kv-cache-dtype auto,fp8_e4m3
+    python bench/engine.py --model 8b --batches 64,1 --no-hf --quantization none,fp8 --kv-cache-dtype fp8_e4m3
 
 Model: hidden 2048, 28 layers, 16/8 heads x 128, intermediate 6144, 3 of 4 layers sliding (W=1024),
-vocab 128256, random bf16 weights (~1.9B parameters). The roofline of a decode step is the bytes it
+vocab 128256, random bf16 weights (~1.9B parameters); `--model 8b` the same layers at Llama 3 8B's
+widths. The roofline of a decode step is the bytes it
 must read (weights but the embedding table, plus each sequence's K/V: whole context on full layers,
 at most W on sliding ones) over the measured copy bandwidth.
 """
@@ -44,6 +46,16 @@ HF_CONFIG = {
     "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 7,
     "rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
 }  # fmt: skip
+# --model: the ~2B above, or an ~8B of Llama 3 8B's widths with the same hybrid layers (hidden 4096, 32
+# layers, 32/8 heads x 128, intermediate 14336: ~8.0B parameters), where a decode step's GEMMs are
+# large enough to be bound by the bytes they read rather than by the latency of each launch.
+MODELS = {
+    "2b": HF_CONFIG,
+    "8b": HF_CONFIG | {
+        "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "intermediate_size": 14336,
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 8,
+    },
+}  # fmt: skip
 
 
 def copy_bandwidth(bursts: int = 5) -> float:
@@ -66,13 +78,13 @@ def copy_bandwidth(bursts: int = 5) -> float:
     return best
 
 
-def make_models(with_hf: bool):
-    cfg = config_from_hf(HF_CONFIG)
+def make_models(with_hf: bool, shape: dict = HF_CONFIG):  # type: ignore[type-arg]
+    cfg = config_from_hf(shape)
     hf = None
     if with_hf:
         import transformers
 
-        fields = {k: v for k, v in HF_CONFIG.items() if k != "architectures"}
+        fields = {k: v for k, v in shape.items() if k != "architectures"}
         hf_cfg = transformers.AutoConfig.for_model(**fields)
         hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.bfloat16).cuda().eval()
         source = hf.state_dict().items()
@@ -435,6 +447,10 @@ def main() -> None:
         "clocks recover from the prefill's power cap), or a list",
     )  # fmt: skip
     ap.add_argument(
+        "--model", choices=sorted(MODELS), default="2b",
+        help="the ~2B hybrid, or an ~8B one of Llama 3 8B's widths (the same layer pattern)",
+    )  # fmt: skip
+    ap.add_argument(
         "--fold-norms", choices=["on", "off"], default="on",
         help="each layer's RMSNorm weights folded into the GEMMs after them (EngineConfig.fold_norms); "
         "one value a run: the fold changes the model",
@@ -451,13 +467,13 @@ def main() -> None:
     logging.getLogger("shared.model.gemm_tuning").setLevel(logging.INFO)
     bandwidth = copy_bandwidth()
     rows = []
-    cfg, model, hf = make_models(not args.no_hf)
+    cfg, model, hf = make_models(not args.no_hf, MODELS[args.model])
     peak = matmul_peak() if args.prefill_prompt else 0.0
     for qi, quant in enumerate(args.quantization):  # each quantization on a model of its own
         if qi:
             del model
             torch.cuda.empty_cache()
-            cfg, model, _ = make_models(False)
+            cfg, model, _ = make_models(False, MODELS[args.model])
         quantize_model(model, quant)
         model.kernel_backend = args.kernels
         params = sum(p.numel() for p in model.parameters()) / 1e9

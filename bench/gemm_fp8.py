@@ -79,7 +79,8 @@ def main() -> None:
 
             timed = {"bf16 cuBLAS": graph_us(lambda: [torch.mm(x, w.T) for w in bf16], len(bf16))}  # noqa: B023
             try:
-                torch.testing.assert_close(cublas(*layers[0]).float() - (res.float() if add else 0), want,
+                before = res.float()  # cublas() adds into res
+                torch.testing.assert_close(cublas(*layers[0]).float() - (before if add else 0), want,
                                            rtol=3e-2, atol=3e-2 * want.abs().max().item())  # fmt: skip
                 timed["scaled_mm"] = graph_us(lambda: [cublas(*layer) for layer in layers], copies)  # noqa: B023
             except RuntimeError as exc:
