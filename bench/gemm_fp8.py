@@ -3,9 +3,9 @@ a sweep of configs) against cuBLAS's scaled GEMM (`torch._scaled_mm`, per-token 
 plus the residual add the o and down projections need), the Triton FP8 GEMM and bf16 cuBLAS, each
 against reading its weights at the copy rate.
 
-Shapes: `gemm_decode.py`'s (the engine bench's ~2B hybrid), weights [N, K] e4m3 with per-channel
-scales (`--block 128` for 128x128 blocks and 128-column activation groups). Every timing is a CUDA
-graph over enough weight copies that they come from HBM, as in a decode step.
+Shapes: `gemm_decode.py`'s (the engine bench's ~2B hybrid; `--model 8b` its ~8B), weights [N, K] e4m3
+with per-channel scales (`--block 128` for 128x128 blocks and 128-column activation groups). Every
+timing is a CUDA graph over enough weight copies that they come from HBM, as in a decode step.
 
     python bench/gemm_fp8.py [--rows 64,16,1] [--shapes qkv,o,gate_up,down] [--no-sweep] [--json f]
 """
@@ -27,15 +27,24 @@ from shared.kernels.fp8.scaled_mm import scaled_mm
 from shared.kernels.skinny_gemm import GemmConfig, Scales, choose_config, skinny_gemm
 
 RESIDUAL = ("o", "down")  # the projections whose output is added to the residual stream
+# --model 8b: bench/engine.py's ~8B (Llama 3 8B's widths)
+SHAPES_8B = {
+    "qkv": ((32 + 2 * 8) * 128, 4096),
+    "o": (4096, 4096),
+    "gate_up": (2 * 14336, 4096),
+    "down": (4096, 14336),
+}
 
 
 def sweep(n: int, k: int, group: int | None):  # type: ignore[no-untyped-def]
     """Column block x K tile x K split x pipeline, kept to 64-1024 programs and to shared memory."""
     tiles = (group,) if group else (128, 256, 512)
-    for bn, bk, s, st in itertools.product((16, 32, 64), tiles, (1, 2, 4, 8), (3, 4, 6)):
+    for bn, bk, s, st in itertools.product((16, 32, 64, 128), tiles, (1, 2, 4, 8), (3, 4)):
         programs = triton.cdiv(n, bn) * s
         if 64 <= programs <= 1024 and st * bk * (64 + bn) <= 192 << 10 and k // s >= bk:
-            yield GemmConfig(block_n=bn, block_k=bk, split_k=s, num_warps=4, num_stages=st)
+            yield GemmConfig(
+                block_n=bn, block_k=bk, split_k=s, num_warps=8 if bn == 128 else 4, num_stages=st
+            )
 
 
 def main() -> None:
@@ -44,13 +53,15 @@ def main() -> None:
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--block", type=int, default=0, help="0: per-channel scales; 128: 128x128 blocks")
     ap.add_argument("--no-sweep", action="store_true", help="the defaults and the libraries only")
+    ap.add_argument("--model", choices=["2b", "8b"], default="2b", help="bench/engine.py's model's shapes")
     ap.add_argument("--json")
     args = ap.parse_args()
     tbs = copy_rate()
     print(f"copy rate {tbs:.2f} TB/s", flush=True)
     rows = []
+    shapes = SHAPES_8B if args.model == "8b" else SHAPES
     for name in args.shapes.split(","):
-        n, k = SHAPES[name]
+        n, k = shapes[name]
         block = (args.block, args.block) if args.block else (1, k)
         group = args.block or None
         copies = max(1, -(-(256 << 20) // (n * k)))
@@ -100,7 +111,7 @@ def main() -> None:
                         best = (us, cfg)
                 if best is not None:
                     timed["skinny best"] = best[0]
-                    print(f"  best {best[1]}")
+                    print(f"  best {best[1]}", flush=True)
             row = {"shape": name, "M": m, "N": n, "K": k, "block": block, "floor_us": round(floor, 2)}
             rows.append(row | {key: round(us, 2) for key, us in timed.items()})
             shown = "  ".join(f"{key} {us:6.2f} us x{us / floor:4.2f}" for key, us in timed.items())
