@@ -21,14 +21,20 @@ HIDDEN_ACTS = ("silu", "gelu_tanh")
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling, Hugging Face's `rope_type`: "llama3" (Llama 3.1: long wavelengths slowed
-    by `factor`, a smooth ramp between the bands) or "linear" (every frequency divided by `factor`:
-    Gemma 3's global layers; the band fields unused)."""
+    by `factor`, a smooth ramp between the bands), "linear" (every frequency divided by `factor`:
+    Gemma 3's global layers; the band fields unused) or "yarn" (gpt-oss, Qwen's long contexts: the
+    frequencies between `beta_fast` and `beta_slow` rotations over the original context ramped from
+    extrapolated to interpolated, and cos/sin scaled by `attention_factor`)."""
 
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 1.0
     original_max_position_embeddings: int = 0
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -234,8 +240,10 @@ def _rope(d: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
         return theta, None
     if rope_type == "linear":
         return theta, RopeScaling(factor=float(params["factor"]), rope_type="linear")
+    if rope_type == "yarn":
+        return theta, _yarn(params, max_pos)
     if rope_type != "llama3":
-        raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3, yarn")
     scaling = RopeScaling(
         factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),
@@ -243,6 +251,27 @@ def _rope(d: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", max_pos)),
     )
     return theta, scaling
+
+
+def _yarn(params: dict[str, Any], max_pos: int) -> RopeScaling:
+    """YaRN's parameters as Hugging Face reads them; the attention factor (the cos/sin scale) from
+    `attention_factor`, else from `mscale` / `mscale_all_dim`, else 0.1 ln(factor) + 1."""
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else max_pos / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling(
+        factor=factor, original_max_position_embeddings=original, rope_type="yarn",
+        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)), attention_factor=float(attention),
+    )  # fmt: skip
 
 
 def _eos(value: int | list[int] | None) -> tuple[int, ...]:

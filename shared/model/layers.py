@@ -42,6 +42,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     old_len = scaling.original_max_position_embeddings
     low_freq_wavelen = old_len / scaling.low_freq_factor
     high_freq_wavelen = old_len / scaling.high_freq_factor
@@ -53,6 +55,29 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: frequencies that turn more than `beta_fast` times over the original context keep their
+    value, those under `beta_slow` turns are divided by `factor`, and a linear ramp joins the two."""
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return (
+            head_dim
+            * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
+
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    interpolated = 1.0 / (s.factor * (1.0 / inv_freq))  # Hugging Face's 1 / (factor * theta^(2i/d))
+    return interpolated * (1 - extrapolated) + inv_freq * extrapolated
 
 
 @dataclass(frozen=True)
@@ -96,7 +121,10 @@ class Rotary(nn.Module):
         inv_freq = rope_inv_freq(self.head_dim, theta, scaling).to(device)
         pos = torch.arange(self.max_positions, device=device, dtype=torch.int64).float()
         freqs = pos[:, None] * inv_freq[None, :]
-        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D] float32: cos half | sin half
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D] float32: cos half | sin half
+        if scaling is not None and scaling.attention_factor != 1.0:
+            table = table * scaling.attention_factor  # YaRN: q and k scaled with the rotation
+        return table
 
     def _local_table(self, device: torch.device | str | None) -> torch.Tensor | None:
         return None if self.local_theta is None else self._table(device, self.local_theta, None)

@@ -50,8 +50,8 @@ def test_model_type_is_used_when_architectures_is_missing() -> None:
 def test_unsupported_activation_and_rope_type_are_rejected() -> None:
     with pytest.raises(ValueError, match="hidden_act"):
         config_from_hf(hf("LlamaForCausalLM", hidden_act="gelu"))
-    with pytest.raises(ValueError, match="rope type 'yarn'"):
-        config_from_hf(hf("LlamaForCausalLM", rope_scaling={"type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="rope type 'dynamic'"):
+        config_from_hf(hf("LlamaForCausalLM", rope_scaling={"type": "dynamic", "factor": 4.0}))
 
 
 def test_old_style_rope_keys_are_read() -> None:

@@ -34,6 +34,22 @@ CASES = {
         ),
         (FULL,) * 4,
     ),
+    "qwen3-yarn-rope": (
+        "Qwen3Config",
+        dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                # Small, so that the ramp between extrapolated and interpolated bands falls inside
+                # head_dim 16; the attention factor 0.1 ln 4 + 1 scales cos and sin.
+                "original_max_position_embeddings": 16,
+                "beta_fast": 8.0,
+                "beta_slow": 1.0,
+            },
+        ),
+        (FULL,) * 4,
+    ),
     "mistral-all-sliding": ("MistralConfig", dict(sliding_window=WINDOW), (SLIDING,) * 4),
     "ministral-mixed": (
         "MinistralConfig",
