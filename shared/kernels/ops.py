@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.kernels import reference
+from shared.kernels import moe, reference
 from shared.kernels.attention import reference as attention_reference
 from shared.kernels.kv_store import KVStore
 from shared.kernels.lt_gemm import LtGemm
@@ -72,6 +72,26 @@ class ModelKernels(ABC):
         q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 0.0,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """`rope`, and the rotated k and v [T, Hkv, D] stored as `store` says (the KV cache write)."""
+
+    def route(
+        self, logits: Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = True,
+        scaling: float = 1.0,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """A mixture of experts' router: each token's top_k experts and their float32 weights
+        (`shared/kernels/moe/route.py`, torch ops on any device: it is tiny)."""
+        return moe.route(logits, top_k, scoring=scoring, renormalize=renormalize, scaling=scaling)
+
+    def experts(
+        self, x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, ids: Tensor, *,
+        activation: str = "silu", b_gate_up: Tensor | None = None, b_down: Tensor | None = None,
+        alpha: float = 1.702, limit: float = 7.0,
+    ) -> Tensor:  # fmt: skip
+        """The routed experts' weighted sum for each token (`shared/kernels/moe`): the torch reference
+        here, one fused Triton op in the Triton kernels."""
+        return moe.reference.fused_moe(
+            x, w_gate_up, w_down, weights, ids, activation=activation, b_gate_up=b_gate_up, b_down=b_down,
+            alpha=alpha, limit=limit,
+        )  # fmt: skip
 
     def glu(self, gate_up: Tensor, gelu: bool, before: nn.Module) -> Tensor:
         """The MLP's activation, silu(gate) * up (gelu: `gelu_tanh_mul`), as the projection after it
@@ -223,6 +243,17 @@ class TritonKernels(ModelKernels):
 
     def gelu_tanh_mul(self, gate_up: Tensor) -> Tensor:
         return self._gelu_tanh_mul(gate_up)
+
+    def experts(
+        self, x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, ids: Tensor, *,
+        activation: str = "silu", b_gate_up: Tensor | None = None, b_down: Tensor | None = None,
+        alpha: float = 1.702, limit: float = 7.0,
+    ) -> Tensor:  # fmt: skip
+        fused = moe.fused_moe_for(x.device, "triton")
+        return fused(
+            x, w_gate_up, w_down, weights, ids, activation=activation, b_gate_up=b_gate_up, b_down=b_down,
+            alpha=alpha, limit=limit,
+        )  # fmt: skip
 
     def gelu_tanh_mul_rms(self, gate_up: Tensor, x: Tensor, eps: float) -> Tensor:
         return self._gelu_tanh_mul_rms(gate_up, x, eps)

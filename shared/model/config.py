@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shared.model.moe_config import MOE_ARCHITECTURES, MoeConfig, moe_from_hf
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
@@ -72,6 +74,8 @@ class ModelConfig:
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), rounded to the dtype as HF does
     query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power (None: head_dim's)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    moe: MoeConfig | None = None  # mixture-of-experts layers (shared/model/moe_config.py)
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax, no value
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_layers:
@@ -101,6 +105,12 @@ class ModelConfig:
             raise ValueError(f"rope_local_layers {self.rope_local_layers} name layers the model lacks")
         if self.rope_local_layers and self.rope_local_theta is None:
             raise ValueError("rope_local_layers given without rope_local_theta")
+        if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.layers):
+            raise ValueError(f"MoE layers {self.moe.layers} name layers the model lacks")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether the layer's MLP is a mixture of experts."""
+        return self.moe is not None and layer in self.moe.layers
 
     @property
     def attn_scale(self) -> float:
@@ -200,8 +210,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
 _BY_MODEL_TYPE = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "ministral": "MinistralForCausalLM",
@@ -217,6 +231,9 @@ _DEFAULT_MAX_POS = {
     "Qwen2ForCausalLM": 32768,
     "Qwen3ForCausalLM": 32768,
     "Gemma3ForCausalLM": 131072,
+    "MixtralForCausalLM": 4096 * 32,
+    "Qwen3MoeForCausalLM": 32768,
+    "GptOssForCausalLM": 131072,
 }
 
 
@@ -285,7 +302,10 @@ def _layout(arch: str, d: dict[str, Any], num_layers: int) -> tuple[tuple[str, .
     window = d.get("sliding_window")
     if arch == "LlamaForCausalLM":
         return (FULL,) * num_layers, None
-    if arch == "MistralForCausalLM":
+    if arch == "GptOssForCausalLM":  # sliding and full layers in turn, the first sliding
+        types = d.get("layer_types") or [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
+        return tuple(types), window if SLIDING in types else None
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         # Mistral's attention reads config.sliding_window on every layer and ignores layer_types.
         return ((SLIDING if window is not None else FULL),) * num_layers, window
     if arch == "MinistralForCausalLM":
@@ -353,7 +373,7 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     arch = _architecture(d)
     if arch == "Gemma3ForCausalLM":
         return _config(arch, d, **_gemma3(d, int(d["num_hidden_layers"]), _max_pos(arch, d)))
-    if d.get("hidden_act", "silu") != "silu":
+    if d.get("hidden_act", "silu") != "silu" and arch != "GptOssForCausalLM":  # its experts' own SwiGLU
         raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only silu (SwiGLU) is implemented")
     if d.get("mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
@@ -361,9 +381,18 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     types, window = _layout(arch, d, int(d["num_hidden_layers"]))
     return _config(
         arch, d, rope_theta=theta, rope_scaling=scaling, layer_types=types, sliding_window=window,
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), qk_norm=arch == "Qwen3ForCausalLM",
-        qkv_bias=arch == "Qwen2ForCausalLM",
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), qkv_bias=arch == "Qwen2ForCausalLM",
+        moe=moe_from_hf(arch, d, int(d["num_hidden_layers"])), attention_sinks=arch == "GptOssForCausalLM",
     )  # fmt: skip
+
+
+def _attention_bias(arch: str, d: dict[str, Any]) -> bool:
+    """Bias on q, k, v and o, where the architecture reads `attention_bias` (gpt-oss: on by default)."""
+    if arch == "GptOssForCausalLM":
+        return bool(d.get("attention_bias", True))
+    readers = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+    return arch in readers and bool(d.get("attention_bias", False))
 
 
 def _max_pos(arch: str, d: dict[str, Any]) -> int:
@@ -373,7 +402,8 @@ def _max_pos(arch: str, d: dict[str, Any]) -> int:
 def _config(arch: str, d: dict[str, Any], **family: Any) -> ModelConfig:
     """The fields every architecture reads alike, and the family's own (`family`)."""
     hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-    head_dim = d.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
+    defaults = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64}  # the config classes' (else hidden/heads)
+    head_dim = d.get("head_dim") or defaults.get(arch, hidden // heads)
     window = family.pop("sliding_window")
     if SLIDING in family["layer_types"] and window is None:
         raise ValueError(f"{arch}: layer_types has sliding layers but the config sets no sliding window")
@@ -389,8 +419,7 @@ def _config(arch: str, d: dict[str, Any], **family: Any) -> ModelConfig:
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=_max_pos(arch, d),
         sliding_window=None if window is None else int(window),
-        attention_bias=bool(d.get("attention_bias", False))
-        and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        attention_bias=_attention_bias(arch, d),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos(d.get("eos_token_id")),
         dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),

@@ -45,18 +45,26 @@ class DenseAttention:
         return False  # the model's RoPE kernel rotates q and k first
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None
-    ) -> torch.Tensor:
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         if rope is not None:
             raise ValueError("DenseAttention takes q and k after RoPE")
         mask = self.sliding_mask if self.cfg.is_sliding(layer) else self.full_mask
         group = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.cfg.attn_scale
-        )
-        return out.transpose(0, 1)
+        q, k, v = q.transpose(0, 1), k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if sinks is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.cfg.attn_scale)
+            return out.transpose(0, 1)
+        # gpt-oss, as Hugging Face computes it: each head's sink logit joins the softmax, then its
+        # probability is dropped (it has no value).
+        scores = (q @ k.transpose(1, 2)) * self.cfg.attn_scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        combined = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        return (probs.to(v.dtype) @ v).transpose(0, 1)
 
 
 def pack(

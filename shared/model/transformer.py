@@ -31,6 +31,7 @@ from torch import nn
 from shared.kernels import Backend, Gemm, KVStore, ModelKernels, kernels_for
 from shared.model.config import ModelConfig
 from shared.model.layers import RMSNorm, RopeArgs, Rotary, SwiGLU
+from shared.model.moe import MoE
 
 
 class AttentionFn(Protocol):
@@ -40,11 +41,13 @@ class AttentionFn(Protocol):
     given (see `takes_rope`). Returns [T, Hq, D]. Scores are scaled by `ModelConfig.attn_scale`
     (1/sqrt(D), or Gemma's query_pre_attn_scalar^-1/2). Which keys each query
     sees (causality, sequence boundaries, the sliding window of `layer`) is the function's business.
+    `sinks` (gpt-oss): float32 [Hq], each head's learned logit that joins every softmax with no value.
     """
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None
-    ) -> torch.Tensor: ...
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...  # fmt: skip
 
     def takes_rope(self, layer: int) -> bool:
         """Whether the layer's q and k go in before RoPE, with `rope=`: the function applies RoPE and
@@ -74,6 +77,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.local_rope = layer in cfg.rope_local_layers  # Rotary.table: the local layers' RoPE base
+        # gpt-oss: a learned logit per head in every softmax (float32 whatever the model's dtype)
+        self.sinks = (
+            nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False) if cfg.attention_sinks else None
+        )
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionFn,
@@ -93,13 +100,16 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
+        sinks = {} if self.sinks is None else {"sinks": self.sinks.float()}
         if rope_inside:
             rms = (x, rms_eps) if rms_eps is not None else None
-            out = attn(self.layer, q, k, v, rope=rotary.args(positions, qk_norm, rms, self.local_rope))
+            out = attn(
+                self.layer, q, k, v, rope=rotary.args(positions, qk_norm, rms, self.local_rope), **sinks
+            )
         else:
             store = attn.store_target(self.layer)
             q, k = rotary(positions, q, k, kernels, qk_norm, store=store, v=v, local=self.local_rope)
-            out = attn(self.layer, q, k, v)
+            out = attn(self.layer, q, k, v, **sinks)
         if residual is not None:
             return kernels.linear_add(out.reshape(t, self.q_size), self.o_proj, residual)
         return kernels.linear(out.reshape(t, self.q_size), self.o_proj)
@@ -111,7 +121,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # before the MLP
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.mlp: SwiGLU | MoE = (
+            MoE(cfg.hidden_size, cfg.moe)  # type: ignore[arg-type]
+            if cfg.is_moe(layer)
+            else SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        )
         # Gemma's norms of the attention's and the MLP's outputs (its post_attention_layernorm and
         # post_feedforward_layernorm; its pre_feedforward_layernorm is our post_attention_layernorm)
         self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
@@ -164,6 +178,22 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+# Mixture-of-experts checkpoints: Qwen3-MoE's mlp.experts.E.{gate,up,down}_proj and mlp.gate,
+# Mixtral's block_sparse_moe.experts.E.w1 (gate) / w3 (up) / w2 (down) and block_sparse_moe.gate,
+# gpt-oss's mlp.router and its experts' stacked tensors.
+_EXPERT_RE = re.compile(
+    r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
+_EXPERT_PARTS = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
+_ROUTERS = ("mlp.gate", "block_sparse_moe.gate", "mlp.router")
+_EXPERTS_WHOLE = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 # Gemma's sandwich norms -> ours (DecoderLayer): its norm before the MLP is our post_attention_layernorm.
 _SANDWICH = {
     "post_attention_layernorm": "attn_out_norm",
@@ -243,7 +273,9 @@ class Transformer(nn.Module):
         outputs (no GEMM follows them before the residual add)."""
         attention_too = all(layer.self_attn.qkv_proj.bias is None for layer in self.layers)
         for layer in self.layers:
-            pairs = [("mlp_norm_folded", layer.mlp.gate_up_proj, layer.post_attention_layernorm)]
+            pairs = []
+            if isinstance(layer.mlp, SwiGLU):  # the experts' norm stays: one fold per expert
+                pairs.append(("mlp_norm_folded", layer.mlp.gate_up_proj, layer.post_attention_layernorm))
             if attention_too:
                 pairs.append(("attn_norm_folded", layer.self_attn.qkv_proj, layer.input_layernorm))
             for flag, linear, norm in pairs:
@@ -259,6 +291,11 @@ class Transformer(nn.Module):
             return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         if ".mlp.gate_up_proj." in name:
             return [c.intermediate_size, c.intermediate_size]
+        if c.moe is not None and not c.moe.expert_bias:  # gpt-oss's experts load whole (MoE.load_fused)
+            if name.endswith(".mlp.w_gate_up"):  # each expert's gate, then its up
+                return [c.moe.intermediate_size] * (2 * c.moe.num_experts)
+            if name.endswith(".mlp.w_down"):
+                return [c.hidden_size] * c.moe.num_experts
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -280,6 +317,9 @@ class Transformer(nn.Module):
                 continue
             name, shard = target
             owner, _, kind = name.rpartition(".")
+            if kind in _EXPERTS_WHOLE and isinstance(moe := self.get_submodule(owner), MoE):
+                loaded.add(f"{owner}.{moe.load_fused(kind, tensor)}")
+                continue
             if owner in loaders:
                 rows = self._shards(name) or [params[f"{owner}.weight"].shape[0]]
                 start = sum(rows[:shard]) if shard is not None else 0
@@ -320,4 +360,14 @@ class Transformer(nn.Module):
         if module in _FUSED:
             fused, shard = _FUSED[module]
             return (f"layers.{layer}.{fused}.{kind}", shard)
+        expert = _EXPERT_RE.match(rest)
+        if expert is not None:  # Mixtral's and Qwen3-MoE's experts, a tensor each
+            e, part = int(expert.group(1)), _EXPERT_PARTS[expert.group(2)]
+            if part == "down":
+                return (f"layers.{layer}.mlp.w_down", e)
+            return (f"layers.{layer}.mlp.w_gate_up", 2 * e + (part == "up"))
+        if module in _ROUTERS:
+            return (f"layers.{layer}.mlp.router.{kind}", None)
+        if module == "mlp.experts" and kind in _EXPERTS_WHOLE:  # gpt-oss
+            return (f"layers.{layer}.mlp.{kind}", None)
         return (f"layers.{layer}.{rest}", None)

@@ -71,6 +71,43 @@ CASES = {
         ),
         (FULL, SLIDING, SLIDING, FULL),
     ),
+    # Mixtures of experts: 4 experts, 2 a token; Qwen3-MoE with a dense layer among them (mlp_only_layers)
+    "qwen3-moe-dense-layer": (
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+        (FULL,) * 4,
+    ),  # fmt: skip
+    "mixtral-all-sliding": (
+        "MixtralConfig",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
+        (SLIDING,) * 4,
+    ),
+    # gpt-oss: attention sinks, biases on q/k/v/o, the router and the experts, a clamped SwiGLU, YaRN
+    "gpt-oss-sinks-yarn": (
+        "GptOssConfig",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,
+            layer_types=[SLIDING, FULL, SLIDING, FULL],
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "beta_fast": 8.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+        (SLIDING, FULL, SLIDING, FULL),
+    ),  # fmt: skip
 }
 
 
@@ -97,9 +134,11 @@ def test_loader_reads_the_layout_transformers_uses(case) -> None:
     _, path, hf, layout = case
     loaded = load_model(path)
     assert loaded.config.layer_types == layout
-    # Llama has no sliding layers and Mistral slides on all of them; the others say it per layer.
-    if loaded.config.architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
-        assert tuple(hf.config.layer_types) == layout
+    # Llama has no sliding layers, Mistral and Mixtral slide on all of them, Qwen3-MoE on none here;
+    # the others say it per layer.
+    hf_types = getattr(hf.config, "layer_types", None)
+    if loaded.config.architecture not in ("LlamaForCausalLM", "MistralForCausalLM") and hf_types is not None:
+        assert tuple(hf_types) == layout
     assert loaded.config.sliding_window == (WINDOW if SLIDING in layout else None)
     assert loaded.tokenizer is None  # random checkpoints carry no tokenizer files
 

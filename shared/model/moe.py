@@ -1,0 +1,88 @@
+"""The mixture-of-experts MLP (`MoeConfig`): a router picks each token's top k of E experts and
+weighs them; each expert is a gated MLP with weights of its own. The experts' GEMMs are one fused
+kernel over all of them (`ModelKernels.experts`: shared/kernels/moe), with a torch reference.
+
+The experts' weights live stacked: gate/up [E * 2I, H] (expert e's gate rows, then its up rows, as
+the dense MLP's gate_up_proj stacks them) and down [E * H, I], so the loader fills them as it fills
+any fused projection, a checkpoint tensor a shard (`Transformer._shards`); gpt-oss's checkpoint keeps
+each kind whole and interleaved, and `load_fused` places it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shared.kernels import ModelKernels
+from shared.model.moe_config import MoeConfig
+
+__all__ = ["MoE"]
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden: int, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        e, i = cfg.num_experts, cfg.intermediate_size
+        self.hidden = hidden
+        self.router = nn.Linear(hidden, e, bias=cfg.router_bias)
+        self.w_gate_up = nn.Parameter(torch.empty(e * 2 * i, hidden), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(e * hidden, i), requires_grad=False)
+        if cfg.expert_bias:
+            self.b_gate_up = nn.Parameter(torch.empty(e * 2 * i), requires_grad=False)
+            self.b_down = nn.Parameter(torch.empty(e * hidden), requires_grad=False)
+        else:
+            self.register_parameter("b_gate_up", None)
+            self.register_parameter("b_down", None)
+
+    def forward(
+        self, x: torch.Tensor, kernels: ModelKernels, rms_eps: float | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """x: the normed rows [T, H] (an MoE layer's norm is never folded: `rms_eps` must be None).
+        With `residual`, residual + the output."""
+        if rms_eps is not None:
+            raise ValueError("MoE: a norm folded into the experts is not supported")
+        c = self.cfg
+        logits = kernels.linear(x, self.router)
+        weights, ids = kernels.route(logits, c.top_k, scoring=c.scoring, renormalize=c.renormalize,
+                                     scaling=c.routed_scaling)  # fmt: skip
+        e, i = c.num_experts, c.intermediate_size
+        out = kernels.experts(
+            x, self.w_gate_up.view(e, 2 * i, self.hidden), self.w_down.view(e, self.hidden, i), weights, ids,
+            activation=c.activation,
+            b_gate_up=None if self.b_gate_up is None else self.b_gate_up.view(e, 2 * i),
+            b_down=None if self.b_down is None else self.b_down.view(e, self.hidden), alpha=c.alpha,
+            limit=c.limit,
+        )  # fmt: skip
+        return out if residual is None else residual + out
+
+    @torch.no_grad()
+    def load_fused(self, kind: str, tensor: torch.Tensor) -> str:
+        """gpt-oss's stacked expert tensors: "gate_up_proj" [E, H, 2I] (gate and up columns
+        interleaved), "gate_up_proj_bias" [E, 2I] (likewise), "down_proj" [E, I, H], "down_proj_bias"
+        [E, H]. Returns the parameter it filled."""
+        e, i, h = self.cfg.num_experts, self.cfg.intermediate_size, self.hidden
+        if kind == "gate_up_proj":
+            _check(kind, tensor, (e, h, 2 * i))
+            t = tensor.transpose(1, 2)  # [E, 2I, H], rows gate0, up0, gate1, ...
+            self.w_gate_up.view(e, 2, i, h).copy_(torch.stack([t[:, 0::2], t[:, 1::2]], dim=1))
+            return "w_gate_up"
+        if kind == "gate_up_proj_bias" and self.b_gate_up is not None:
+            _check(kind, tensor, (e, 2 * i))
+            self.b_gate_up.view(e, 2, i).copy_(torch.stack([tensor[:, 0::2], tensor[:, 1::2]], dim=1))
+            return "b_gate_up"
+        if kind == "down_proj":
+            _check(kind, tensor, (e, i, h))
+            self.w_down.view(e, h, i).copy_(tensor.transpose(1, 2))
+            return "w_down"
+        if kind == "down_proj_bias" and self.b_down is not None:
+            _check(kind, tensor, (e, h))
+            self.b_down.view(e, h).copy_(tensor)
+            return "b_down"
+        raise ValueError(f"MoE experts have no {kind!r}")
+
+
+def _check(kind: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"experts.{kind}: checkpoint shape {tuple(tensor.shape)} != model {shape}")
