@@ -139,8 +139,9 @@ def _build(
 
 
 def _to_model(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A checkpoint tensor on the model's device, in its dtype; FP8 weights and their scales as stored."""
-    if t.dtype == E4M3 or name.endswith(".weight_scale_inv"):
+    """A checkpoint tensor on the model's device, in its dtype; FP8 weights and their scales, and MXFP4
+    blocks and scales (uint8), as stored."""
+    if t.dtype in (E4M3, torch.uint8) or name.endswith(".weight_scale_inv"):
         return t.to(device=device)
     return t.to(device=device, dtype=dtype)
 

@@ -5,7 +5,8 @@ kernel over all of them (`ModelKernels.experts`: shared/kernels/moe), with a tor
 The experts' weights live stacked: gate/up [E * 2I, H] (expert e's gate rows, then its up rows, as
 the dense MLP's gate_up_proj stacks them) and down [E * H, I], so the loader fills them as it fills
 any fused projection, a checkpoint tensor a shard (`Transformer._shards`); gpt-oss's checkpoint keeps
-each kind whole and interleaved, and `load_fused` places it.
+each kind whole and interleaved, in bf16 or MXFP4 (dequantized at load: `shared/model/mxfp4.py`), and
+`load_fused` places it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from shared.kernels import ModelKernels
 from shared.model.moe_config import MoeConfig
+from shared.model.mxfp4 import dequantize_mxfp4
 
 __all__ = ["MoE"]
 
@@ -26,14 +28,15 @@ class MoE(nn.Module):
         e, i = cfg.num_experts, cfg.intermediate_size
         self.hidden = hidden
         self.router = nn.Linear(hidden, e, bias=cfg.router_bias)
-        self.w_gate_up = nn.Parameter(torch.empty(e * 2 * i, hidden), requires_grad=False)
-        self.w_down = nn.Parameter(torch.empty(e * hidden, i), requires_grad=False)
+        self.w_gate_up = nn.Parameter(torch.zeros(e * 2 * i, hidden), requires_grad=False)
+        self.w_down = nn.Parameter(torch.zeros(e * hidden, i), requires_grad=False)
         if cfg.expert_bias:
-            self.b_gate_up = nn.Parameter(torch.empty(e * 2 * i), requires_grad=False)
-            self.b_down = nn.Parameter(torch.empty(e * hidden), requires_grad=False)
+            self.b_gate_up = nn.Parameter(torch.zeros(e * 2 * i), requires_grad=False)
+            self.b_down = nn.Parameter(torch.zeros(e * hidden), requires_grad=False)
         else:
             self.register_parameter("b_gate_up", None)
             self.register_parameter("b_down", None)
+        self._mxfp4: dict[str, dict[str, torch.Tensor]] = {}  # an MXFP4 tensor's half, until its pair
 
     def forward(
         self, x: torch.Tensor, kernels: ModelKernels, rms_eps: float | None = None,
@@ -58,10 +61,20 @@ class MoE(nn.Module):
         return out if residual is None else residual + out
 
     @torch.no_grad()
-    def load_fused(self, kind: str, tensor: torch.Tensor) -> str:
+    def load_fused(self, kind: str, tensor: torch.Tensor) -> str | None:
         """gpt-oss's stacked expert tensors: "gate_up_proj" [E, H, 2I] (gate and up columns
         interleaved), "gate_up_proj_bias" [E, 2I] (likewise), "down_proj" [E, I, H], "down_proj_bias"
-        [E, H]. Returns the parameter it filled."""
+        [E, H]; or MXFP4's "gate_up_proj_blocks" / "_scales" ([E, 2I, H / 32, 16] and [E, 2I, H / 32]:
+        rows are outputs) and "down_proj_blocks" / "_scales", dequantized once both halves arrived.
+        Returns the parameter it filled (None: half of an MXFP4 pair, kept until the other comes)."""
+        if kind.endswith(("_blocks", "_scales")):
+            base, _, part = kind.rpartition("_")
+            self._mxfp4.setdefault(base, {})[part] = tensor
+            if len(self._mxfp4[base]) < 2:
+                return None
+            pair = self._mxfp4.pop(base)
+            weight = dequantize_mxfp4(pair["blocks"], pair["scales"])  # [E, out, in]
+            return self.load_fused(base, weight.transpose(1, 2))  # as the bf16 checkpoints store it
         e, i, h = self.cfg.num_experts, self.cfg.intermediate_size, self.hidden
         if kind == "gate_up_proj":
             _check(kind, tensor, (e, h, 2 * i))

@@ -193,7 +193,9 @@ _EXPERT_PARTS = {
     "w2": "down",
 }
 _ROUTERS = ("mlp.gate", "block_sparse_moe.gate", "mlp.router")
-_EXPERTS_WHOLE = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+_EXPERTS_WHOLE = tuple(
+    f"{w}{suffix}" for w in ("gate_up_proj", "down_proj") for suffix in ("", "_bias", "_blocks", "_scales")
+)
 # Gemma's sandwich norms -> ours (DecoderLayer): its norm before the MLP is our post_attention_layernorm.
 _SANDWICH = {
     "post_attention_layernorm": "attn_out_norm",
@@ -318,7 +320,8 @@ class Transformer(nn.Module):
             name, shard = target
             owner, _, kind = name.rpartition(".")
             if kind in _EXPERTS_WHOLE and isinstance(moe := self.get_submodule(owner), MoE):
-                loaded.add(f"{owner}.{moe.load_fused(kind, tensor)}")
+                filled = moe.load_fused(kind, tensor)
+                loaded.update([] if filled is None else [f"{owner}.{filled}"])
                 continue
             if owner in loaders:
                 rows = self._shards(name) or [params[f"{owner}.weight"].shape[0]]

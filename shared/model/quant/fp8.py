@@ -164,6 +164,8 @@ def projections(model: Transformer) -> Iterator[tuple[str, tuple[str, ...], str 
     projection `convert` quantizes."""
     for i in range(len(model.layers)):
         for path, parts, norm in _PROJECTIONS:
+            if path.startswith("mlp.") and model.cfg.is_moe(i):  # experts stay in the model's dtype
+                continue
             before = None if norm is None else f"layers.{i}.{norm}"
             yield f"layers.{i}.{path}", tuple(f"model.layers.{i}.{p}" for p in parts), before
 

@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from shared.model import FULL, SLIDING, LoadedModel, ModelConfig, Tokenizer, Transformer, load_model
+from shared.model.moe_config import MoeConfig
 from shared.model.quant import quantize_model
 
 __all__ = [
@@ -34,7 +35,8 @@ RANDOM_PREFIX = "random:"
 _PRINTABLE = [chr(c) for c in range(32, 127)]
 _RANDOM_KEYS = {
     "layers", "window", "vocab", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
-    "max_context", "seed", "eos", "load_delay_s",
+    "max_context", "seed", "eos", "load_delay_s", "experts", "top_k", "expert_intermediate", "sinks",
+    "gpt_oss_experts",
 }  # fmt: skip
 
 
@@ -53,7 +55,23 @@ def random_model_config(opts: dict[str, Any]) -> ModelConfig:
         head_dim=opts.get("head_dim", 16), intermediate_size=opts.get("intermediate", 128),
         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=opts.get("max_context", 512),
         layer_types=types, sliding_window=opts.get("window", 8) if SLIDING in types else None,
-        eos_token_ids=tuple(opts.get("eos", ())),
+        eos_token_ids=tuple(opts.get("eos", ())), moe=_random_moe(opts, len(types)),
+        attention_sinks=bool(opts.get("sinks", False)), attention_bias=bool(opts.get("sinks", False)),
+    )  # fmt: skip
+
+
+def _random_moe(opts: dict[str, Any], layers: int) -> MoeConfig | None:
+    """ "experts": E > 0 makes every layer's MLP a mixture of E experts ("top_k" of them a token, of
+    "expert_intermediate" each); "gpt_oss_experts": with gpt-oss's biases and clamped SwiGLU."""
+    experts = int(opts.get("experts", 0))
+    if experts <= 0:
+        return None
+    oai = bool(opts.get("gpt_oss_experts", False))
+    return MoeConfig(
+        num_experts=experts, top_k=int(opts.get("top_k", 2)),
+        intermediate_size=int(opts.get("expert_intermediate", opts.get("intermediate", 128))),
+        layers=tuple(range(layers)), router_bias=oai, expert_bias=oai,
+        activation="swiglu_oai" if oai else "silu",
     )  # fmt: skip
 
 
@@ -68,6 +86,8 @@ def random_transformer(cfg: ModelConfig, seed: int = 0) -> Transformer:
                 p.normal_(0.0, 0.25)
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
+            elif name.endswith(("sinks", "b_gate_up", "b_down")):  # gpt-oss's: logits of about 1, biases
+                p.normal_(0.0, 0.5)
     return model
 
 
