@@ -37,9 +37,10 @@ from shared.kernels.attention.ring_attention import _ring_attention_kernel
 POINTERS = {
     "pos_ptr": "*i64", "cs_ptr": "*fp32", "idx_ptr": "*i64", "slots_ptr": "*i32", "cu_q_ptr": "*i32",
     "q_start_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "bt_ptr": "*i32",
+    "sinks_ptr": "*fp32",
 }  # fmt: skip
 DECODE = {"GROUP": 2, "GROUP_P2": 2, "BLOCK_Q": 1, "BLOCK_M": 16, "BLOCK_D": 128, "HEAD_DIM": 128,
-          "F32_DOT": False, "BLOCK_H": 2048}  # fmt: skip
+          "F32_DOT": False, "BLOCK_H": 2048, "SINKS": False}  # fmt: skip
 # An FP8 cache's tensors (`--kv-cache-dtype fp8_e4m3`): pages or rings, and RoPE's store into them.
 FP8_POINTERS = ("k_ptr", "v_ptr", "kr_ptr", "vr_ptr", "kd_ptr", "vd_ptr")
 FLOATS = ("qk_scale", "eps", "rms_eps", "v_scale", "inv_k", "inv_v")

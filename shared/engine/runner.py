@@ -115,10 +115,12 @@ class BatchAttention:
         return None
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None
-    ) -> torch.Tensor:
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         c, b, i = self.cache, self.batch, self.cache.kind_index[layer]
         quant = c.quant[layer]  # an FP8 cache's scales (None: the model's dtype)
+        extra = {} if sinks is None else {"sinks": sinks}  # gpt-oss's per-head sink logits
         inside = None
         if rope is not None:  # takes_rope: RoPE, the K/V store and attention in one call
             target = self._target(layer)
@@ -135,12 +137,12 @@ class BatchAttention:
             chunk = {} if inside is None else {"k_new": k, "v_new": v, "rope": inside}
             return self._by_part(lambda r, t, cu, max_q: self.ops.paged_attention(
                 q[t], kp, vp, b.block_table[r], cu, b.q_start[r], max_q=max_q, scale=self.scale, window=None,
-                quant=quant, **chunk,
+                quant=quant, **chunk, **extra,
             ))  # fmt: skip
         k_ring, v_ring = c.k_ring_l[i], c.v_ring_l[i]  # their history checked at the block's start
         out = self._by_part(lambda r, t, cu, max_q: self.ops.ring_attention(
             q[t], k[t], v[t], k_ring, v_ring, b.slots[r], cu, b.ring_context[r],
-            max_q=max_q, scale=self.scale, window=c.window, rope=inside, quant=quant,
+            max_q=max_q, scale=self.scale, window=c.window, rope=inside, quant=quant, **extra,
         ))  # fmt: skip
         # Only after attention: the chunk's tokens overwrite history its earlier queries still read.
         # Their positions are stored by `store_ring_positions`, after the history checks.

@@ -3,6 +3,10 @@
 Rows are (query, head) pairs: the G query heads of one kv head are stacked so that a decode step
 (one query) still fills a tensor-core tile and each K/V block is loaded once for the whole group.
 Scores live in the log2 domain (qk_scale = scale * log2(e)) so the kernels use exp2.
+
+An attention sink (gpt-oss, SINKS) is one more key per query head, with logit sinks[h] and a zero
+value: `softmax_start` folds it in before the first key block (m = the sink, l = 1), so the loop and
+`attend_block` stay as they are. With split-K only split 0 starts with it (`_split_k.py`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,26 @@ import triton
 import triton.language as tl
 
 from shared.kernels.attention.fused_rope import decode_rope
+
+LOG2E = tl.constexpr(1.4426950408889634)  # _launch.LOG2E
+
+
+@triton.jit
+def softmax_start(
+    sinks_ptr, head, row_ok, adds_sink, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr
+):  # fmt: skip
+    """The running (acc, m_i, l_i) before the first key block: empty (m = -inf, l = 0), or with SINKS
+    and `adds_sink` holding the rows' sinks as a key already seen: m = sinks[head] in the log2 domain
+    (a logit, so not scaled by the softmax scale), l = 2^(m - m) = 1, and nothing in acc (no value).
+    A row that then sees no key stores zeros, not NaN. Without SINKS, sinks_ptr is never read."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")) * LOG2E
+        m_i = tl.where(adds_sink, sink, m_i)
+        l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)  # a sink of -inf is no sink
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    return acc, m_i, l_i
 
 
 @triton.jit

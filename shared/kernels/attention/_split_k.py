@@ -3,7 +3,9 @@
 A kernel launched with num_splits > 1 runs num_splits programs per query tile; split s reads the
 keys `split_range` gives it and `store_result` writes its normalized output and log2-sum-exp as one
 row of the fp32 partials, which `merge` (the `merge_splits` kernel) combines. How many splits a call
-gets is `_launch.choose_splits`.
+gets is `_launch.choose_splits`. With attention sinks split 0 alone starts from the sink
+(`_online_softmax.softmax_start`): its lse carries the sink's mass even when it reads no key, and the
+merge counts the sink once.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ only host-side sizes as Python ints, so neither ever syncs.
 `quant` (a layer's `KVQuant`, for an FP8 cache): every store into the cache quantizes, every read of it
 dequantizes, and a sliding layer's chunk keys are attended as the ring will hold them
 (`shared/kernels/kv_quant.py`). None (the default): the cache holds q's dtype, as always.
+
+`sinks` (gpt-oss's learned attention sinks, float32 [Hq] on q's device): query head h's softmax also
+runs over the logit sinks[h], whose probability is dropped (it has no value), on sliding and full
+layers alike (`reference.py` has the formula). None (the default): no sink, results as always.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class AttentionOps(ABC):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
         cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
         k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-        rope: RopeInKernel | None = None, quant: KVQuant | None = None,
+        rope: RopeInKernel | None = None, quant: KVQuant | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Causal (optionally windowed) attention over a paged cache that already holds the chunk.
 
@@ -56,6 +60,7 @@ class AttentionOps(ABC):
         self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor,
         v_ring: torch.Tensor, slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int,
         scale: float, window: int, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Sliding-window attention over a ring of the history before the chunk plus the chunk itself.
 
@@ -80,24 +85,27 @@ class TorchOps(AttentionOps):
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_q: Tensor, q_start: Tensor,
         *, max_q: int, scale: float, window: int | None, k_new: Tensor | None = None,
         v_new: Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
+        reference.check_sinks("paged_attention", sinks, q)  # before RoPE's store
         if rope is not None:
             q, _, _ = _rope_and_store("paged_attention", rope, q, k_new, v_new, max_q, quant)
         return reference.paged_attention(
             q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window,
-            quant=quant,
+            quant=quant, sinks=sinks,
         )  # fmt: skip
 
     def ring_attention(
         self, q: Tensor, k_new: Tensor, v_new: Tensor, k_ring: Tensor, v_ring: Tensor, slots: Tensor,
         cu_q: Tensor, q_start: Tensor, *, max_q: int, scale: float, window: int,
-        rope: RopeInKernel | None = None, quant: KVQuant | None = None,
+        rope: RopeInKernel | None = None, quant: KVQuant | None = None, sinks: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
+        reference.check_sinks("ring_attention", sinks, q)  # before RoPE's store
         if rope is not None:
             q, k_new, v_new = _rope_and_store("ring_attention", rope, q, k_new, v_new, max_q, quant)
         return reference.ring_attention(
             q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window,
-            quant=quant,
+            quant=quant, sinks=sinks,
         )  # fmt: skip
 
 
@@ -147,20 +155,21 @@ class TritonOps(AttentionOps):
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_q: Tensor, q_start: Tensor,
         *, max_q: int, scale: float, window: int | None, k_new: Tensor | None = None,
         v_new: Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
         return self._paged(
             q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window,
-            k_new=k_new, v_new=v_new, rope=rope, quant=quant,
+            k_new=k_new, v_new=v_new, rope=rope, quant=quant, sinks=sinks,
         )  # fmt: skip
 
     def ring_attention(
         self, q: Tensor, k_new: Tensor, v_new: Tensor, k_ring: Tensor, v_ring: Tensor, slots: Tensor,
         cu_q: Tensor, q_start: Tensor, *, max_q: int, scale: float, window: int,
-        rope: RopeInKernel | None = None, quant: KVQuant | None = None,
+        rope: RopeInKernel | None = None, quant: KVQuant | None = None, sinks: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
         return self._ring(
             q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window,
-            rope=rope, quant=quant,
+            rope=rope, quant=quant, sinks=sinks,
         )  # fmt: skip
 
 

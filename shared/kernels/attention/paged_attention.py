@@ -34,7 +34,13 @@ from shared.kernels._launch import (
     softmax_scale,
 )
 from shared.kernels._round import rounding_options
-from shared.kernels.attention._online_softmax import attend_block, chunk_of, fp16_query, tile_queries
+from shared.kernels.attention._online_softmax import (
+    attend_block,
+    chunk_of,
+    fp16_query,
+    softmax_start,
+    tile_queries,
+)
 from shared.kernels.attention._split_k import merge, outputs, split_range, store_result
 from shared.kernels.attention.fused_rope import (
     RopeInKernel,
@@ -42,16 +48,18 @@ from shared.kernels.attention.fused_rope import (
     kernel_args,
     rms_constexprs,
 )
+from shared.kernels.attention.reference import check_sinks
 from shared.kernels.kv_quant import KVQuant
 
 
 # num_tokens and the block table's width change every step, num_splits every batch shape: specializing
 # on them (== 1, % 16) would compile a new kernel mid-traffic. So would the alignment of the block
 # table and the per-sequence int32 fields, views into one packed buffer at offsets that move with the
-# batch (read a few values at a time). One compiled kernel per query tile.
+# batch (read a few values at a time), or of the sinks (a slice of a layer's heads, read once). One
+# compiled kernel per query tile.
 @triton.jit(
     do_not_specialize=["stride_bt", "num_tokens", "num_splits"],
-    do_not_specialize_on_alignment=["bt_ptr", "cu_q_ptr", "q_start_ptr"],
+    do_not_specialize_on_alignment=["bt_ptr", "cu_q_ptr", "q_start_ptr", "sinks_ptr"],
 )
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, q_start_ptr, out_ptr, part_o_ptr, part_lse_ptr,
@@ -59,11 +67,11 @@ def _paged_attention_kernel(
     stride_bt, stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
     kn_ptr, vn_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
-    stride_vdh, num_positions, eps, rms_ptr, stride_rms, rms_size, rms_eps, v_scale, inv_k, inv_v,
+    stride_vdh, num_positions, eps, rms_ptr, stride_rms, rms_size, rms_eps, v_scale, inv_k, inv_v, sinks_ptr,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-    RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr,
+    RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -101,9 +109,8 @@ def _paged_attention_kernel(
 
     d = tl.arange(0, BLOCK_D)
     d_ok = (d < HEAD_DIM)[None, :]
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # A sink is counted once per row: by split 0, whatever keys it gets (`merge_splits` adds the rest).
+    acc, m_i, l_i = softmax_start(sinks_ptr, head, row_ok, split == 0, BLOCK_M, BLOCK_D, SINKS)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for n0 in range(k_lo, k_hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -136,6 +143,7 @@ def paged_attention(
     cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
     num_splits: int | None = None, tiles: Tiles | None = None, k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.paged_attention` (same arguments, same contracts).
 
@@ -143,12 +151,16 @@ def paged_attention(
     arrive before RoPE, and the kernel rotates them, stores the rotated k and v_new where `rope` says
     (the pages, viewed flat) and attends to them (`fused_rope.py`), instead of a RoPE kernel before it.
 
+    `sinks` (float32 [Hq]; None: none): gpt-oss's attention sinks (`reference.py`), started from by
+    split 0's online softmax (`_online_softmax.softmax_start`).
+
     `num_splits` forces the split-K factor (any positive int; None picks one from host sizes). `tiles`
     forces block_n, num_warps and num_stages (`_launch.resolve_tiles` checks it; None is `choose_tiles`):
     for tuning sweeps.
     """
     op = "paged_attention"
     vl = check_paged(op, q, k_cache, v_cache, block_table, cu_q, q_start, max_q, scale, window, quant)
+    check_sinks(op, sinks, q)
     check_last_dim_contiguous(op, q=q, k_cache=k_cache, v_cache=v_cache)
     if block_table.stride(1) != 1:
         raise ValueError(f"{op}: block_table rows must be contiguous, got strides {block_table.stride()}")
@@ -173,11 +185,12 @@ def paged_attention(
         out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads, softmax_scale(scale, quant),
         window if window is not None else 0, num_splits,
         kn, vn, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), *kernel_args(rope, q, kn),
-        *quant_args(quant),
+        *quant_args(quant), q if sinks is None else sinks,  # q: unread without sinks
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim, PAGE_SIZE=page_size,
         HAS_WINDOW=window is not None, F32_DOT=f32_dot(q.dtype), ROPE=rope is not None,
         NORM=rope is not None and rope.norm, **rms_constexprs(rope), KV_FP8=quant is not None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **rounding_options(q.dtype),
+        SINKS=sinks is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **rounding_options(q.dtype),
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

@@ -9,6 +9,10 @@ With `quant` (an FP8 cache, `shared/kernels/kv_quant.py`) stores quantize and re
 float32; a sliding layer's chunk keys, which attention takes from k_new/v_new rather than the ring,
 are read as the ring will hold them (quantized and back), so every key a query sees is what the cache
 holds, whichever path computed it.
+
+With `sinks` (gpt-oss's learned attention sinks, float32 [Hq]) query head h's softmax also runs over
+one extra logit sinks[h] (not scaled by `scale`) whose probability is dropped, as Hugging Face's eager
+gpt-oss does: the outputs shrink by the sink's share, and a row that sees no key gives zeros.
 """
 
 from __future__ import annotations
@@ -48,6 +52,24 @@ def store_kv(
         dst.index_copy_(0, index, torch.where(keep[:, None, None], new, donor))
 
 
+def check_sinks(op: str, sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Attention sinks are float32 [Hq], contiguous, on q's device (None: no sink). Both implementations
+    check them here, before anything is stored (shapes and dtypes only: no sync)."""
+    if sinks is None:
+        return
+    want = f"a contiguous float32 tensor [Hq] = [{q.shape[1]}] on {q.device}"
+    if not isinstance(sinks, torch.Tensor):
+        raise ValueError(f"{op}: sinks must be {want} or None, got {type(sinks).__name__}")
+    if sinks.dtype != torch.float32:
+        raise ValueError(f"{op}: sinks must be {want}, got dtype {sinks.dtype}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"{op}: sinks must be {want}, got shape {list(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"{op}: sinks must be {want}, got device {sinks.device}")
+    if not sinks.is_contiguous():
+        raise ValueError(f"{op}: sinks must be {want}, got stride {sinks.stride()}")
+
+
 def _gather(cache: torch.Tensor, index: torch.Tensor, scale: float | None) -> torch.Tensor:
     """cache[index]; an FP8 cache's (`scale` given) gathered as bytes and dequantized to float32."""
     if scale is None:
@@ -73,9 +95,10 @@ def _query_grid(
 
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, q_ok: torch.Tensor,
-    slot: torch.Tensor, scale: float,
+    slot: torch.Tensor, scale: float, sinks: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
-    """q [B, M, Hq, D], k/v [B, K, Hkv, D], visible [B, M, K] -> out [T, Hq, D] gathered by slot."""
+    """q [B, M, Hq, D], k/v [B, K, Hkv, D], visible [B, M, K] -> out [T, Hq, D] gathered by slot;
+    sinks [Hq] (or None) join each row's softmax as one more logit whose probability is dropped."""
     b, m, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -85,7 +108,12 @@ def _attend(
     # Padded query rows would be all -inf (NaN after softmax); let them see everything, they are dropped.
     mask = visible | ~q_ok[:, :, None]
     mask = mask[:, None, :, None, :].expand(b, 1, m, g, mask.shape[-1]).reshape(b, 1, m * g, -1)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # row (kv head j, query i, group member h) is query head j * G + h
+        sink = sinks.view(1, hkv, 1, g).expand(b, hkv, m, g).reshape(b, hkv, m * g, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     out = probs @ v.float().permute(0, 2, 1, 3)  # [B, Hkv, M*G, D]
     out = out.view(b, hkv, m, g, d).permute(0, 2, 1, 3, 4).reshape(b * m, hq, d)
     return out.index_select(0, slot).to(q.dtype)
@@ -94,7 +122,7 @@ def _attend(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
-    quant: KVQuant | None = None,
+    quant: KVQuant | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Causal (optionally sliding-window) attention of varlen queries over a paged KV cache.
 
@@ -105,6 +133,7 @@ def paged_attention(
     vl = check_paged(
         "paged_attention", q, k_cache, v_cache, block_table, cu_q, q_start, max_q, scale, window, quant
     )
+    check_sinks("paged_attention", sinks, q)
     num_pages, page_size, hkv, d = k_cache.shape
     b, max_pages = block_table.shape
     tok, q_ok, qpos, slot = _query_grid(cu_q, q_start, max_q, vl.num_tokens)
@@ -121,7 +150,7 @@ def paged_attention(
     visible = key_ok[:, None, :] & (kpos[None, None, :] <= qpos[:, :, None])
     if window is not None:
         visible &= kpos[None, None, :] > qpos[:, :, None] - window
-    return _attend(q[tok], k, v, visible, q_ok, slot, scale)
+    return _attend(q[tok], k, v, visible, q_ok, slot, scale, sinks)
 
 
 def ring_positions(q_start: torch.Tensor, window: int) -> torch.Tensor:
@@ -137,7 +166,7 @@ def ring_positions(q_start: torch.Tensor, window: int) -> torch.Tensor:
 def ring_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
     slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int,
-    quant: KVQuant | None = None,
+    quant: KVQuant | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Sliding-window attention over a ring of the last W positions plus the chunk's own K/V.
 
@@ -147,6 +176,7 @@ def ring_attention(
     vl = check_ring(
         "ring_attention", q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q, scale, window, quant
     )
+    check_sinks("ring_attention", sinks, q)
     tok, q_ok, qpos, slot = _query_grid(cu_q, q_start, max_q, vl.num_tokens)
     ring_pos = ring_positions(q_start, window)
     kpos = torch.cat([ring_pos, qpos], dim=1)  # [B, W + max_q]
@@ -163,4 +193,4 @@ def ring_attention(
     v = torch.where(keep, torch.cat([v_hist, v_chunk], dim=1), 0)
     rel = kpos[:, None, :] - qpos[:, :, None]  # key position minus query position
     visible = key_ok[:, None, :] & (rel <= 0) & (rel > -window)
-    return _attend(q[tok], k, v, visible, q_ok, slot, scale)
+    return _attend(q[tok], k, v, visible, q_ok, slot, scale, sinks)

@@ -36,7 +36,13 @@ from shared.kernels._launch import (
     softmax_scale,
 )
 from shared.kernels._round import rounding_options, to_e4m3
-from shared.kernels.attention._online_softmax import attend_block, chunk_of, fp16_query, tile_queries
+from shared.kernels.attention._online_softmax import (
+    attend_block,
+    chunk_of,
+    fp16_query,
+    softmax_start,
+    tile_queries,
+)
 from shared.kernels.attention._split_k import merge, outputs, split_range, store_result
 from shared.kernels.attention.fused_rope import (
     RopeInKernel,
@@ -44,16 +50,18 @@ from shared.kernels.attention.fused_rope import (
     kernel_args,
     rms_constexprs,
 )
+from shared.kernels.attention.reference import check_sinks
 from shared.kernels.kv_quant import KVQuant
 
 
 # num_tokens changes every step and num_splits every batch shape: specializing on either (== 1, % 16)
 # would compile a new kernel mid-traffic. So would the alignment of the per-sequence int32 fields,
 # views into one packed buffer at offsets that move with the batch (read a value at a time, they
-# gain nothing from it). One compiled kernel per query tile.
+# gain nothing from it), nor would the sinks' (a slice of a layer's heads). One compiled kernel per
+# query tile.
 @triton.jit(
     do_not_specialize=["num_tokens", "num_splits"],
-    do_not_specialize_on_alignment=["slots_ptr", "cu_q_ptr", "q_start_ptr"],
+    do_not_specialize_on_alignment=["slots_ptr", "cu_q_ptr", "q_start_ptr", "sinks_ptr"],
 )
 def _ring_attention_kernel(
     q_ptr, kn_ptr, vn_ptr, kr_ptr, vr_ptr, slots_ptr, cu_q_ptr, q_start_ptr, out_ptr, part_o_ptr,
@@ -61,11 +69,11 @@ def _ring_attention_kernel(
     stride_krs, stride_kri, stride_krh, stride_vrs, stride_vri, stride_vrh,
     stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
-    stride_vdh, num_positions, eps, rms_ptr, stride_rms, rms_size, rms_eps, v_scale, inv_k, inv_v,
+    stride_vdh, num_positions, eps, rms_ptr, stride_rms, rms_size, rms_eps, v_scale, inv_k, inv_v, sinks_ptr,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
     ROPE: tl.constexpr, NORM: tl.constexpr,
-    RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr,
+    RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -114,9 +122,8 @@ def _ring_attention_kernel(
 
     d = tl.arange(0, BLOCK_D)
     d_ok = (d < HEAD_DIM)[None, :]
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # A sink is counted once per row: by split 0, whatever keys it gets (`merge_splits` adds the rest).
+    acc, m_i, l_i = softmax_start(sinks_ptr, head, row_ok, split == 0, BLOCK_M, BLOCK_D, SINKS)
     first = held - n  # the position at logical index 0
     for t0 in range(t_lo, t_hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
@@ -166,12 +173,15 @@ def ring_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
     slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int,
     num_splits: int | None = None, tiles: Tiles | None = None, rope: RopeInKernel | None = None,
-    quant: KVQuant | None = None,
+    quant: KVQuant | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.ring_attention` (same arguments, same contracts).
 
     With `rope` (decode-shaped calls), q, k_new arrive before RoPE: the kernel rotates them and stores
     the rotated k and v_new where `rope` says (`fused_rope.py`), instead of a RoPE kernel before it.
+
+    `sinks` (float32 [Hq]; None: none): gpt-oss's attention sinks (`reference.py`), started from by
+    split 0's online softmax (`_online_softmax.softmax_start`).
 
     `num_splits` forces the split-K factor over the ring (any positive int; None picks one from host
     sizes: more than one only for decode-shaped calls on CUDA). `tiles` forces block_n, num_warps and
@@ -179,6 +189,7 @@ def ring_attention(
     """
     op = "ring_attention"
     vl = check_ring(op, q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q, scale, window, quant)
+    check_sinks(op, sinks, q)
     check_last_dim_contiguous(op, q=q, k_new=k_new, v_new=v_new, k_ring=k_ring, v_ring=v_ring)
     check_triton_device(op, q.device)
     if rope is not None:
@@ -195,10 +206,11 @@ def ring_attention(
         k_ring.stride(0), k_ring.stride(1), k_ring.stride(2), v_ring.stride(0), v_ring.stride(1),
         v_ring.stride(2), out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads,
         softmax_scale(scale, quant), window, num_splits, *kernel_args(rope, q, k_new), *quant_args(quant),
+        q if sinks is None else sinks,  # q: unread without sinks
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim,
         F32_DOT=f32_dot(q.dtype), ROPE=rope is not None, NORM=rope is not None and rope.norm,
-        **rms_constexprs(rope), KV_FP8=quant is not None, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **rounding_options(q.dtype),
+        **rms_constexprs(rope), KV_FP8=quant is not None, SINKS=sinks is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **rounding_options(q.dtype),
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

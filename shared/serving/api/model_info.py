@@ -25,6 +25,11 @@ def model_info(
         has_tokenizer=loaded.tokenizer is not None,
         has_chat_template=loaded.tokenizer is not None and loaded.tokenizer.chat_template is not None,
         quantization=loaded.model.quantization,
+        architecture=cfg.architecture,
+        num_experts=0 if cfg.moe is None else cfg.moe.num_experts,
+        experts_per_token=0 if cfg.moe is None else cfg.moe.top_k,
+        moe_layers=[] if cfg.moe is None else list(cfg.moe.layers),
+        attention_sinks=cfg.attention_sinks,
         kv_pool=pb.KVPoolState(
             pages_total=pool.pages_total,
             pages_free=pool.pages_free,

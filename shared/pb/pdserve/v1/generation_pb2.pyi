@@ -134,7 +134,7 @@ class KVPoolState(_message.Message):
     def __init__(self, pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., window_slots_total: _Optional[int] = ..., window_slots_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_cached: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_context", "layer_types", "sliding_window", "page_size", "dtype", "eos_token_ids", "has_tokenizer", "kv_pool", "has_chat_template", "quantization")
+    __slots__ = ("model_name", "vocab_size", "max_context", "layer_types", "sliding_window", "page_size", "dtype", "eos_token_ids", "has_tokenizer", "kv_pool", "has_chat_template", "quantization", "architecture", "num_experts", "experts_per_token", "moe_layers", "attention_sinks")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,11 @@ class ModelInfo(_message.Message):
     KV_POOL_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_context: int
@@ -159,4 +164,9 @@ class ModelInfo(_message.Message):
     kv_pool: KVPoolState
     has_chat_template: bool
     quantization: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., layer_types: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., kv_pool: _Optional[_Union[KVPoolState, _Mapping]] = ..., has_chat_template: _Optional[bool] = ..., quantization: _Optional[str] = ...) -> None: ...
+    architecture: str
+    num_experts: int
+    experts_per_token: int
+    moe_layers: _containers.RepeatedScalarFieldContainer[int]
+    attention_sinks: bool
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., layer_types: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., kv_pool: _Optional[_Union[KVPoolState, _Mapping]] = ..., has_chat_template: _Optional[bool] = ..., quantization: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., attention_sinks: _Optional[bool] = ...) -> None: ...
