@@ -82,7 +82,7 @@ CASES = {
             mlp_only_layers=[1],
         ),
         (FULL,) * 4,
-    ),  # fmt: skip
+    ),
     "mixtral-all-sliding": (
         "MixtralConfig",
         dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
@@ -107,7 +107,7 @@ CASES = {
             },
         ),
         (SLIDING, FULL, SLIDING, FULL),
-    ),  # fmt: skip
+    ),
 }
 
 
