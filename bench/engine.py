@@ -49,7 +49,21 @@ HF_CONFIG = {
 # --model: the ~2B above, or an ~8B of Llama 3 8B's widths with the same hybrid layers (hidden 4096, 32
 # layers, 32/8 heads x 128, intermediate 14336: ~8.0B parameters), where a decode step's GEMMs are
 # large enough to be bound by the bytes they read rather than by the latency of each launch.
+# "moe-20b": gpt-oss-20b's shape (21B parameters, 3.6B active a token): 24 layers of hidden 2880, 64/8
+# heads x 64 with sinks, sliding (W = 128) and full in turns, 32 experts of 2880, 4 a token, YaRN.
 MODELS = {
+    "moe-20b": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
+        "hidden_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4,
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 4096, "rope_theta": 150000.0,
+        },
+        "attention_bias": True, "torch_dtype": "bfloat16",
+    },
     "2b": HF_CONFIG,
     "8b": HF_CONFIG | {
         "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "intermediate_size": 14336,
@@ -88,7 +102,13 @@ def make_models(with_hf: bool, shape: dict = HF_CONFIG):  # type: ignore[type-ar
         hf_cfg = transformers.AutoConfig.for_model(**fields)
         hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.bfloat16).cuda().eval()
         source = hf.state_dict().items()
-    model = Transformer(cfg).to(device="cuda", dtype=torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built on the GPU in bf16: the MoE's 21B would not fit twice
+    try:
+        with torch.device("cuda"):
+            model = Transformer(cfg)
+    finally:
+        torch.set_default_dtype(default)
     if hf is not None:
         model.load_weights(source)
     else:
@@ -104,20 +124,38 @@ def dense_params(cfg) -> int:
     """Parameters a token multiplies through, the embedding table aside (the LM head included): from
     the layout, so an FP8 model (its scales are parameters too) counts the same FLOPs."""
     h, qk, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layer = h * (qk + 2 * kv) + qk * h + 3 * h * cfg.intermediate_size
-    return cfg.num_layers * layer + cfg.vocab_size * h
+    total = cfg.vocab_size * h
+    for i in range(cfg.num_layers):  # a mixture of experts: the k experts a token goes through
+        mlp = (
+            3 * h * cfg.moe.intermediate_size * cfg.moe.top_k
+            if cfg.is_moe(i)
+            else 3 * h * cfg.intermediate_size
+        )
+        total += h * (qk + 2 * kv) + qk * h + mlp
+    return total
 
 
 def decode_roofline_bytes(model, batch: int, ctx: int, kv_bytes: int = 2) -> int:
     """The bytes a decode step must read: every weight but the embedding table, as stored (e4m3 weights
-    and their scales for an FP8 model), and each sequence's K/V at `kv_bytes` an element."""
+    and their scales for an FP8 model), and each sequence's K/V at `kv_bytes` an element. Of a mixture
+    of experts' weights, those of the experts the batch reads: E (1 - (1 - k / E)^batch) of E, the
+    expected number of distinct experts `batch` tokens pick under uniform routing (random weights)."""
     cfg = model.cfg
     per_tok_layer = 2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n)
+    read = 1.0
+    if cfg.moe is not None:
+        e, k = cfg.moe.num_experts, cfg.moe.top_k
+        read = 1 - (1 - k / e) ** batch  # the share of each layer's experts the step reads
+    weights = 0.0
+    for n, p in model.named_parameters():
+        if "embed" not in n:
+            expert = any(n.endswith(s) for s in (".w_gate_up", ".w_down", ".b_gate_up", ".b_down"))
+            weights += p.numel() * p.element_size() * (read if expert else 1.0)
+    window = cfg.sliding_window or ctx
     kv = 0
     for layer in range(cfg.num_layers):
-        kv += batch * (min(ctx, W) if cfg.is_sliding(layer) else ctx) * per_tok_layer
-    return weights + kv
+        kv += batch * (min(ctx, window) if cfg.is_sliding(layer) else ctx) * per_tok_layer
+    return int(weights + kv)
 
 
 KV_DTYPES = {"auto": torch.bfloat16, "fp8_e4m3": FP8_KV_DTYPE}
@@ -448,7 +486,8 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--model", choices=sorted(MODELS), default="2b",
-        help="the ~2B hybrid, or an ~8B one of Llama 3 8B's widths (the same layer pattern)",
+        help="the ~2B hybrid, an ~8B one of Llama 3 8B's widths (the same layer pattern), or gpt-oss-20b's "
+        "shape (moe-20b: 32 experts, 4 a token, attention sinks)",
     )  # fmt: skip
     ap.add_argument(
         "--fold-norms", choices=["on", "off"], default="on",
