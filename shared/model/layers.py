@@ -13,6 +13,7 @@ multiplies it (Llama's order) where Gemma rounds once after: the two differ by t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -186,6 +187,8 @@ class SwiGLU(nn.Module):
         self.activation = activation
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        # Tensor parallel (shared/model/tensor_parallel.py): the all-reduce of the rank's partial down
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self, x: torch.Tensor, kernels: ModelKernels = _TORCH, rms_eps: float | None = None,
@@ -201,6 +204,9 @@ class SwiGLU(nn.Module):
             act = kernels.glu(gate_up, gelu, self.down_proj)
         else:
             act = (kernels.gelu_tanh_mul_rms if gelu else kernels.silu_mul_rms)(gate_up, x, rms_eps)
+        if self.reduce is not None:  # tensor parallel: this rank's slice's share, summed over the ranks
+            out = self.reduce(kernels.linear(act, self.down_proj))
+            return out if residual is None else residual + out
         if residual is not None:
             return kernels.linear_add(act, self.down_proj, residual)
         return kernels.linear(act, self.down_proj)

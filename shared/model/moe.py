@@ -11,6 +11,8 @@ each kind whole and interleaved, in bf16 or MXFP4 (dequantized at load: `shared/
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -37,6 +39,8 @@ class MoE(nn.Module):
             self.register_parameter("b_gate_up", None)
             self.register_parameter("b_down", None)
         self._mxfp4: dict[str, dict[str, torch.Tensor]] = {}  # an MXFP4 tensor's half, until its pair
+        # Tensor parallel (shared/model/tensor_parallel.py): the all-reduce of the rank's expert slices
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self, x: torch.Tensor, kernels: ModelKernels, rms_eps: float | None = None,
@@ -58,6 +62,8 @@ class MoE(nn.Module):
             b_down=None if self.b_down is None else self.b_down.view(e, self.hidden), alpha=c.alpha,
             limit=c.limit,
         )  # fmt: skip
+        if self.reduce is not None:
+            out = self.reduce(out)
         return out if residual is None else residual + out
 
     @torch.no_grad()

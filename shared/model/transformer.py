@@ -34,6 +34,14 @@ from shared.model.layers import RMSNorm, RopeArgs, Rotary, SwiGLU
 from shared.model.moe import MoE
 
 
+class TensorGroup(Protocol):
+    """A tensor-parallel group as the forward uses it (`tensor_parallel.TensorParallel`)."""
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
 class AttentionFn(Protocol):
     """Attention of one layer over the flattened batch.
 
@@ -77,6 +85,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.local_rope = layer in cfg.rope_local_layers  # Rotary.table: the local layers' RoPE base
+        # Tensor parallel (`tensor_parallel.shard`): the all-reduce of the rank's partial o projection
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         # gpt-oss: a learned logit per head in every softmax (float32 whatever the model's dtype)
         self.sinks = (
             nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False) if cfg.attention_sinks else None
@@ -110,6 +120,9 @@ class Attention(nn.Module):
             store = attn.store_target(self.layer)
             q, k = rotary(positions, q, k, kernels, qk_norm, store=store, v=v, local=self.local_rope)
             out = attn(self.layer, q, k, v, **sinks)
+        if self.reduce is not None:  # tensor parallel: this rank's heads' share, summed over the ranks
+            out = self.reduce(kernels.linear(out.reshape(t, self.q_size), self.o_proj))
+            return out if residual is None else residual + out
         if residual is not None:
             return kernels.linear_add(out.reshape(t, self.q_size), self.o_proj, residual)
         return kernels.linear(out.reshape(t, self.q_size), self.o_proj)
@@ -228,6 +241,18 @@ class Transformer(nn.Module):
         self.rotary = Rotary(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+        # Tensor parallel (`tensor_parallel.shard`): the group, and the first vocabulary row this rank's
+        # embedding and LM head hold.
+        self.tp: TensorGroup | None = None
+        self.vocab_start = 0
+
+    def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: the rows this rank holds, zeros for the others, summed over the ranks."""
+        assert self.tp is not None
+        local = input_ids - self.vocab_start
+        held = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(torch.where(held, local, 0)) * held[:, None].to(self.embed_tokens.weight.dtype)
+        return self.tp.all_reduce(x)
 
     def tie_weights(self) -> None:
         """Share the embedding with lm_head when the checkpoint ties them (again after `to_empty`, which
@@ -238,7 +263,7 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions: [T] (the batch's sequences, concatenated). Returns normed hidden [T, H]."""
         kernels = self.kernel_factory(input_ids.device, self.kernel_backend, self.gemm_backend)
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
         if self.cfg.scale_embeddings:
             x = x * _embed_scale(self.cfg.hidden_size, x.dtype)
         for layer in self.layers:
@@ -251,6 +276,8 @@ class Transformer(nn.Module):
         at batch 64 and a 128k vocabulary is a 48 MB pass of its own)."""
         kernels = self.kernel_factory(hidden.device, self.kernel_backend, self.gemm_backend)
         logits = kernels.head(hidden, self.lm_head)
+        if self.tp is not None:  # each rank's vocabulary block, gathered (the last one padded)
+            logits = self.tp.all_gather_last(logits)[:, : self.cfg.vocab_size]
         logits = logits.float() if float32 else logits
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
