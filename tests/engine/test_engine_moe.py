@@ -42,8 +42,9 @@ def test_the_sinks_and_the_experts_change_the_logits() -> None:
     assert (want - no_sinks).abs().max() > 1e-2 * want.abs().max()
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
-@pytest.mark.parametrize("name", list(MODELS))
+# The Triton kernels (interpreted) on the gpt-oss-like model, whose sinks, biases and clamped SwiGLU
+# cover what the plain MoE runs: the interpreter's fused MoE is the suite's slow part.
+@pytest.mark.parametrize(("name", "kernels"), [("moe", "torch"), ("gpt-oss", "torch"), ("gpt-oss", "triton")])
 def test_chunked_prefill_then_decode_past_the_window_matches_one_dense_pass(name: str, kernels: str) -> None:
     from shared.kernels.attention import ops_for
 
