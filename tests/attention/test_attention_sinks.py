@@ -85,7 +85,7 @@ def ring(ops: AttentionOps, b: Batch, window: int, num_splits: int | None = None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["group2", "group3-d24"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("case", CASES)
 def test_paged_attention_with_sinks_is_hf_gpt_oss(backend: str, layout: str, window: int | None, case: str):
@@ -97,7 +97,7 @@ def test_paged_attention_with_sinks_is_hf_gpt_oss(backend: str, layout: str, win
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["group1", "group3-d24"])
-@pytest.mark.parametrize("window", [1, 5, 8])
+@pytest.mark.parametrize("window", [1, 8])
 @pytest.mark.parametrize("case", CASES)
 def test_ring_attention_with_sinks_is_hf_gpt_oss(backend: str, layout: str, window: int, case: str):
     """Sliding layers take sinks too; a window of 1 leaves each query its own key and the sink."""

@@ -186,7 +186,8 @@ def test_decode_with_rope_storing_kv_in_one_kernel_matches_the_reference_past_th
     # K/V into the pages and rings itself (`BatchAttention.takes_rope`), or (False) the RoPE kernel
     # does (`store_target`), a sliding layer's before its attention, where the token's ring index
     # still holds position L - W (its q/k norm and head layouts: tests/model/test_model_kernels.py).
-    # W + 2 steps wrap both rings: the first sequence's from its first step, the second's at its W-th.
+    # Four steps wrap both rings: the first sequence's from its first step (W - 1 prompt tokens), the
+    # second's from its third (W - 3), and its first two steps still write into a ring not yet full.
     import dataclasses
 
     from shared.kernels.attention import ops_for
@@ -204,8 +205,8 @@ def test_decode_with_rope_storing_kv_in_one_kernel_matches_the_reference_past_th
     )
     seqs = [Seq(cache, 0, random_tokens(3 * W + 1, seed=6)), Seq(cache, 1, random_tokens(3 * W + 1, seed=7))]
     wants = [reference(model, s.tokens) for s in seqs]
-    run(runner, [seqs[0].chunk(W - 1), seqs[1].chunk(2)], Mode.EXTEND)
-    for _ in range(W + 2):
+    run(runner, [seqs[0].chunk(W - 1), seqs[1].chunk(W - 3)], Mode.EXTEND)
+    for _ in range(4):
         logits = run(runner, [s.chunk(1) for s in seqs], Mode.DECODE)
         for row, s, want in zip(logits, seqs, wants, strict=True):
             torch.testing.assert_close(row, want[s.done - 1], rtol=1e-4, atol=1e-4)

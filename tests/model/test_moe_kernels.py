@@ -127,7 +127,7 @@ def assert_kernel_matches(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
-@pytest.mark.parametrize(("t", "bias"), [(1, True), (5, False), (33, False), (33, True)])
+@pytest.mark.parametrize(("t", "bias"), [(1, True), (5, False), (33, True)])
 def test_triton_matches_the_reference(dtype: torch.dtype, activation: str, t: int, bias: bool) -> None:
     ops = operands(t, 2, dtype, bias, seed=t)
     got = fused_moe(**ops, activation=activation)
