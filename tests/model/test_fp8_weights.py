@@ -194,3 +194,15 @@ def test_smollm2_perplexity_with_fp8_weights(smollm) -> None:
     for quantization, bound in (("fp8", 0.02), ("fp8-block", 0.03)):
         model = quantize_model(copy.deepcopy(smollm.model), quantization)
         assert _perplexity(model, ids) / base - 1 < bound, quantization
+
+
+def test_an_fp8_mixture_of_experts_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
+    config = {
+        "architectures": ["MixtralForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="FP8 checkpoints of mixture-of-experts models are not supported"):
+        load_model(tmp_path, progress=False)
