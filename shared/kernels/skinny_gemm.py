@@ -11,7 +11,9 @@ pass.
 Where the model takes it (`ModelKernels.linear`, `Transformer.gemm_backend`): by default ("auto")
 for batches of at most 16 rows, where it is faster than cuBLAS on the gate/up and down projections
 (`bench/gemm_decode.py`) and so shortens a decode step at batch 1 and 16 (`bench/engine.py --gemm
-cublas,skinny`). At 64 rows it does not beat cuBLAS. A SwiGLU prologue (the activation computed as
+cublas,skinny`); at 64 rows it does not beat cuBLAS in bf16. With FP8 operands (`scales=`) it takes
+every decode batch of an FP8 model (`shared/kernels/fp8/ops.py`): it beats cuBLAS's scaled GEMM plus
+the add kernel after it (`bench/gemm_fp8.py`). A SwiGLU prologue (the activation computed as
 the tiles load) is much slower than the SwiGLU kernel plus cuBLAS: every column block would recompute
 the whole input's activation.
 
@@ -136,8 +138,8 @@ def choose_config(m: int, n: int, k: int, *, itemsize: int = 2, group: int | Non
     block_n = 16 if narrow and split == 1 else 32
     block_k, stages = (256 if split == 1 and n <= 4096 else 128) * max(1, 2 // itemsize), 4
     if itemsize == 1 and n > 8192:
-        # FP8 gate/up (bench/gemm_fp8.py --model 8b at M = 64: 38 against 46 us): wider column blocks
-        # re-read the activations fewer times, over a shorter K tile and pipeline.
+        # FP8 gate/up (the best of `bench/gemm_fp8.py --model 8b`'s sweep): wider column blocks re-read
+        # the activations fewer times, over a shorter K tile and pipeline.
         block_n, block_k, stages = 64, 128, 3
     if group is not None:
         block_k = group

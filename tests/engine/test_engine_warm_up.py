@@ -89,8 +89,8 @@ def _new_variants_after_warm_up() -> tuple[set, set]:
 
 def test_after_warm_up_prompts_of_new_lengths_launch_no_kernel_variant_it_did_not(triton_checks_at_warn):
     # The Triton kernels (interpreted here), keyed as a GPU compiles them: every variant a trace of
-    # other lengths, together and arriving one by one, needs was compiled by the warm-up. Before the
-    # packed per-sequence fields stopped deciding the attention kernels' alignment key, this found two.
+    # other lengths, together and arriving one by one, needs was compiled by the warm-up (a packed
+    # per-sequence field deciding an attention kernel's alignment key would fail it).
     # At WARN every check is a launch of the fused check kernel too, whose key includes the alignment
     # of what it reads (some of it views into the packed batch): the warm-up's mix of lengths covers
     # them as well (one run for both: the interpreter makes it the suite's slowest).
