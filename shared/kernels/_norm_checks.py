@@ -22,6 +22,7 @@ __all__ = [
     "check_dtype",
     "check_eps",
     "check_norm_input",
+    "check_rms_norm",
     "check_same_device",
     "check_triton_device",
     "check_weight",
@@ -62,3 +63,15 @@ def check_norm_input(op: str, x: torch.Tensor, name: str, scaled: torch.Tensor, 
     check_same_device(op, **{name: scaled, "x": x})
     if x.shape[1] > 65536:
         fail(op, f"rows of x of {x.shape[1]} values do not fit one program (at most 65536)")
+
+
+def check_rms_norm(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[int, int]:
+    """An RMSNorm kernel's arguments: x [T, H] (rows may be strided) and weight [H] on one Triton
+    device, a valid eps. Returns (T, H)."""
+    check_activation(op, "x", x, 2, "[T, H]")
+    rows, size = x.shape
+    check_weight(op, "weight", weight, size, x.dtype)
+    check_eps(op, eps)
+    check_same_device(op, x=x, weight=weight)
+    check_triton_device(op, x.device)
+    return rows, size

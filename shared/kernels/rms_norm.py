@@ -14,11 +14,9 @@ import triton.language as tl
 from shared.kernels._launch import next_pow2
 from shared.kernels._norm_checks import (
     check_activation,
-    check_eps,
     check_norm_input,
-    check_same_device,
+    check_rms_norm,
     check_triton_device,
-    check_weight,
     fail,
 )
 from shared.kernels._round import round_to
@@ -42,12 +40,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, size, eps, BLO
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Triton version of `reference.rms_norm` for x [T, H] (rows may be strided), weight [H]."""
     op = "rms_norm"
-    check_activation(op, "x", x, 2, "[T, H]")
-    rows, size = x.shape
-    check_weight(op, "weight", weight, size, x.dtype)
-    check_eps(op, eps)
-    check_same_device(op, x=x, weight=weight)
-    check_triton_device(op, x.device)
+    rows, size = check_rms_norm(op, x, weight, eps)
     out = torch.empty((rows, size), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out

@@ -13,14 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.kernels._norm_checks import (
-    check_activation,
-    check_eps,
-    check_same_device,
-    check_triton_device,
-    check_weight,
-    fail,
-)
+from shared.kernels._norm_checks import check_rms_norm, fail
 from shared.kernels._round import round_to
 from shared.kernels.fp8._tile import group_offsets, quantize_groups
 from shared.kernels.fp8.quant import group_tiles, scale_buffer, warps
@@ -50,12 +43,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int
     """Triton version of `reference.rms_norm_quant`: x [T, H] (rows may be strided), weight [H] ->
     Fp8Act of the normed rows, `group` columns a scale."""
     op = "rms_norm_quant"
-    check_activation(op, "x", x, 2, "[T, H]")
-    rows, size = x.shape
-    check_weight(op, "weight", weight, size, x.dtype)
-    check_eps(op, eps)
-    check_same_device(op, x=x, weight=weight)
-    check_triton_device(op, x.device)
+    rows, size = check_rms_norm(op, x, weight, eps)
     if size == 0:
         fail(op, "x has no columns")
     group, groups, width = group_tiles(size, group)
