@@ -14,11 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.kernels._launch import next_pow2
 from shared.kernels._norm_checks import check_activation, check_triton_device, fail
 from shared.kernels.fp8._tile import group_offsets, quantize_groups
-from shared.kernels.fp8.quant import group_tiles, scale_buffer, warps
-from shared.kernels.fp8.reference import E4M3, Fp8Act
+from shared.kernels.fp8.quant import group_launch
+from shared.kernels.fp8.reference import Fp8Act
 from shared.kernels.silu_mul import glu
 
 __all__ = ["glu_quant"]
@@ -48,15 +47,10 @@ def glu_quant(gate_up: torch.Tensor, group: int, gelu: bool = False) -> Fp8Act:
     if width % 2 or width == 0:
         fail(op, f"gate_up must hold gate and up halves of equal, non-zero width, got {width} columns")
     size = width // 2
-    group, groups, padded = group_tiles(size, group)
-    if padded > 65536:
-        fail(op, f"groups of {group} values do not fit one program (at most 65536)")
-    q = torch.empty((rows, size), dtype=E4M3, device=gate_up.device)
-    scale = scale_buffer(rows, groups, gate_up.device)
+    out, grid, consts = group_launch(op, rows, size, group, gate_up.device, gate_up.dtype)
     if rows:
-        per_program = min(max(1, 1024 // padded), next_pow2(groups))
-        _glu_quant_kernel[(rows, triton.cdiv(groups, per_program))](
-            gate_up, q, scale, gate_up.stride(0), q.stride(0), scale.stride(1), size, group,
-            BLOCK_G=per_program, GROUP_P2=padded, GELU=gelu, num_warps=warps(per_program * padded),
+        _glu_quant_kernel[grid](
+            gate_up, out.data, out.scale, gate_up.stride(0), out.data.stride(0), out.scale.stride(1), size,
+            out.group, GELU=gelu, **consts,
         )  # fmt: skip
-    return Fp8Act(q, scale, group, gate_up.dtype)
+    return out

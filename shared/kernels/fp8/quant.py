@@ -20,7 +20,7 @@ from shared.kernels._norm_checks import check_activation, check_triton_device, f
 from shared.kernels.fp8._tile import group_offsets, quantize_groups
 from shared.kernels.fp8.reference import E4M3, Fp8Act
 
-__all__ = ["group_tiles", "quantize", "scale_buffer", "warps"]
+__all__ = ["group_launch", "group_tiles", "quantize", "scale_buffer", "warps"]
 
 
 # The scales' row stride is T, which changes every step: specializing on it would compile mid-traffic.
@@ -63,15 +63,27 @@ def quantize(x: torch.Tensor, group: int) -> Fp8Act:
     rows, size = x.shape
     if size == 0:
         fail(op, "x has no columns")
+    out, grid, consts = group_launch(op, rows, size, group, x.device, x.dtype)
+    if rows:
+        _quant_kernel[grid](
+            x, out.data, out.scale, x.stride(0), out.data.stride(0), out.scale.stride(1), size, out.group,
+            **consts,
+        )  # fmt: skip
+    return out
+
+
+def group_launch(
+    op: str, rows: int, size: int, group: int, device: torch.device, dtype: torch.dtype
+) -> tuple[Fp8Act, tuple[int, int], dict[str, int]]:
+    """A grouped quantizer's launch for `rows` rows of `size` values (`quantize`, `glu_quant`): its
+    output to fill (e4m3 data, column-major scales), its (row, chunk of groups) grid, and the
+    constants BLOCK_G, GROUP_P2 and num_warps of programs of about 1024 values."""
     group, groups, width = group_tiles(size, group)
     if width > 65536:
         fail(op, f"groups of {group} values do not fit one program (at most 65536)")
-    q = torch.empty((rows, size), dtype=E4M3, device=x.device)
-    scale = scale_buffer(rows, groups, x.device)
-    if rows:
-        per_program = min(max(1, 1024 // width), next_pow2(groups))  # about 1024 values a program
-        _quant_kernel[(rows, triton.cdiv(groups, per_program))](
-            x, q, scale, x.stride(0), q.stride(0), scale.stride(1), size, group,
-            BLOCK_G=per_program, GROUP_P2=width, num_warps=warps(per_program * width),
-        )  # fmt: skip
-    return Fp8Act(q, scale, group, x.dtype)
+    out = Fp8Act(
+        torch.empty((rows, size), dtype=E4M3, device=device), scale_buffer(rows, groups, device), group, dtype
+    )
+    per_program = min(max(1, 1024 // width), next_pow2(groups))
+    grid = (rows, triton.cdiv(groups, per_program))
+    return out, grid, {"BLOCK_G": per_program, "GROUP_P2": width, "num_warps": warps(per_program * width)}
