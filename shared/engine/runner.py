@@ -198,6 +198,7 @@ class ModelRunner:
             model.fold_norms()  # no norm kernel in a layer (`EngineConfig.fold_norms`)
         elif not fold_norms and model.norms_folded:
             raise ValueError("ModelRunner: fold_norms=False, but the model's norms are folded already")
+        model.sinks_to_float32()
         self.cache = cache
         self.ops = ops or ops_for(cache.device)
         self.scale = model.cfg.attn_scale  # 1/sqrt(head_dim), or Gemma's query_pre_attn_scalar^-1/2

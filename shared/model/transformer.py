@@ -313,6 +313,15 @@ class Transformer(nn.Module):
                     w.copy_((w.float() * norm.weight.float()[None, :]).to(w.dtype))
                     setattr(layer, flag, True)
 
+    @torch.no_grad()
+    def sinks_to_float32(self) -> None:
+        """gpt-oss's sinks held in float32, the attention kernels' dtype: the forward's cast is then no
+        copy (a runner calls this once, rather than paying a cast kernel a layer and step)."""
+        for layer in self.layers:
+            sinks = layer.self_attn.sinks
+            if sinks is not None and sinks.dtype != torch.float32:
+                sinks.data = sinks.data.float()
+
     def _shards(self, name: str) -> list[int] | None:
         """Row sizes of the checkpoint tensors stacked into parameter `name`, None if it is not fused."""
         c = self.cfg
