@@ -15,7 +15,7 @@
 
 Model: hidden 2048, 28 layers, 16/8 heads x 128, intermediate 6144, 3 of 4 layers sliding (W=1024),
 vocab 128256, random bf16 weights (~1.9B parameters); `--model 8b` the same layers at Llama 3 8B's
-widths. The roofline of a decode step is the bytes it
+widths, `--model gemma3-1b` Gemma 3 1B's shape, `--model moe-20b` gpt-oss-20b's. The roofline of a decode step is the bytes it
 must read (weights but the embedding table, plus each sequence's K/V: whole context on full layers,
 at most W on sliding ones) over the measured copy bandwidth.
 """
@@ -51,6 +51,9 @@ HF_CONFIG = {
 # large enough to be bound by the bytes they read rather than by the latency of each launch.
 # "moe-20b": gpt-oss-20b's shape (21B parameters, 3.6B active a token): 24 layers of hidden 2880, 64/8
 # heads x 64 with sinks, sliding (W = 128) and full in turns, 32 experts of 2880, 4 a token, YaRN.
+# "gemma3-1b": Gemma 3 1B's shape (1.0B parameters, 0.3B of them the tied embedding / LM head): 26 layers
+# of hidden 1152, 4 heads x 256 over one KV head, five local layers (W = 512, RoPE base 10k) to a global
+# one (1M), GELU-tanh MLP of 6912, q/k norms, a vocabulary of 262144.
 MODELS = {
     "moe-20b": {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
@@ -65,6 +68,15 @@ MODELS = {
         "attention_bias": True, "torch_dtype": "bfloat16",
     },
     "2b": HF_CONFIG,
+    "gemma3-1b": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+        "hidden_size": 1152, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 256, "intermediate_size": 6912, "sliding_window": 512,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
+        "rope_theta": 1e6, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    },
     "8b": HF_CONFIG | {
         "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "intermediate_size": 14336,
         "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 8,
@@ -147,8 +159,8 @@ def decode_roofline_bytes(model, batch: int, ctx: int, kv_bytes: int = 2) -> int
         e, k = cfg.moe.num_experts, cfg.moe.top_k
         read = 1 - (1 - k / e) ** batch  # the share of each layer's experts the step reads
     weights = 0.0
-    for n, p in model.named_parameters():
-        if "embed" not in n:
+    for n, p in model.named_parameters():  # a tied LM head is listed once, as the embedding table
+        if "embed" not in n or cfg.tie_word_embeddings:
             expert = any(n.endswith(s) for s in (".w_gate_up", ".w_down", ".b_gate_up", ".b_down"))
             weights += p.numel() * p.element_size() * (read if expert else 1.0)
     window = cfg.sliding_window or ctx
