@@ -112,7 +112,8 @@ def make_models(with_hf: bool, shape: dict = HF_CONFIG):  # type: ignore[type-ar
 
         fields = {k: v for k, v in shape.items() if k != "architectures"}
         hf_cfg = transformers.AutoConfig.for_model(**fields)
-        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.bfloat16).cuda().eval()
+        with torch.device("cuda"):  # initialized on the GPU: 21B random weights on the host take minutes
+            hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
         source = hf.state_dict().items()
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built on the GPU in bf16: the MoE's 21B would not fit twice
