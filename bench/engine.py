@@ -15,9 +15,9 @@
 
 Model: hidden 2048, 28 layers, 16/8 heads x 128, intermediate 6144, 3 of 4 layers sliding (W=1024),
 vocab 128256, random bf16 weights (~1.9B parameters); `--model 8b` the same layers at Llama 3 8B's
-widths, `--model gemma3-1b` Gemma 3 1B's shape, `--model moe-20b` gpt-oss-20b's. The roofline of a decode step is the bytes it
-must read (weights but the embedding table, plus each sequence's K/V: whole context on full layers,
-at most W on sliding ones) over the measured copy bandwidth.
+widths, `--model gemma3-1b` Gemma 3 1B's shape, `--model moe-20b` gpt-oss-20b's. The roofline of a
+decode step is the bytes it must read (weights but the embedding table, plus each sequence's K/V:
+whole context on full layers, at most W on sliding ones) over the measured copy bandwidth.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -51,9 +52,15 @@ __all__ = ["add_services", "build_serving", "serve"]
 log = logging.getLogger("decode_service")
 
 
-def build_serving(cfg: ServiceConfig) -> Serving:
-    """Load the model, build the Engine, handshake with prefill, start the scheduler (blocking)."""
-    loaded, engine = build_engine(cfg, "decode", mixed=cfg.mixed_steps)
+def build_serving(cfg: ServiceConfig, on_rank_death: Callable[[str], None] | None = None) -> Serving:
+    """Load the model, build the Engine, handshake with prefill, start the scheduler (blocking).
+    `on_rank_death`: see `build_engine`."""
+    if cfg.tp > 1 and cfg.prefill_target:
+        raise StartupError(
+            "--tp > 1 with --prefill-target: a decode service of several ranks does not take KV from a "
+            "prefill service yet; serve it with local prefill (no --prefill-target) or --tp 1"
+        )
+    loaded, engine = build_engine(cfg, "decode", mixed=cfg.mixed_steps, on_rank_death=on_rank_death)
     ipc = nixl = None
     router = PrefillRouter(None, cfg.local_prefill_max_tokens, cfg.queue_limit)
     if cfg.prefill_target:
@@ -153,5 +160,12 @@ async def serve(cfg: ServiceConfig) -> int:
         return serving.scheduler
 
     return await run_service(
-        "decode", cfg, server, health_servicer, SERVICE_NAME, lambda: build_serving(cfg), attach, telemetry
+        "decode",
+        cfg,
+        server,
+        health_servicer,
+        SERVICE_NAME,
+        lambda died: build_serving(cfg, died),
+        attach,
+        telemetry,
     )

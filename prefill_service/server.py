@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 from grpc_health.v1 import health
 
@@ -11,7 +13,14 @@ from prefill_service.scheduler import PrefillScheduler
 from prefill_service.servicer import SERVICE_NAME, PrefillServicer, PrefillServing
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.serving.api.validation import Limits
-from shared.serving.runtime import add_health, build_engine, new_server, run_service, service_telemetry
+from shared.serving.runtime import (
+    StartupError,
+    add_health,
+    build_engine,
+    new_server,
+    run_service,
+    service_telemetry,
+)
 from shared.serving.scheduler_base import Scheduler, SchedulerConfig
 from shared.serving.telemetry import Telemetry
 from shared.transfer.base import KVLayout
@@ -19,9 +28,14 @@ from shared.transfer.base import KVLayout
 __all__ = ["add_services", "build_serving", "serve"]
 
 
-def build_serving(cfg: PrefillConfig) -> PrefillServing:
-    """Load the model, build the Engine and start its scheduler thread (blocking: run off the loop)."""
-    loaded, engine = build_engine(cfg, "prefill")
+def build_serving(cfg: PrefillConfig, on_rank_death: Callable[[str], None] | None = None) -> PrefillServing:
+    """Load the model, build the Engine and start its scheduler thread (blocking: run off the loop).
+    `on_rank_death`: see `build_engine`."""
+    if cfg.tp > 1:
+        raise StartupError(
+            "--tp > 1: the prefill service's KV export reads one rank's heads; it serves --tp 1 for now"
+        )
+    loaded, engine = build_engine(cfg, "prefill", on_rank_death=on_rank_death)
     scheduler = PrefillScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue))
     scheduler.start()
     limits = Limits(vocab_size=loaded.config.vocab_size, max_context=engine.max_context())
@@ -50,5 +64,12 @@ async def serve(cfg: PrefillConfig) -> int:
         return serving.scheduler
 
     return await run_service(
-        "prefill", cfg, server, health_servicer, SERVICE_NAME, lambda: build_serving(cfg), attach, telemetry
+        "prefill",
+        cfg,
+        server,
+        health_servicer,
+        SERVICE_NAME,
+        lambda died: build_serving(cfg, died),
+        attach,
+        telemetry,
     )

@@ -267,6 +267,9 @@ class Engine:
         pool_tokens = c.cfg.num_pages * c.page_size if c.full_layers else 1 << 62
         return min(self.model_cfg.max_position_embeddings, pool_tokens)
 
+    def close(self) -> None:
+        """Release what outlives the Python objects (a tensor-parallel engine's other ranks)."""
+
     def check_idle_integrity(self) -> None:
         """Pool conservation: with nothing running, every page and slot is free."""
         self.kv.check_integrity(self.idle)

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from invariants import InvariantViolation, Violation
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv.cache import KVCache, KVConfig
+from shared.engine.mirror import LeaderEngine
 from shared.kernels.kv_quant import FP8_KV_DTYPE
 from shared.model import LoadedModel, Transformer
 from shared.model.fingerprint import fingerprint
@@ -47,6 +48,7 @@ from shared.serving.security.guard import Guard, GuardConfig
 from shared.serving.security.tls import ServerTLS, TLSError
 from shared.serving.security.tokens import Tokens
 from shared.serving.telemetry import Telemetry
+from shared.serving.tensor_parallel import join_group, load_share, start_ranks
 
 __all__ = [
     "NOT_SERVING", "SERVING", "StartupError", "add_health", "build_engine", "new_server", "run_service",
@@ -82,21 +84,39 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def build_engine(cfg: CommonConfig, role: str, *, mixed: bool = False) -> tuple[LoadedModel, Engine]:
+def build_engine(
+    cfg: CommonConfig, role: str, *, mixed: bool = False, on_rank_death: Callable[[str], None] | None = None
+) -> tuple[LoadedModel, Engine]:
     """Load the model, build its Engine and warm it up (blocking: run off the event loop). `role`
-    names the log; `mixed`: decode tokens in every step beside prompt chunks (`EngineConfig.mixed`)."""
+    names the log; `mixed`: decode tokens in every step beside prompt chunks (`EngineConfig.mixed`).
+    With --tp > 1 the other ranks' processes start here (shared/serving/tensor_parallel.py); one that
+    dies calls `on_rank_death` (the service reports NOT_SERVING) before the process exits."""
     log = logging.getLogger(f"{role}_service")
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this loading thread's kernels and graph captures go there
     # CPU auto sizing: the RAM free before the weights take theirs (they are subtracted as a whole).
     ram = cpu_available_bytes() if device.type == "cpu" and not cfg.num_pages else 0
-    loaded = load_served_model(cfg.model, device=device, dtype=cfg.dtype, quantization=cfg.quantization)
+    ranks = None
+    if cfg.tp > 1:  # ranks 1.. load beside this one; rank 0 is this process
+        try:
+            ranks = start_ranks(cfg, role, device)
+        except ValueError as e:
+            raise StartupError(str(e)) from e
+        ranks.on_death = on_rank_death
+        tp = join_group(ranks.rendezvous, 0, cfg.tp, device)
+        try:
+            loaded = load_share(cfg, device, tp)
+        except ValueError as e:
+            raise StartupError(str(e)) from e
+        log.info("tensor parallel: rank 0 of %d (%s)", cfg.tp, "NCCL" if device.type == "cuda" else "gloo")
+    else:
+        loaded = load_served_model(cfg.model, device=device, dtype=cfg.dtype, quantization=cfg.quantization)
+        # Before the engine rewrites any weight (its folded norms): what the KV handshake compares.
+        loaded = dataclasses.replace(loaded, fingerprint=fingerprint(loaded.model, loaded.tokenizer))
+        loaded.model.gemm_backend = cfg.gemm
     if loaded.model.quantization != "none":
         log.info("weights: %s (the layers' projections; shared/model/quant)", loaded.model.quantization)
-    # Before the engine rewrites any weight (its folded norms): what the KV handshake compares.
-    loaded = dataclasses.replace(loaded, fingerprint=fingerprint(loaded.model, loaded.tokenizer))
-    loaded.model.gemm_backend = cfg.gemm
     # The activations' dtype (the embedding's: FP8 projections hold float8 weights), or an FP8 cache.
     kv_dtype, scales = loaded.model.embed_tokens.weight.dtype, ()
     if cfg.kv_cache_dtype == "fp8_e4m3":  # the checkpoint's per-layer scales, else 1.0
@@ -122,7 +142,11 @@ def build_engine(cfg: CommonConfig, role: str, *, mixed: bool = False) -> tuple[
         sizing = _size_pool(loaded.model, kv, engine_cfg, cfg.kv_memory_fraction, ram)
         log.info("KV pool: %d pages, sized from memory (%s)", sizing.num_pages, sizing.why)
         kv = dataclasses.replace(kv, num_pages=sizing.num_pages)
-    engine = Engine(loaded.model, kv, engine_cfg)
+    if ranks is not None:
+        ranks.send_engine(kv, engine_cfg)
+        engine: Engine = LeaderEngine(loaded.model, kv, engine_cfg, links=ranks.links, on_close=ranks.stop)
+    else:
+        engine = Engine(loaded.model, kv, engine_cfg)
     took = engine.warm_up()  # before ready: a first request must not wait on kernel compiles
     if took:
         log.info("warmed up in %.1f s", took)
@@ -244,10 +268,11 @@ async def _drain(sched: Scheduler, timeout: float, log: logging.Logger) -> None:
 
 async def run_service(
     role: str, cfg: CommonConfig, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
-    service_name: str, build: Callable[[], T], attach: Callable[[T], Scheduler],
+    service_name: str, build: Callable[[Callable[[str], None]], T], attach: Callable[[T], Scheduler],
     telemetry: Telemetry | None = None,
 ) -> int:  # fmt: skip
-    """Serve until SIGTERM/SIGINT. `build` runs on a thread; `attach` hands its result to the servicer
+    """Serve until SIGTERM/SIGINT. `build(on_rank_death)` runs on a thread (`build_engine`'s
+    `on_rank_death`: reports NOT_SERVING, from any thread); `attach` hands its result to the servicer
     and returns its scheduler. Returns the process exit code."""
     log = logging.getLogger(f"{role}_service")
     telemetry = telemetry or Telemetry(role)
@@ -275,7 +300,16 @@ async def run_service(
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    load = asyncio.create_task(_in_thread(build))
+
+    def rank_died(message: str) -> None:  # a tensor-parallel rank's watcher thread; the process exits next
+        async def down() -> None:
+            await health_servicer.set(service_name, NOT_SERVING)
+            await health_servicer.set("", NOT_SERVING)
+
+        with contextlib.suppress(RuntimeError):
+            asyncio.run_coroutine_threadsafe(down(), loop)
+
+    load = asyncio.create_task(_in_thread(lambda: build(rank_died)))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
     code = 0

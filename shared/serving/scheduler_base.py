@@ -193,6 +193,7 @@ class Scheduler:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._engine.close()
         if self._on_violation is not None:
             self._on_violation = None
             self._engine.checker.remove_listener(self._attribute)
