@@ -230,6 +230,16 @@ class Checker:
         self._enqueue_copy()
         return found
 
+    def report(self, found: list[Violation]) -> list[Violation]:
+        """Violations another process's checker found (a tensor-parallel rank's), reported as this
+        checker's: logged and handed to the listeners. Returns them."""
+        for v in found:
+            log.log(_LOG_LEVEL[v.severity], "invariant %s violated on another rank: %d hits, rows %s",
+                    v.name, v.new_hits, list(v.rows))  # fmt: skip
+            for listener in list(self._listeners):
+                listener(v)
+        return list(found)
+
     def drain(self) -> list[Violation]:
         """Blocking poll for shutdown and tests: waits for the device and reports everything."""
         if not self._on_cuda:

@@ -101,6 +101,9 @@ class Engine:
         return req
 
     def abort(self, req: Request) -> None:
+        self._abort(req)
+
+    def _abort(self, req: Request) -> None:
         if req in self.waiting:
             self.waiting.remove(req)
         self._finish(req, "abort")
@@ -154,9 +157,11 @@ class Engine:
             return self._step()
 
     def _step(self) -> list[tuple[Request, int]]:
-        self.free_finished()
+        self.kv.free_finished()
         admit(self.waiting, self.running, self.cfg.max_running, self._allocate)
-        launched = self._launch(schedule(self.running, self.cfg.max_batch_tokens, self.cfg.mixed))
+        plan = schedule(self.running, self.cfg.max_batch_tokens, self.cfg.mixed)
+        self._planned(plan)
+        launched = self._launch(plan)
         done, self._inflight = self._inflight, launched
         produced = self._complete(done) if done is not None else []
         if not self.cfg.overlap and self._inflight is not None:
@@ -168,7 +173,7 @@ class Engine:
         """Complete the step in flight without launching another (before a replay, at shutdown)."""
         done, self._inflight = self._inflight, None
         produced = self._complete(done) if done is not None else []
-        self.free_finished()
+        self.kv.free_finished()
         return produced
 
     def generate(
@@ -178,7 +183,7 @@ class Engine:
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         while not all(r.finished for r in reqs) or self._inflight is not None:
             self.step()
-        self.free_finished()
+        self.kv.free_finished()
         return reqs
 
     def warm_up(self, *, force: bool = False) -> float:
@@ -229,7 +234,7 @@ class Engine:
         req.num_computed = req.num_scheduled = len(req.prompt)
         self.kv.cache_prompt(req)  # its prompt's KV is all here: later prompts may share it
         if not history:
-            self.rebuild_window(req)
+            self._rebuild_window(req)
         req.phase = Phase.DECODE
         req.output.append(first_token)
         self.running.append(req)
@@ -242,12 +247,15 @@ class Engine:
         if req.phase is Phase.RESERVED:
             req.phase, req.finish_reason = Phase.FINISHED, "abort"
         if not req.finished:
-            self.abort(req)
+            self._abort(req)
         else:
             self._free_kv_when_safe(req)
 
     def rebuild_window(self, req: Request) -> int:
         """Bounded replay: recompute the tokens the rings need and store their K/V. Returns how many."""
+        return self._rebuild_window(req)
+
+    def _rebuild_window(self, req: Request) -> int:
         assert req.window is not None and req.num_scheduled == req.num_computed, "request has work in flight"
         end = req.num_computed
         start = replay_start(end, self.model_cfg.layer_types, self.cache.window)
@@ -326,7 +334,7 @@ class Engine:
     def _emit(self, step: InFlightStep, tokens: list[int]) -> list[tuple[Request, int]]:
         for req in step.releases:
             self.kv.free(req)
-        self._contain(self.checker.poll())
+        self._contain(self._poll())
         produced = []
         finished, decode = Phase.FINISHED, Phase.DECODE  # once, not per row: this loop runs per token
         for req, count, emit, tok in zip(step.reqs, step.counts, step.emits, tokens, strict=True):
@@ -367,6 +375,14 @@ class Engine:
             self._inflight.releases.append(req)  # the device may still write its KV
         else:
             self.kv.free(req)
+
+    def _planned(self, plan: Plan) -> None:
+        """What the next forward runs, just before it launches (a tensor-parallel engine's hook:
+        shared/engine/mirror.py)."""
+
+    def _poll(self) -> list[invariants.Violation]:
+        """The invariant violations to contain after a step: this engine's checker's."""
+        return self.checker.poll()
 
     def _contain(self, violations: list[invariants.Violation]) -> None:
         """At WARN, a FATAL_CONTAINABLE hit costs exactly the requests it names (by window slot)."""

@@ -287,13 +287,20 @@ class ModelRunner:
         # A greedy step (the sampler's all-greedy case, without its generality): the argmax kernel also
         # writes the tokens to the host's pinned ring and into the token table: no copy op follows it.
         greedy = sampling is None or sampling.all_greedy
-        if greedy:  # split over the vocabulary on CUDA; torch.argmax on CPU
+        tp = self.model.tp
+        if tp is not None and tp.rank > 0:  # tensor parallel: the tokens rank 0 sampled, on the device
+            host = None
+            tokens = tp.broadcast(torch.empty(rows, dtype=torch.int64, device=logits.device))
+            self.token_table.index_copy_(0, slots.long(), tokens)
+        elif greedy:  # split over the vocabulary on CUDA; torch.argmax on CPU
             host = self._host_tokens(rows) if logits.is_cuda else None
             tokens = argmax_rows(logits, host_out=host, scatter_out=(self.token_table, slots))
         else:
             host = None
             tokens = sample(logits, sampling, sampled_at[:rows])
             self.token_table.index_copy_(0, slots.long(), tokens)
+        if tp is not None and tp.rank == 0:
+            tp.broadcast(tokens)
         ready = None
         if tokens.is_cuda:  # the tokens' way to the host starts here, so one event covers both
             if host is None:

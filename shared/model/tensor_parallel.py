@@ -27,11 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shared.model.config import ModelConfig
 from shared.model.layers import SwiGLU
 from shared.model.moe import MoE
 from shared.model.transformer import Transformer
 
-__all__ = ["TensorParallel", "kv_heads_of", "shard"]
+__all__ = ["TensorParallel", "check_split", "kv_heads_of", "shard"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,11 @@ class TensorParallel:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of `t`, in place."""
         dist.all_reduce(t, group=self.group)
+        return t
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` on every rank, in place (the tokens rank 0 sampled)."""
+        dist.broadcast(t, dist.get_global_rank(self.group, 0) if self.group is not None else 0, self.group)
         return t
 
     def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
@@ -67,6 +73,14 @@ def kv_heads_of(num_heads: int, num_kv_heads: int, rank: int, world: int) -> ran
         )
     head = rank * num_kv_heads // world
     return range(head, head + 1)
+
+
+def check_split(cfg: ModelConfig, world: int) -> None:
+    """ValueError, naming what, unless a model of `cfg` splits over `world` ranks."""
+    kv_heads_of(cfg.num_heads, cfg.num_kv_heads, 0, world)
+    _split(cfg.intermediate_size, world, "intermediate_size")
+    if cfg.moe is not None:
+        _split(cfg.moe.intermediate_size, world, "expert size")
 
 
 @torch.no_grad()

@@ -35,11 +35,16 @@ from shared.model.moe import MoE
 
 
 class TensorGroup(Protocol):
-    """A tensor-parallel group as the forward uses it (`tensor_parallel.TensorParallel`)."""
+    """A tensor-parallel group as the forward and the runner use it (`tensor_parallel.TensorParallel`)."""
+
+    rank: int
+    world: int
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
 
     def all_gather_last(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
 class AttentionFn(Protocol):

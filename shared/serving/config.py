@@ -42,6 +42,10 @@ QUANTIZATIONS = ("auto", "none", "fp8", "fp8-block")
 KV_CACHE_DTYPES = {"auto": "auto", "fp8_e4m3": "fp8_e4m3", "fp8": "fp8_e4m3"}
 
 
+# --tp: ranks of one host (one process each); NVLink joins at most 8 GPUs of an H100/H200 host.
+MAX_TP = 8
+
+
 def normalize_dtype(name: str) -> str:
     """`bf16`, `BFloat16`, `torch.bfloat16` -> `bfloat16`; ValueError for a dtype we do not serve."""
     key = name.strip().lower().removeprefix("torch.")
@@ -56,6 +60,7 @@ class CommonConfig:
     port: int = 50051  # 0: any free port (the bound one is printed on the "listening" line)
     model: str = ""  # checkpoint path; "" = the embedded default; random:<json> = a tiny test model
     device: str = "auto"  # auto = cuda when available, else cpu
+    tp: int = 1  # tensor-parallel ranks, a process each (shared/serving/tensor_parallel.py)
     dtype: str = "auto"  # normalized at parse (bf16 -> bfloat16); auto: see DTYPES
     kv_cache_dtype: str = "auto"  # auto: --dtype's; fp8_e4m3 (fp8): an FP8 cache (KV_CACHE_DTYPES)
     quantization: str = "auto"  # weights: auto | none | fp8 | fp8-block (shared/model/quant)
@@ -107,6 +112,8 @@ class CommonConfig:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 1 <= self.tp <= MAX_TP:
+            raise ValueError(f"tp must be in [1, {MAX_TP}], got {self.tp}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -136,6 +143,11 @@ COMMON_HELP = {
     "model": "HF directory or .gguf file; empty = the embedded SmolLM2-135M-Instruct. "
     "Testing aid: random:<json> serves a tiny random model (see shared/serving/api/model_source.py)",
     "device": "auto, cpu, cuda or cuda:N",
+    "tp": "tensor-parallel degree: the model's heads, MLP and vocabulary split over this many ranks, one "
+    "process each (rank 0 is the service's own process and runs the scheduler; the service starts and "
+    "watches the others and stops, exit code 4, if one dies). On CUDA rank r uses --device's GPU + r and "
+    "NCCL; on CPU every rank runs on the CPU over gloo. The heads and the MLP must split evenly; KV heads "
+    "are replicated where there are fewer than ranks. docs/tensor-parallel.md",
     "dtype": "model dtype (the KV cache's too, unless --kv-cache-dtype): auto, bfloat16 (bf16), float16 "
     "(fp16, half) or float32 (fp32, float). "
     "auto: the checkpoint's dtype on CUDA (bfloat16 for a float32 or quantized checkpoint; float16 where "

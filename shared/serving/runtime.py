@@ -48,7 +48,7 @@ from shared.serving.security.guard import Guard, GuardConfig
 from shared.serving.security.tls import ServerTLS, TLSError
 from shared.serving.security.tokens import Tokens
 from shared.serving.telemetry import Telemetry
-from shared.serving.tensor_parallel import join_group, load_share, start_ranks
+from shared.serving.tensor_parallel import join_group, load_whole, share_of, start_ranks
 
 __all__ = [
     "NOT_SERVING", "SERVING", "StartupError", "add_health", "build_engine", "new_server", "run_service",
@@ -98,17 +98,15 @@ def build_engine(
     # CPU auto sizing: the RAM free before the weights take theirs (they are subtracted as a whole).
     ram = cpu_available_bytes() if device.type == "cpu" and not cfg.num_pages else 0
     ranks = None
-    if cfg.tp > 1:  # ranks 1.. load beside this one; rank 0 is this process
+    if cfg.tp > 1:  # rank 0 is this process; the others start once the model is known to split
         try:
+            whole = load_whole(cfg, device)
             ranks = start_ranks(cfg, role, device)
         except ValueError as e:
             raise StartupError(str(e)) from e
         ranks.on_death = on_rank_death
-        tp = join_group(ranks.rendezvous, 0, cfg.tp, device)
-        try:
-            loaded = load_share(cfg, device, tp)
-        except ValueError as e:
-            raise StartupError(str(e)) from e
+        loaded = share_of(whole, cfg, join_group(ranks.rendezvous, 0, cfg.tp, device))
+        del whole
         log.info("tensor parallel: rank 0 of %d (%s)", cfg.tp, "NCCL" if device.type == "cuda" else "gloo")
     else:
         loaded = load_served_model(cfg.model, device=device, dtype=cfg.dtype, quantization=cfg.quantization)

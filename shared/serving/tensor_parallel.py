@@ -42,14 +42,16 @@ from shared.engine.mirror import FollowerEngine, Link, follow
 from shared.model import LoadedModel
 from shared.model.fingerprint import fingerprint
 from shared.model.quant import quantize_model
-from shared.model.tensor_parallel import TensorParallel, shard
+from shared.model.tensor_parallel import TensorParallel, check_split, shard
 from shared.serving.api.model_source import load_served_model
 from shared.serving.config import CommonConfig
 
-__all__ = ["EXIT_RANK_DIED", "Ranks", "join_group", "load_share", "rank_device", "start_ranks"]
+__all__ = [
+    "EXIT_RANK_DIED", "Ranks", "join_group", "load_whole", "rank_device", "share_of", "start_ranks",
+]  # fmt: skip
 
 EXIT_RANK_DIED = 4
-_GRACE_S = 0.5  # NOT_SERVING reported, before the process exits: a probe in flight sees it
+_GRACE_S = 1.0  # NOT_SERVING reported, before the process exits: a probe in flight sees it
 log = logging.getLogger(__name__)
 
 
@@ -76,10 +78,10 @@ def join_group(rendezvous: str, rank: int, world: int, device: torch.device) -> 
     return TensorParallel(rank, world)
 
 
-def load_share(cfg: CommonConfig, device: torch.device, tp: TensorParallel) -> LoadedModel:
-    """The served model, this rank's share of it: loaded whole, split, then quantized (--quantization
-    fp8 / fp8-block quantizes each share as the whole would be). Its fingerprint is the whole model's
-    (what the KV handshake compares, whatever each side's degree)."""
+def load_whole(cfg: CommonConfig, device: torch.device) -> LoadedModel:
+    """The served model as a whole, unquantized where --quantization quantizes at load (each rank
+    quantizes its share instead, as the whole would be), with the whole model's fingerprint (what the
+    KV handshake compares, whatever each side's degree). ValueError: it does not split over --tp."""
     online = cfg.quantization in ("fp8", "fp8-block")
     loaded = load_served_model(
         cfg.model, device=device, dtype=cfg.dtype, quantization="none" if online else cfg.quantization
@@ -89,12 +91,17 @@ def load_share(cfg: CommonConfig, device: torch.device, tp: TensorParallel) -> L
             f"tp: a checkpoint quantized to {loaded.model.quantization} is not split over ranks; "
             "serve it with --quantization none (dequantized) or --tp 1"
         )
-    whole = fingerprint(loaded.model, loaded.tokenizer)
+    check_split(loaded.config, cfg.tp)
+    return dataclasses.replace(loaded, fingerprint=fingerprint(loaded.model, loaded.tokenizer))
+
+
+def share_of(loaded: LoadedModel, cfg: CommonConfig, tp: TensorParallel) -> LoadedModel:
+    """`loaded` with this rank's share of its model in place of the whole."""
     local = shard(loaded.model, tp)
-    if online:
+    if cfg.quantization in ("fp8", "fp8-block"):
         quantize_model(local, cfg.quantization)
     local.gemm_backend = cfg.gemm
-    return dataclasses.replace(loaded, model=local, fingerprint=whole)
+    return dataclasses.replace(loaded, model=local)
 
 
 @dataclasses.dataclass
@@ -124,9 +131,8 @@ class Ranks:
             return
         rank, process = sentinels[ready[0]]  # type: ignore[index]
         process.join(1.0)
-        why = (
-            f"exit code {process.exitcode}" if (process.exitcode or 0) >= 0 else f"signal {-process.exitcode}"
-        )
+        code = process.exitcode or 0
+        why = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
         message = f"tensor parallel rank {rank} of {self.world} (pid {process.pid}) died ({why})"
         log.critical("%s: the service stops", message)
         if self.on_death is not None:
@@ -201,7 +207,7 @@ def _rank_main(
         if device.type == "cuda":
             torch.cuda.set_device(device)
         tp = join_group(rendezvous, rank, cfg.tp, device)
-        loaded = load_share(cfg, device, tp)
+        loaded = share_of(load_whole(cfg, device), cfg, tp)
         kind, kv, engine_cfg = link.recv()
         assert kind == "engine", kind
         kv = dataclasses.replace(kv, device=str(device))

@@ -17,10 +17,10 @@ from tests.engine.engine_testutil import W, build_batch, random_tokens, tiny_con
 BUDGET = 12
 
 
-def engine(mixed: bool, overlap: bool = True) -> Engine:
+def engine(mixed: bool, overlap: bool = True, layers: str = "SSFS") -> Engine:
     kv = KVConfig(page_size=4, num_pages=128, max_requests=4)
     cfg = EngineConfig(max_batch_tokens=BUDGET, overlap=overlap, mixed=mixed)
-    return Engine(tiny_model(tiny_config("SSFS")), kv, cfg)
+    return Engine(tiny_model(tiny_config(layers)), kv, cfg)
 
 
 ARRIVALS = [  # (step at which it arrives, prompt length, sampling)
@@ -90,8 +90,10 @@ def test_mixed_steps_through_the_triton_kernels_produce_the_same_tokens():
     # decode-shaped attention call (split-K), the prompt chunks through the prefill-shaped one.
     from shared.kernels.attention import ops_for
 
+    # One sliding and one full layer: both attention kernels, each layer type's own path, at half the
+    # interpreted kernels of SSFS.
     def triton_engine(mixed: bool) -> Engine:
-        eng = engine(mixed)
+        eng = engine(mixed, layers="SF")
         eng.runner.model.kernel_backend = "triton"
         eng.runner.ops = ops_for("cpu", backend="triton")
         return eng
@@ -99,4 +101,4 @@ def test_mixed_steps_through_the_triton_kernels_produce_the_same_tokens():
     # The first two requests still decode when the others arrive (steps 4-7): mixed steps happen with
     # a dozen tokens each, and the interpreter's cost grows with every step.
     short = [(at, n, dataclasses.replace(p, max_tokens=min(p.max_tokens, 12))) for at, n, p in ARRIVALS]
-    assert run(triton_engine(mixed=True), short) == run(engine(mixed=False), short)
+    assert run(triton_engine(mixed=True), short) == run(engine(mixed=False, layers="SF"), short)

@@ -192,13 +192,17 @@ def test_decode_with_rope_storing_kv_in_one_kernel_matches_the_reference_past_th
 
     from shared.kernels.attention import ops_for
 
-    cfg = tiny_config("SFSS")
+    # Two sliding layers and a full one between them: each layer's rings and pages found by its index
+    # among its kind, not its own.
+    cfg = tiny_config("SFS")
     if variant == "qwen3-qk-norm":  # the kernel norms each head of q and k before rotating and storing
         cfg = dataclasses.replace(cfg, qk_norm=True)
     elif variant == "one-kv-head":  # four query heads share one stored K/V head
         cfg = dataclasses.replace(cfg, num_kv_heads=1)
     model = tiny_model(cfg)
-    model.kernel_backend = "triton"
+    # Triton's RoPE and norm kernels; the layers' GEMMs torch's (the skinny GEMM's own tests, and the
+    # runner's above, take it): the interpreter runs what this test is about.
+    model.kernel_backend, model.gemm_backend = "triton", "cublas"
     cache = KVCache(cfg, KVConfig(page_size=PAGE, num_pages=32, max_requests=2))
     runner = ModelRunner(
         model, cache, ops_for(cache.device, backend="triton"), rope_in_attention=rope_in_attention

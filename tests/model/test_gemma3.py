@@ -226,12 +226,26 @@ def gemma(gemma_path: Path):
 
 @pytest.fixture(scope="module")
 def hf_gemma(gemma_path: Path):
-    """transformers loading the same file: its own reading of the metadata, gguf's dequantization."""
+    """transformers loading the same file: its own reading of the metadata, gguf's dequantization.
+
+    It opens the file twice (the config, then the weights), and each GGUFReader parses every field,
+    the 262k-token vocabulary included: one reader (read-only, a memory map) serves both."""
+    import gguf
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        gemma_path.parent, gguf_file=gemma_path.name, dtype=torch.float32, attn_implementation="eager"
-    )
+    readers: dict[str, gguf.GGUFReader] = {}
+    parse = gguf.GGUFReader
+
+    def parse_once(path: str | Path) -> gguf.GGUFReader:
+        if str(path) not in readers:
+            readers[str(path)] = parse(path)
+        return readers[str(path)]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", parse_once)
+        model = AutoModelForCausalLM.from_pretrained(
+            gemma_path.parent, gguf_file=gemma_path.name, dtype=torch.float32, attn_implementation="eager"
+        )
     return model.eval()
 
 

@@ -96,7 +96,7 @@ def test_prompts_longer_than_the_window_decode_as_colocated(gemma, services) -> 
     first: both services read that prefix from their prefix cache (the sliding layers' window at it
     from a snapshot or a bounded replay), and the tokens still equal the colocated Engine's."""
     _, decode = services
-    first = gemma.tokenizer.encode(TEXT)[:700]
+    first = gemma.tokenizer.encode(TEXT)[: W + 64]  # past the window, and whole pages of it cached
     second = [*first, *gemma.tokenizer.encode(" And then?", add_special_tokens=False)]
     want = colocated(gemma, [first, second])
     with Client(decode.target) as c:
@@ -124,11 +124,12 @@ def test_the_sliding_layers_ship_w_tokens_whatever_the_prompt_length(gemma, serv
     layout = layout_of(gemma, PAGE)
     ids = gemma.tokenizer.encode(TEXT)
     try:
-        (w1, short), (w2, long) = (_transfer(info, layout, ids[:n]) for n in (640, 1280))
+        n = W + PAGE  # past the window, and twice that
+        (w1, short), (w2, long) = (_transfer(info, layout, ids[:k]) for k in (n, 2 * n))
         cfg = gemma.config
         per_token = cfg.num_kv_heads * cfg.head_dim * 2 * 4  # K and V, float32
         assert w1 == w2 == short.window_bytes == long.window_bytes == len(cfg.sliding_layers) * W * per_token
-        assert short.full_bytes == len(cfg.full_layers) * 640 * per_token
+        assert short.full_bytes == len(cfg.full_layers) * n * per_token
         assert long.full_bytes == 2 * short.full_bytes
         wait_pool_idle(info)  # type: ignore[arg-type]
     finally:

@@ -1,0 +1,91 @@
+"""`--tp` on the services, real processes over gloo: a decode service of two ranks generates what one
+rank generates (a hybrid model, and a gpt-oss-like mixture of experts with sinks, requests running
+together); a rank that dies makes the service report NOT_SERVING and exit with code 4, naming the
+rank, without hanging; a model that does not split over the ranks is refused at start."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from decode_service.servicer import SERVICE_NAME
+from shared.client.client import Client
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.kv.cache import KVConfig
+from shared.engine.sampling import SamplingParams
+from shared.serving.api.model_source import load_served_model
+from shared.serving.tensor_parallel import EXIT_RANK_DIED
+from tests.services.service_testutil import ServerProcess, health_status, random_spec, stop_all
+
+COMMON = ("--page-size", "4", "--max-running", "4", "--no-metrics")
+GREEDY = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+PROMPTS = [[(5 * i + n) % 97 for i in range(n)] for n in (3, 17, 30)]
+MODELS = {
+    "hybrid": {"layers": "SSFS", "heads": 4, "kv_heads": 2},
+    "gpt-oss-moe-sinks": {"layers": "SFSF", "experts": 4, "top_k": 2, "expert_intermediate": 48,
+                          "sinks": True, "gpt_oss_experts": True},
+}  # fmt: skip
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """The service's rank processes (multiprocessing's spawned children, not its resource tracker)."""
+    children = [
+        c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()
+    ]
+    found = []
+    for child in map(int, children):  # each thread's children: the ranks start on the loading thread
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            found.append(child)
+    return found
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_two_ranks_generate_what_one_rank_generates(name: str) -> None:
+    spec = random_spec(**MODELS[name])
+    loaded = load_served_model(spec)
+    engine = Engine(loaded.model, KVConfig(page_size=4, num_pages=512, max_requests=4), EngineConfig())
+    expected = [r.output for r in engine.generate(PROMPTS, SamplingParams(**GREEDY))]
+    decode = ServerProcess(spec, *COMMON, "--tp", "2")
+    try:
+        assert len(_ranks_of(decode.proc.pid)) == 1
+        with Client(decode.target) as c, ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: list(c.complete(p, **GREEDY).token_ids), PROMPTS))
+        assert got == expected
+    finally:
+        stop_all(decode)
+
+
+def test_a_dead_rank_stops_the_service_not_serving_then_exit_4() -> None:
+    decode = ServerProcess(random_spec(), *COMMON, "--tp", "2")
+    try:
+        [rank] = _ranks_of(decode.proc.pid)
+        os.kill(rank, signal.SIGKILL)
+        seen = set()
+        deadline = time.monotonic() + 30
+        while decode.proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(grpc.RpcError):  # the port has closed: the process is on its way out
+                seen.add(health_status(decode.target, SERVICE_NAME))
+            time.sleep(0.02)
+        assert decode.wait(10) == EXIT_RANK_DIED
+        assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
+        assert f"tensor parallel rank 1 of 2 (pid {rank}) died (killed by signal 9)" in decode.log()
+    finally:
+        decode.kill()
+
+
+def test_a_model_that_does_not_split_is_refused_at_start() -> None:
+    decode = ServerProcess(random_spec(heads=4, kv_heads=2), *COMMON, "--tp", "3", wait_ready=False)
+    try:
+        assert decode.wait(60) == 1
+        assert "4 attention heads do not split over 3 ranks" in decode.log()
+    finally:
+        decode.kill()
