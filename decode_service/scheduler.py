@@ -43,8 +43,9 @@ from shared.serving.scheduler_base import (
     _Entry,
 )
 from shared.transfer.cuda_ipc import IpcReceiver
-from shared.transfer.inline import KVBatch, apply_batch, begin_receive
+from shared.transfer.inline import KVBatch
 from shared.transfer.nixl import NixlReceiver
+from shared.transfer.ranks import apply_batch_all, begin_receive_all
 
 __all__ = [
     "AlreadyExists",
@@ -152,7 +153,7 @@ class DecodeScheduler(Scheduler):
                 return  # no room yet: retried after the next step frees pages
             self._pending.popleft()
             entry.req = req
-            begin_receive(self._engine.cache, req.slot)
+            begin_receive_all(self._engine, req)
             self._reserved[entry.rid] = entry
             ready = self.ipc.ready() if self.ipc is not None else b""
             settled = None
@@ -215,7 +216,7 @@ class DecodeScheduler(Scheduler):
         assert req is not None
         try:
             for batch in batches:
-                apply_batch(self._engine.cache, req.pages, req.slot, batch, full_from=req.cached_tokens)
+                apply_batch_all(self._engine, req, batch)
         except (ValueError, RuntimeError) as exc:  # a malformed batch costs this request only
             self._drop_reserved(rid, f"bad KV chunk: {exc}")
 

@@ -46,6 +46,7 @@ from shared.serving.telemetry import Telemetry
 from shared.transfer.base import KVLayout
 from shared.transfer.cuda_ipc import IpcReceiver, IpcUnavailable
 from shared.transfer.nixl import NixlReceiver, NixlUnavailable
+from shared.transfer.ranks import wire_kv_heads
 
 __all__ = ["add_services", "build_serving", "serve"]
 
@@ -55,16 +56,22 @@ log = logging.getLogger("decode_service")
 def build_serving(cfg: ServiceConfig, on_rank_death: Callable[[str], None] | None = None) -> Serving:
     """Load the model, build the Engine, handshake with prefill, start the scheduler (blocking).
     `on_rank_death`: see `build_engine`."""
-    if cfg.tp > 1 and cfg.prefill_target:
+    if cfg.tp > 1 and cfg.prefill_target and cfg.kv_transfer != "inline":
         raise StartupError(
-            "--tp > 1 with --prefill-target: a decode service of several ranks does not take KV from a "
-            "prefill service yet; serve it with local prefill (no --prefill-target) or --tp 1"
+            f"--kv-transfer {cfg.kv_transfer} with --tp {cfg.tp}: a decode service of several ranks takes "
+            "its KV inline for now (--kv-transfer inline)"
         )
     loaded, engine = build_engine(cfg, "decode", mixed=cfg.mixed_steps, on_rank_death=on_rank_death)
     ipc = nixl = None
     router = PrefillRouter(None, cfg.local_prefill_max_tokens, cfg.queue_limit)
     if cfg.prefill_target:
-        layout = KVLayout.of(engine.cache, loaded.name, loaded.fingerprint)
+        layout = KVLayout.of(
+            engine.cache,
+            loaded.name,
+            loaded.fingerprint,
+            num_kv_heads=wire_kv_heads(engine),
+            tensor_parallel=cfg.tp,
+        )
         try:
             if cfg.kv_transfer == "cuda_ipc":
                 ipc = IpcReceiver(engine.cache)  # the pool's IPC handles, made once

@@ -35,9 +35,10 @@ from shared.engine.engine import Engine
 from shared.serving import faults
 from shared.serving.scheduler_base import Finished, Scheduler, SchedulerConfig, _Entry
 from shared.transfer.cuda_ipc import IpcTarget, IpcUnavailable, IpcWriter
-from shared.transfer.inline import StagedKV, stage
+from shared.transfer.inline import StagedKV
 from shared.transfer.nixl import NixlTarget
 from shared.transfer.nixl_writer import NixlWriter
+from shared.transfer.ranks import stage_all
 
 __all__ = ["PrefillOpts", "PrefillScheduler", "Prefilled"]
 
@@ -140,10 +141,9 @@ class PrefillScheduler(Scheduler):
                 queued, history = self._queued_tokens(entry), opts.window_history
                 self._nixl_sends.begin(entry, opts.nixl, history, computed_ns, queued, opts.full_from)
                 return
-            staged = stage(
-                self._engine.cache, req.pages, req.slot, len(req.prompt), window=opts.window_history,
-                full_from=opts.full_from,
-            )  # fmt: skip
+            staged = stage_all(
+                self._engine, req, len(req.prompt), window=opts.window_history, full_from=opts.full_from
+            )
             self._staging[entry.rid] = _Staging(
                 entry, staged, opts.max_chunk_bytes, req.output[0], req.admitted_ns, computed_ns,
                 self._queued_tokens(entry),

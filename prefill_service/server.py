@@ -14,7 +14,6 @@ from prefill_service.servicer import SERVICE_NAME, PrefillServicer, PrefillServi
 from shared.pb.pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from shared.serving.api.validation import Limits
 from shared.serving.runtime import (
-    StartupError,
     add_health,
     build_engine,
     new_server,
@@ -24,6 +23,7 @@ from shared.serving.runtime import (
 from shared.serving.scheduler_base import Scheduler, SchedulerConfig
 from shared.serving.telemetry import Telemetry
 from shared.transfer.base import KVLayout
+from shared.transfer.ranks import wire_kv_heads
 
 __all__ = ["add_services", "build_serving", "serve"]
 
@@ -31,16 +31,21 @@ __all__ = ["add_services", "build_serving", "serve"]
 def build_serving(cfg: PrefillConfig, on_rank_death: Callable[[str], None] | None = None) -> PrefillServing:
     """Load the model, build the Engine and start its scheduler thread (blocking: run off the loop).
     `on_rank_death`: see `build_engine`."""
-    if cfg.tp > 1:
-        raise StartupError(
-            "--tp > 1: the prefill service's KV export reads one rank's heads; it serves --tp 1 for now"
-        )
     loaded, engine = build_engine(cfg, "prefill", on_rank_death=on_rank_death)
     scheduler = PrefillScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue))
     scheduler.start()
     limits = Limits(vocab_size=loaded.config.vocab_size, max_context=engine.max_context())
     return PrefillServing(
-        loaded, scheduler, limits, KVLayout.of(engine.cache, loaded.name, loaded.fingerprint)
+        loaded,
+        scheduler,
+        limits,
+        KVLayout.of(
+            engine.cache,
+            loaded.name,
+            loaded.fingerprint,
+            num_kv_heads=wire_kv_heads(engine),
+            tensor_parallel=cfg.tp,
+        ),
     )
 
 

@@ -98,6 +98,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         problems = mismatches(KVLayout.from_pb(request.layout), s.layout)
         if request.backend and request.backend not in BACKENDS:
             problems.append(f"backend: {request.backend!r} not in {list(BACKENDS)}")
+        if request.backend in ("cuda_ipc", "nixl") and s.layout.tensor_parallel > 1:
+            problems.append(
+                f"backend: {request.backend} from a prefill of {s.layout.tensor_parallel} tensor-parallel "
+                "ranks is not served yet (inline is)"
+            )
         if request.backend == "cuda_ipc" and not problems:
             problems += await self._map_pool(s, request)
         await _refuse_mismatch(context, problems)

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,6 +45,8 @@ from shared.model import gemm_tuning
 from shared.model.transformer import Transformer
 
 __all__ = ["Engine", "EngineConfig"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -274,6 +278,12 @@ class Engine:
         c = self.cache
         pool_tokens = c.cfg.num_pages * c.page_size if c.full_layers else 1 << 62
         return min(self.model_cfg.max_position_embeddings, pool_tokens)
+
+    def on_ranks(self, fn: Callable[..., T], *args: Any) -> list[T]:
+        """`fn(engine, *args)` on every rank's engine, in rank order: this engine's alone unless it is
+        tensor parallel (`shared/engine/mirror.py`). How a transfer reads or writes each rank's share
+        of a request's KV; a request among `args` is each rank's own."""
+        return [fn(self, *args)]
 
     def close(self) -> None:
         """Release what outlives the Python objects (a tensor-parallel engine's other ranks)."""

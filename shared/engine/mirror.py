@@ -9,6 +9,8 @@ admissions, chunks, page and window-slot choices, snapshots and replays, so the 
 meet in the same collectives. What is not a function of the calls comes from rank 0:
 
 - the tokens: rank 0 samples, the runner broadcasts them on the device (`ModelRunner._forward`);
+- `on_ranks(fn, ...)`: a function every rank runs on its engine, its results back on rank 0 (how a
+  KV transfer reads or writes each rank's heads: `shared/transfer/ranks.py`);
 - containment: a follower never aborts on its own invariant hits; it sends them to rank 0, whose
   `poll()` reports them beside its own, and the requests rank 0 aborts for any of them are aborted on
   every follower before its next call.
@@ -36,6 +38,7 @@ from shared.engine.schedule import Plan
 __all__ = ["FollowerEngine", "LeaderEngine", "Link", "PlanMismatch", "follow"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 Signature = tuple[str, tuple[tuple[int, int, int], ...]]
 
 
@@ -103,6 +106,7 @@ class LeaderEngine(Engine):
         self._on_close = on_close
         self._depth = 0
         self._contained: list[int] = []  # rids aborted here for a violation, not yet sent
+        self._found: list[invariants.Violation] = []  # followers' reports taken while awaiting a reply
         super().__init__(*args, **kwargs)
 
     def close(self) -> None:
@@ -132,16 +136,39 @@ class LeaderEngine(Engine):
     rebuild_window = _mirrored(Engine.rebuild_window)
     free_finished = _mirrored(Engine.free_finished)
 
+    def on_ranks(self, fn: Callable[..., T], *args: Any) -> list[T]:
+        if self._depth:
+            return [fn(self, *args)]
+        self._send(("op", fn, _refs(args), {}, self._take_contained()))
+        self._depth += 1
+        try:
+            results = [fn(self, *args)]
+        finally:
+            self._depth -= 1
+        for link in self.links:
+            results.append(self._reply(link))
+        return results
+
+    def _reply(self, link: Link) -> Any:
+        """A follower's answer to an op, its violation reports before it taken on the way."""
+        while True:
+            kind, value = link.recv()
+            if kind == "result":
+                return value
+            self._found += self.checker.report(value)
+
     def _planned(self, plan: Plan) -> None:
         self._send(("plan", signature(plan)))
 
     def _poll(self) -> list[invariants.Violation]:
         """This rank's violations and those the followers have sent, reported here as this
         checker's (counted, logged, handed to its listeners: the service's spans and metrics)."""
-        found = self.checker.poll()
+        found, self._found = self.checker.poll() + self._found, []
         for link in self.links:
             while link.poll(0):
-                found += self.checker.report(link.recv())
+                kind, value = link.recv()
+                assert kind == "violations", kind
+                found += self.checker.report(value)
         return found
 
     def _contain(self, violations: list[invariants.Violation]) -> None:
@@ -172,7 +199,7 @@ class FollowerEngine(Engine):
     def _poll(self) -> list[invariants.Violation]:
         found = self.checker.poll()
         if found:
-            self.link.send(found)
+            self.link.send(("violations", found))
         return []  # contained by rank 0, whose aborts arrive with its next call
 
     def contain(self, rids: tuple[int, ...]) -> None:
@@ -201,7 +228,7 @@ def follow(engine: FollowerEngine) -> None:
         if message[0] == "stop":
             return
         kind, name, args, kwargs, contained = message
-        if kind != "call":
+        if kind not in ("call", "op"):
             raise PlanMismatch(f"tensor parallel: expected a call from rank 0, got {message!r}")
         engine.contain(contained)
         try:
@@ -211,6 +238,9 @@ def follow(engine: FollowerEngine) -> None:
             if name in ("abort", "release"):  # of a request finished and forgotten here: done already
                 continue
             raise
+        if kind == "op":  # `name` is the function itself
+            engine.link.send(("result", name(engine, *args)))
+            continue
         getattr(Engine, name)(engine, *args, **kwargs)
         if name in ("step", "flush", "free_finished", "release", "abort", "generate"):
             engine.forget_finished()

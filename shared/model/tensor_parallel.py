@@ -104,6 +104,7 @@ def shard(model: Transformer, tp: TensorParallel) -> Transformer:
                                                        dtype=model.embed_tokens.weight.dtype)  # fmt: skip
     out.gemm_backend = model.gemm_backend
     out.tp = tp
+    out.kv_heads, out.whole_kv_heads = kv, cfg.num_kv_heads
     d = cfg.head_dim
     q_rows = slice(r * q_per * d, (r + 1) * q_per * d)  # type: ignore[operator]
     for src, dst in zip(model.layers, out.layers, strict=True):

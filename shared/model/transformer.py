@@ -250,6 +250,9 @@ class Transformer(nn.Module):
         # embedding and LM head hold.
         self.tp: TensorGroup | None = None
         self.vocab_start = 0
+        # Tensor parallel: the model's KV heads, and which of them this rank's attention holds.
+        self.kv_heads = range(cfg.num_kv_heads)
+        self.whole_kv_heads = cfg.num_kv_heads
 
     def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: the rows this rank holds, zeros for the others, summed over the ranks."""

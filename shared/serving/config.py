@@ -145,9 +145,11 @@ COMMON_HELP = {
     "device": "auto, cpu, cuda or cuda:N",
     "tp": "tensor-parallel degree: the model's heads, MLP and vocabulary split over this many ranks, one "
     "process each (rank 0 is the service's own process and runs the scheduler; the service starts and "
-    "watches the others and stops, exit code 4, if one dies). On CUDA rank r uses --device's GPU + r and "
+    "watches the others, and exits with code 4 if one dies). On CUDA rank r uses --device's GPU + r and "
     "NCCL; on CPU every rank runs on the CPU over gloo. The heads and the MLP must split evenly; KV heads "
-    "are replicated where there are fewer than ranks. docs/tensor-parallel.md",
+    "are replicated where there are fewer than ranks. For now a decode service of several ranks "
+    "prefills locally (no --prefill-target) and the prefill service runs one rank. "
+    "docs/tensor-parallel.md",
     "dtype": "model dtype (the KV cache's too, unless --kv-cache-dtype): auto, bfloat16 (bf16), float16 "
     "(fp16, half) or float32 (fp32, float). "
     "auto: the checkpoint's dtype on CUDA (bfloat16 for a float32 or quantized checkpoint; float16 where "

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from shared.engine.kv.cache import KVCache
 from shared.pb.pdserve.v1 import prefill_pb2 as pb
 
-__all__ = ["Chunk", "KVLayout", "mismatches"]
+__all__ = ["INFORMATIVE", "Chunk", "KVLayout", "mismatches"]
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,16 @@ class KVLayout:
     # scales mean other K/V. Defaults: what a peer that predates them sends.
     kv_scale_kind: str = ""
     kv_scales: tuple[float, ...] = ()
+    # The side's tensor-parallel degree, for the record: the wire carries every KV head (`num_kv_heads`
+    # is the model's) whatever either side's degree, so the two may differ (`INFORMATIVE`).
+    tensor_parallel: int = 1
 
     @classmethod
-    def of(cls, cache: KVCache, model_name: str, weights: str) -> KVLayout:
+    def of(
+        cls, cache: KVCache, model_name: str, weights: str, *, num_kv_heads: int = 0, tensor_parallel: int = 1
+    ) -> KVLayout:
+        """The layout of `cache`; `num_kv_heads`: the model's KV heads where the cache holds a rank's share
+        of them (0: the cache's own)."""
         m = cache.model
         return cls(
             model_name=model_name,
@@ -47,11 +54,12 @@ class KVLayout:
             num_layers=m.num_layers,
             layer_types=tuple(m.layer_types),
             sliding_window=cache.window,
-            num_kv_heads=m.num_kv_heads,
+            num_kv_heads=num_kv_heads or m.num_kv_heads,
             head_dim=m.head_dim,
             vocab_size=m.vocab_size,
             kv_scale_kind="per_tensor" if cache.cfg.fp8 else "",
             kv_scales=cache.scale_values,
+            tensor_parallel=tensor_parallel,
         )
 
     def to_pb(self) -> pb.KVLayout:
@@ -63,9 +71,13 @@ class KVLayout:
     @classmethod
     def from_pb(cls, msg: pb.KVLayout) -> KVLayout:
         values = {f.name: getattr(msg, f.name) for f in fields(cls)}
-        return cls(**{**values, "layer_types": tuple(msg.layer_types), "kv_scales": tuple(msg.kv_scales)})
+        return cls(**{
+            **values, "layer_types": tuple(msg.layer_types), "kv_scales": tuple(msg.kv_scales),
+            "tensor_parallel": max(1, msg.tensor_parallel),
+        })  # fmt: skip
 
 
+INFORMATIVE = frozenset({"tensor_parallel"})  # fields two sides may differ on
 _SHOWN = 80  # characters of a value a mismatch message shows: a peer's field may be any size
 
 
@@ -75,6 +87,8 @@ def mismatches(a: KVLayout, b: KVLayout) -> list[str]:
     length (layer types, scales) also name their first difference, which the cut may hide."""
     out = []
     for f in fields(KVLayout):
+        if f.name in INFORMATIVE:
+            continue
         x, y = getattr(a, f.name), getattr(b, f.name)
         if x != y:
             line = f"{f.name}: {_short(x)} != {_short(y)}"

@@ -176,6 +176,7 @@ def test_unsupported_quantized_checkpoints_are_refused(tmp_path: Path, change: d
         load_model(ckpt.path, progress=False)
 
 
+@torch.inference_mode()  # no autograd graph over a 135M model's forward
 def _perplexity(model: Transformer, ids: list[int]) -> float:
     logits = reference_logits(model, [ids])[0]
     logp = torch.log_softmax(logits[:-1], dim=-1)

@@ -17,13 +17,21 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from decode_service.servicer import SERVICE_NAME
+from prefill_service.servicer import SERVICE_NAME as PREFILL
 from shared.client.client import Client
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv.cache import KVConfig
 from shared.engine.sampling import SamplingParams
 from shared.serving.api.model_source import load_served_model
 from shared.serving.tensor_parallel import EXIT_RANK_DIED
-from tests.services.service_testutil import ServerProcess, health_status, random_spec, stop_all
+from tests.services.service_testutil import (
+    PrefillInfo,
+    ServerProcess,
+    health_status,
+    random_spec,
+    stop_all,
+    wait_pool_idle,
+)  # fmt: skip
 
 COMMON = ("--page-size", "4", "--max-running", "4", "--no-metrics")
 GREEDY = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
@@ -62,6 +70,32 @@ def test_two_ranks_generate_what_one_rank_generates(name: str) -> None:
         assert got == expected
     finally:
         stop_all(decode)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_kv_crosses_between_tensor_parallel_degrees(prefill_tp: int, decode_tp: int) -> None:
+    """The wire holds every KV head: a prefill of 2 ranks hands over to a decode of 1 and back, the
+    window history included, and the tokens are the colocated engine's. (Every prompt goes to prefill:
+    none is short enough to stay, and no queue estimate sends one back.)"""
+    spec = random_spec(**MODELS["hybrid"])
+    loaded = load_served_model(spec)
+    engine = Engine(loaded.model, KVConfig(page_size=4, num_pages=512, max_requests=4), EngineConfig())
+    expected = [r.output for r in engine.generate(PROMPTS, SamplingParams(**GREEDY))]
+    prefill = ServerProcess(spec, *COMMON, "--tp", str(prefill_tp), module="prefill_service", service=PREFILL)
+    remote = ("--prefill-target", prefill.target, "--local-prefill-max-tokens", "0",
+              "--remote-prefill-max-queued-tokens", "100000")  # fmt: skip
+    decode = ServerProcess(spec, *COMMON, "--tp", str(decode_tp), *remote)
+    try:
+        with Client(decode.target) as c, ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: list(c.complete(p, **GREEDY).token_ids), PROMPTS))
+            wait_pool_idle(c)
+        assert got == expected
+        info = PrefillInfo(prefill.target)
+        wait_pool_idle(info)  # type: ignore[arg-type]
+        assert info.model_info().kv_pool.pages_cached > 0  # the prompts were computed there
+        info.close()
+    finally:
+        stop_all(decode, prefill)
 
 
 def test_a_dead_rank_stops_the_service_not_serving_then_exit_4() -> None:

@@ -96,7 +96,9 @@ def test_prompts_longer_than_the_window_decode_as_colocated(gemma, services) -> 
     first: both services read that prefix from their prefix cache (the sliding layers' window at it
     from a snapshot or a bounded replay), and the tokens still equal the colocated Engine's."""
     _, decode = services
-    first = gemma.tokenizer.encode(TEXT)[: W + 64]  # past the window, and whole pages of it cached
+    # Past the window (its 36 whole pages cached), ending at "Line 39": the text goes on ": the quick
+    # brown fox".
+    first = gemma.tokenizer.encode(TEXT)[: W + 68]
     second = [*first, *gemma.tokenizer.encode(" And then?", add_special_tokens=False)]
     want = colocated(gemma, [first, second])
     with Client(decode.target) as c:

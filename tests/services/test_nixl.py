@@ -81,16 +81,15 @@ def _without_nixl(tmp: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(tmp), os.environ.get("PYTHONPATH")) if p)}
 
 
-def test_without_nixl_decode_start_up_says_what_to_install(tmp_path):
-    pf = _prefill()
+def test_without_nixl_decode_start_up_says_what_to_install(prefill, tmp_path):
+    pf, kind = prefill
+    decode = _decode(pf, "nixl", _decode_device(kind), ready=False, env=_without_nixl(tmp_path))
     try:
-        decode = _decode(pf, "nixl", "cpu", ready=False, env=_without_nixl(tmp_path))
         assert decode.wait(timeout=120) == 1
         log = decode.log()
         assert "--kv-transfer nixl" in log and "pdserve[nixl]" in log, log[-2000:]
-        decode.kill()
     finally:
-        stop_all(pf)
+        decode.kill()
 
 
 @requires_nixl

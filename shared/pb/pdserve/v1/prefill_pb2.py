@@ -28,7 +28,7 @@ from shared.pb.pdserve.v1 import generation_pb2 as pdserve_dot_v1_dot_generation
 from shared.pb.pdserve.v1 import nixl_pb2 as pdserve_dot_v1_dot_nixl__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x19pdserve/v1/cuda_ipc.proto\x1a\x1bpdserve/v1/generation.proto\x1a\x15pdserve/v1/nixl.proto\"\xf8\x01\n\x08KVLayout\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0blayer_types\x18\x05 \x03(\t\x12\x16\n\x0esliding_window\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x0f\n\x07weights\x18\n \x01(\t\x12\x15\n\rkv_scale_kind\x18\x0b \x01(\t\x12\x11\n\tkv_scales\x18\x0c \x03(\x01\"\xa2\x01\n\x10HandshakeRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12.\n\rcuda_ipc_pool\x18\n \x01(\x0b\x32\x17.pdserve.v1.CudaIpcPool\x12\'\n\tnixl_pool\x18\x0b \x01(\x0b\x32\x14.pdserve.v1.NixlPool\"J\n\x11HandshakeResponse\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\"\xa8\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1b\n\x13send_window_history\x18\x04 \x01(\x08\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\r\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12+\n\x08\x63uda_ipc\x18\n \x01(\x0b\x32\x19.pdserve.v1.CudaIpcTarget\x12$\n\x04nixl\x18\x0b \x01(\x0b\x32\x16.pdserve.v1.NixlTarget\"h\n\x07KVChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06window\x18\x02 \x01(\x08\x12\x13\n\x0btoken_start\x18\x03 \x01(\r\x12\x13\n\x0btoken_count\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\x0c\x12\t\n\x01v\x18\x06 \x01(\x0c\"\xb0\x01\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\nfull_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cwindow_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14queued_prompt_tokens\x18\x04 \x01(\x04\x12\x11\n\tfull_from\x18\x05 \x01(\r\x12\x19\n\x11prefix_hit_tokens\x18\x06 \x01(\r\x12\x16\n\x0e\x63uda_ipc_event\x18\n \x01(\x0c\"l\n\x0fPrefillResponse\x12$\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.KVChunkH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.PrefillDoneH\x00\x42\n\n\x08response2\xe1\x01\n\x07Prefill\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x19pdserve/v1/cuda_ipc.proto\x1a\x1bpdserve/v1/generation.proto\x1a\x15pdserve/v1/nixl.proto\"\x91\x02\n\x08KVLayout\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0blayer_types\x18\x05 \x03(\t\x12\x16\n\x0esliding_window\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x0f\n\x07weights\x18\n \x01(\t\x12\x15\n\rkv_scale_kind\x18\x0b \x01(\t\x12\x11\n\tkv_scales\x18\x0c \x03(\x01\x12\x17\n\x0ftensor_parallel\x18\r \x01(\r\"\xa2\x01\n\x10HandshakeRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12.\n\rcuda_ipc_pool\x18\n \x01(\x0b\x32\x17.pdserve.v1.CudaIpcPool\x12\'\n\tnixl_pool\x18\x0b \x01(\x0b\x32\x14.pdserve.v1.NixlPool\"J\n\x11HandshakeResponse\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\"\xa8\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1b\n\x13send_window_history\x18\x04 \x01(\x08\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\r\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12+\n\x08\x63uda_ipc\x18\n \x01(\x0b\x32\x19.pdserve.v1.CudaIpcTarget\x12$\n\x04nixl\x18\x0b \x01(\x0b\x32\x16.pdserve.v1.NixlTarget\"h\n\x07KVChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06window\x18\x02 \x01(\x08\x12\x13\n\x0btoken_start\x18\x03 \x01(\r\x12\x13\n\x0btoken_count\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\x0c\x12\t\n\x01v\x18\x06 \x01(\x0c\"\xb0\x01\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\nfull_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cwindow_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14queued_prompt_tokens\x18\x04 \x01(\x04\x12\x11\n\tfull_from\x18\x05 \x01(\r\x12\x19\n\x11prefix_hit_tokens\x18\x06 \x01(\r\x12\x16\n\x0e\x63uda_ipc_event\x18\n \x01(\x0c\"l\n\x0fPrefillResponse\x12$\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.KVChunkH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.PrefillDoneH\x00\x42\n\n\x08response2\xe1\x01\n\x07Prefill\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,19 +36,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.prefill_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVLAYOUT']._serialized_start=120
-  _globals['_KVLAYOUT']._serialized_end=368
-  _globals['_HANDSHAKEREQUEST']._serialized_start=371
-  _globals['_HANDSHAKEREQUEST']._serialized_end=533
-  _globals['_HANDSHAKERESPONSE']._serialized_start=535
-  _globals['_HANDSHAKERESPONSE']._serialized_end=609
-  _globals['_PREFILLREQUEST']._serialized_start=612
-  _globals['_PREFILLREQUEST']._serialized_end=908
-  _globals['_KVCHUNK']._serialized_start=910
-  _globals['_KVCHUNK']._serialized_end=1014
-  _globals['_PREFILLDONE']._serialized_start=1017
-  _globals['_PREFILLDONE']._serialized_end=1193
-  _globals['_PREFILLRESPONSE']._serialized_start=1195
-  _globals['_PREFILLRESPONSE']._serialized_end=1303
-  _globals['_PREFILL']._serialized_start=1306
-  _globals['_PREFILL']._serialized_end=1531
+  _globals['_KVLAYOUT']._serialized_end=393
+  _globals['_HANDSHAKEREQUEST']._serialized_start=396
+  _globals['_HANDSHAKEREQUEST']._serialized_end=558
+  _globals['_HANDSHAKERESPONSE']._serialized_start=560
+  _globals['_HANDSHAKERESPONSE']._serialized_end=634
+  _globals['_PREFILLREQUEST']._serialized_start=637
+  _globals['_PREFILLREQUEST']._serialized_end=933
+  _globals['_KVCHUNK']._serialized_start=935
+  _globals['_KVCHUNK']._serialized_end=1039
+  _globals['_PREFILLDONE']._serialized_start=1042
+  _globals['_PREFILLDONE']._serialized_end=1218
+  _globals['_PREFILLRESPONSE']._serialized_start=1220
+  _globals['_PREFILLRESPONSE']._serialized_end=1328
+  _globals['_PREFILL']._serialized_start=1331
+  _globals['_PREFILL']._serialized_end=1556
 # @@protoc_insertion_point(module_scope)

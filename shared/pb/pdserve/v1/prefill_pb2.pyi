@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_name", "dtype", "page_size", "num_layers", "layer_types", "sliding_window", "num_kv_heads", "head_dim", "vocab_size", "weights", "kv_scale_kind", "kv_scales")
+    __slots__ = ("model_name", "dtype", "page_size", "num_layers", "layer_types", "sliding_window", "num_kv_heads", "head_dim", "vocab_size", "weights", "kv_scale_kind", "kv_scales", "tensor_parallel")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class KVLayout(_message.Message):
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     KV_SCALE_KIND_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     dtype: str
     page_size: int
@@ -36,7 +37,8 @@ class KVLayout(_message.Message):
     weights: str
     kv_scale_kind: str
     kv_scales: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_types: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weights: _Optional[str] = ..., kv_scale_kind: _Optional[str] = ..., kv_scales: _Optional[_Iterable[float]] = ...) -> None: ...
+    tensor_parallel: int
+    def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_types: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weights: _Optional[str] = ..., kv_scale_kind: _Optional[str] = ..., kv_scales: _Optional[_Iterable[float]] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("layout", "backend", "cuda_ipc_pool", "nixl_pool")

@@ -1,0 +1,100 @@
+"""The inline backend over a tensor-parallel engine's ranks: the wire carries every KV head, whatever
+either side's degree, and each rank reads or writes the heads it holds.
+
+A prefill of a ranks stages each rank's heads (`stage` on every rank, `Engine.on_ranks`) and joins
+them head by head, each KV head once (replicated heads, where there are fewer KV heads than ranks,
+come from the first rank holding them). A decode of b ranks hands every batch to each rank, which
+writes its own heads. So a = 2 ships to b = 1 or 4 as a = 1 does: the handshake's layout names the
+model's KV heads, not a rank's, and carries each side's degree for the record.
+
+An engine that is not tensor parallel takes the plain functions of `shared/transfer/inline.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from shared.engine.engine import Engine
+from shared.engine.request import Request
+from shared.transfer.inline import KVBatch, StagedKV, apply_batch, begin_receive, stage
+
+__all__ = ["apply_batch_all", "begin_receive_all", "stage_all", "wire_kv_heads"]
+
+
+def wire_kv_heads(engine: Engine) -> int:
+    """The KV heads a row of the wire carries: the model's, on every rank count."""
+    return engine.runner.model.whole_kv_heads
+
+
+def _tensor_parallel(engine: Engine) -> bool:
+    return engine.runner.model.tp is not None
+
+
+def stage_all(
+    engine: Engine, req: Request, num_tokens: int, *, window: bool = True, full_from: int = 0
+) -> StagedKV:
+    """`stage` of `req`'s prompt KV, every head of it."""
+    if not _tensor_parallel(engine):
+        return stage(engine.cache, req.pages, req.slot, num_tokens, window=window, full_from=full_from)
+    parts = engine.on_ranks(_stage_rank, req, num_tokens, window, full_from)
+    heads = [p[0] for p in parts]
+    first = parts[0][1]
+    full = _join(heads, [p[1].full for p in parts])
+    win = _join(heads, [p[1].window for p in parts])
+    return dataclasses.replace(first, full=full, window=win, event=None)
+
+
+def _stage_rank(engine: Engine, req: Request, num_tokens: int, window: bool, full_from: int) -> tuple:  # type: ignore[type-arg]
+    staged = stage(engine.cache, req.pages, req.slot, num_tokens, window=window, full_from=full_from)
+    staged.wait()
+    return engine.runner.model.kv_heads, dataclasses.replace(staged, event=None)
+
+
+def _join(
+    heads: list[range], parts: list[tuple[torch.Tensor, torch.Tensor] | None]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """K and V [layers, tokens, Hkv, D] from each rank's [layers, tokens, its heads, D], each head once."""
+    if parts[0] is None:
+        return None
+    taken: set[int] = set()
+    ks, vs = [], []
+    for rank_heads, part in zip(heads, parts, strict=True):
+        if rank_heads.start in taken:  # a replicated head: the first rank's copy is the one
+            continue
+        taken.update(rank_heads)
+        assert part is not None
+        ks.append(part[0])
+        vs.append(part[1])
+    return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+
+def begin_receive_all(engine: Engine, req: Request) -> None:
+    """`begin_receive` on every rank: the reservation's window slot emptied."""
+    engine.on_ranks(_begin_receive_rank, req)
+
+
+def _begin_receive_rank(engine: Engine, req: Request) -> None:
+    begin_receive(engine.cache, req.slot)
+
+
+def apply_batch_all(engine: Engine, req: Request, batch: KVBatch) -> None:
+    """`apply_batch` of a batch of every head into `req`'s reservation: each rank writes its heads."""
+    if not _tensor_parallel(engine):
+        apply_batch(engine.cache, req.pages, req.slot, batch, full_from=req.cached_tokens)
+        return
+    expected = wire_kv_heads(engine)
+    if batch.k.shape[1] != expected:
+        raise ValueError(f"KV batch of {batch.k.shape[1]} heads; this model has {expected}")
+    engine.on_ranks(_apply_rank, req, batch)
+
+
+def _apply_rank(engine: Engine, req: Request, batch: KVBatch) -> None:
+    heads = engine.runner.model.kv_heads
+    mine = dataclasses.replace(
+        batch,
+        k=batch.k[:, heads.start : heads.stop].contiguous(),
+        v=batch.v[:, heads.start : heads.stop].contiguous(),
+    )
+    apply_batch(engine.cache, req.pages, req.slot, mine, full_from=req.cached_tokens)
