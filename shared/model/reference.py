@@ -82,8 +82,10 @@ def pack(
 
 
 @torch.inference_mode()
+@torch.no_grad()
 def reference_logits(model: Transformer, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Float32 logits [len_i, vocab] at every position of every sequence, all run as one batch."""
+    """Float32 logits [len_i, vocab] at every position of every sequence, all run as one batch (no
+    autograd graph: a reference is read, never differentiated)."""
     device = model.embed_tokens.weight.device
     ids, positions, cu = pack(seqs, device)
     hidden = model(ids, positions, DenseAttention(model.cfg, cu))
