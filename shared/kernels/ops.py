@@ -84,10 +84,11 @@ class ModelKernels(ABC):
     def experts(
         self, x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, ids: Tensor, *,
         activation: str = "silu", b_gate_up: Tensor | None = None, b_down: Tensor | None = None,
-        alpha: float = 1.702, limit: float = 7.0,
+        alpha: float = 1.702, limit: float = 7.0, partial: bool = False,
     ) -> Tensor:  # fmt: skip
         """The routed experts' weighted sum for each token (`shared/kernels/moe`): the torch reference
-        here, one fused Triton op in the Triton kernels."""
+        here, one fused Triton op in the Triton kernels. `partial`: an id may be E, an expert another
+        rank holds (expert parallelism), which adds nothing here."""
         return moe.reference.fused_moe(
             x, w_gate_up, w_down, weights, ids, activation=activation, b_gate_up=b_gate_up, b_down=b_down,
             alpha=alpha, limit=limit,
@@ -247,12 +248,12 @@ class TritonKernels(ModelKernels):
     def experts(
         self, x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, ids: Tensor, *,
         activation: str = "silu", b_gate_up: Tensor | None = None, b_down: Tensor | None = None,
-        alpha: float = 1.702, limit: float = 7.0,
+        alpha: float = 1.702, limit: float = 7.0, partial: bool = False,
     ) -> Tensor:  # fmt: skip
         fused = moe.fused_moe_for(x.device, "triton")
         return fused(
             x, w_gate_up, w_down, weights, ids, activation=activation, b_gate_up=b_gate_up, b_down=b_down,
-            alpha=alpha, limit=limit,
+            alpha=alpha, limit=limit, partial=partial,
         )  # fmt: skip
 
     def gelu_tanh_mul_rms(self, gate_up: Tensor, x: Tensor, eps: float) -> Tensor:

@@ -27,9 +27,9 @@ class MoE(nn.Module):
     def __init__(self, hidden: int, cfg: MoeConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        e, i = cfg.num_experts, cfg.intermediate_size
+        e, i = len(cfg.held_experts), cfg.intermediate_size  # the experts whose weights live here
         self.hidden = hidden
-        self.router = nn.Linear(hidden, e, bias=cfg.router_bias)
+        self.router = nn.Linear(hidden, cfg.num_experts, bias=cfg.router_bias)
         self.w_gate_up = nn.Parameter(torch.zeros(e * 2 * i, hidden), requires_grad=False)
         self.w_down = nn.Parameter(torch.zeros(e * hidden, i), requires_grad=False)
         if cfg.expert_bias:
@@ -54,13 +54,17 @@ class MoE(nn.Module):
         logits = kernels.linear(x, self.router)
         weights, ids = kernels.route(logits, c.top_k, scoring=c.scoring, renormalize=c.renormalize,
                                      scaling=c.routed_scaling)  # fmt: skip
-        e, i = c.num_experts, c.intermediate_size
+        held = c.held_experts
+        e, i = len(held), c.intermediate_size
+        if c.held is not None:  # expert parallel: ids of this rank's experts, e for another rank's
+            local = ids - held.start
+            ids = torch.where((local >= 0) & (local < e), local, e).to(ids.dtype)
         out = kernels.experts(
             x, self.w_gate_up.view(e, 2 * i, self.hidden), self.w_down.view(e, self.hidden, i), weights, ids,
             activation=c.activation,
             b_gate_up=None if self.b_gate_up is None else self.b_gate_up.view(e, 2 * i),
             b_down=None if self.b_down is None else self.b_down.view(e, self.hidden), alpha=c.alpha,
-            limit=c.limit,
+            limit=c.limit, partial=c.held is not None,
         )  # fmt: skip
         if self.reduce is not None:
             out = self.reduce(out)

@@ -39,10 +39,19 @@ class MoeConfig:
     activation: str = "silu"
     alpha: float = 1.702
     limit: float = 7.0
+    # Expert parallelism (shared/model/tensor_parallel.py): the experts [start, stop) this rank holds
+    # whole; None: every expert. The router still scores all num_experts.
+    held: tuple[int, int] | None = None
+
+    @property
+    def held_experts(self) -> range:
+        return range(*self.held) if self.held is not None else range(self.num_experts)
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"MoE: top_k must be in 1..num_experts, got {self.top_k} of {self.num_experts}")
+        if self.held is not None and not 0 <= self.held[0] < self.held[1] <= self.num_experts:
+            raise ValueError(f"MoE: held experts {self.held} outside 0..{self.num_experts}")
         if self.intermediate_size < 1:
             raise ValueError(f"MoE: intermediate_size must be positive, got {self.intermediate_size}")
         if self.activation not in ACTIVATIONS:

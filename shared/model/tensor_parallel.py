@@ -7,7 +7,9 @@ What a rank of N holds (Megatron's split, as vLLM and SGLang use it):
   than ranks, the one its q heads read (replicated on N/Hkv ranks); the o projection's columns of those
   heads (row-parallel: each rank's output is a partial sum); gpt-oss's sinks of its heads;
 - MLP: a slice of I/N of gate and of up (column-parallel) and the same columns of down (row-parallel);
-  a mixture of experts slices each expert the same way, the router replicated;
+  a mixture of experts slices each expert the same way, the router replicated, or, expert parallel,
+  holds E/N experts whole (each token's slots are computed by the ranks holding their experts, and the
+  same all-reduce sums them);
 - embedding and LM head: a block of ceil(V/N) vocabulary rows each (vocab-parallel): a token's row comes
   from the rank that holds it (the others add zeros), and the logits are gathered;
 - norms, RoPE tables: replicated.
@@ -75,27 +77,37 @@ def kv_heads_of(num_heads: int, num_kv_heads: int, rank: int, world: int) -> ran
     return range(head, head + 1)
 
 
-def check_split(cfg: ModelConfig, world: int) -> None:
-    """ValueError, naming what, unless a model of `cfg` splits over `world` ranks."""
+def check_split(cfg: ModelConfig, world: int, expert_parallel: bool = False) -> None:
+    """ValueError, naming what, unless a model of `cfg` splits over `world` ranks (its experts whole,
+    `expert_parallel`, or each sliced)."""
     kv_heads_of(cfg.num_heads, cfg.num_kv_heads, 0, world)
     _split(cfg.intermediate_size, world, "intermediate_size")
-    if cfg.moe is not None:
+    if cfg.moe is not None and expert_parallel:
+        _split(cfg.moe.num_experts, world, "num_experts")
+    elif cfg.moe is not None:
         _split(cfg.moe.intermediate_size, world, "expert size")
+    elif expert_parallel:
+        raise ValueError("expert parallel: the model has no experts")
 
 
 @torch.no_grad()
-def shard(model: Transformer, tp: TensorParallel) -> Transformer:
+def shard(model: Transformer, tp: TensorParallel, expert_parallel: bool = False) -> Transformer:
     """A new model holding rank tp.rank's share of `model` (which is left as it is), its forward
     reducing over tp's group. Its config has the rank's head and MLP sizes (the KV cache built from it
-    holds the rank's KV heads); vocab_size stays the model's."""
+    holds the rank's KV heads); vocab_size stays the model's. `expert_parallel`: a mixture of experts'
+    experts are placed whole, E/N a rank (`MoeConfig.held`), rather than each sliced along I."""
     cfg, n, r = model.cfg, tp.world, tp.rank
     if model.norms_folded or model.quantization != "none":
         raise ValueError("tensor parallel: shard the model as loaded (norms unfolded, unquantized)")
+    check_split(cfg, n, expert_parallel)
     q_per = cfg.num_heads // n if cfg.num_heads % n == 0 else None
     kv = kv_heads_of(cfg.num_heads, cfg.num_kv_heads, r, n)
     inter = _split(cfg.intermediate_size, n, "intermediate_size")
     moe = None
-    if cfg.moe is not None:
+    if cfg.moe is not None and expert_parallel:
+        per = cfg.moe.num_experts // n
+        moe = dataclasses.replace(cfg.moe, held=(r * per, (r + 1) * per))
+    elif cfg.moe is not None:
         moe = dataclasses.replace(
             cfg.moe, intermediate_size=_split(cfg.moe.intermediate_size, n, "expert size")
         )
@@ -165,6 +177,16 @@ def _mlp(src: nn.Module, dst: nn.Module, rank: int, n: int, tp: TensorParallel) 
         gate, up = src.gate_up_proj.weight.split(src.intermediate)
         dst.gate_up_proj.weight.copy_(torch.cat([gate[cols], up[cols]]))
         dst.down_proj.weight.copy_(src.down_proj.weight[:, cols])
+    elif dst.cfg.held is not None:  # expert parallel: this rank's experts, whole; each adds its own biases
+        assert isinstance(src, MoE) and isinstance(dst, MoE)
+        e, i, h = src.cfg.num_experts, src.cfg.intermediate_size, src.hidden
+        mine = slice(*dst.cfg.held)
+        dst.router.load_state_dict(src.router.state_dict())
+        dst.w_gate_up.copy_(src.w_gate_up.view(e, 2 * i, h)[mine].reshape(-1, h))
+        dst.w_down.copy_(src.w_down.view(e, h, i)[mine].reshape(-1, i))
+        if src.b_gate_up is not None:
+            dst.b_gate_up.copy_(src.b_gate_up.view(e, 2 * i)[mine].reshape(-1))
+            dst.b_down.copy_(src.b_down.view(e, h)[mine].reshape(-1))
     else:
         assert isinstance(src, MoE) and isinstance(dst, MoE)
         e, i, h = src.cfg.num_experts, src.cfg.intermediate_size, src.hidden

@@ -61,6 +61,7 @@ class CommonConfig:
     model: str = ""  # checkpoint path; "" = the embedded default; random:<json> = a tiny test model
     device: str = "auto"  # auto = cuda when available, else cpu
     tp: int = 1  # tensor-parallel ranks, a process each (shared/serving/tensor_parallel.py)
+    expert_parallel: bool = False  # --tp > 1: a mixture of experts' experts whole, E/N a rank
     dtype: str = "auto"  # normalized at parse (bf16 -> bfloat16); auto: see DTYPES
     kv_cache_dtype: str = "auto"  # auto: --dtype's; fp8_e4m3 (fp8): an FP8 cache (KV_CACHE_DTYPES)
     quantization: str = "auto"  # weights: auto | none | fp8 | fp8-block (shared/model/quant)
@@ -114,6 +115,8 @@ class CommonConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 1 <= self.tp <= MAX_TP:
             raise ValueError(f"tp must be in [1, {MAX_TP}], got {self.tp}")
+        if self.expert_parallel and self.tp < 2:
+            raise ValueError("expert_parallel places experts over --tp ranks: it needs --tp 2 or more")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -149,6 +152,10 @@ COMMON_HELP = {
     "NCCL; on CPU every rank runs on the CPU over gloo. The heads and the MLP must split evenly; KV heads "
     "are replicated where there are fewer than ranks. For now a decode service of several ranks "
     "prefills locally (no --prefill-target) and the prefill service runs one rank. "
+    "docs/tensor-parallel.md",
+    "expert_parallel": "with --tp N > 1, a mixture of experts' experts placed whole, E/N on each rank "
+    "(each reads only its experts' weights; a token's experts are computed where they live), instead of "
+    "every expert sliced over the ranks; attention stays split by heads. The experts must divide by N. "
     "docs/tensor-parallel.md",
     "dtype": "model dtype (the KV cache's too, unless --kv-cache-dtype): auto, bfloat16 (bf16), float16 "
     "(fp16, half) or float32 (fp32, float). "

@@ -91,13 +91,13 @@ def load_whole(cfg: CommonConfig, device: torch.device) -> LoadedModel:
             f"tp: a checkpoint quantized to {loaded.model.quantization} is not split over ranks; "
             "serve it with --quantization none (dequantized) or --tp 1"
         )
-    check_split(loaded.config, cfg.tp)
+    check_split(loaded.config, cfg.tp, cfg.expert_parallel)
     return dataclasses.replace(loaded, fingerprint=fingerprint(loaded.model, loaded.tokenizer))
 
 
 def share_of(loaded: LoadedModel, cfg: CommonConfig, tp: TensorParallel) -> LoadedModel:
     """`loaded` with this rank's share of its model in place of the whole."""
-    local = shard(loaded.model, tp)
+    local = shard(loaded.model, tp, cfg.expert_parallel)
     if cfg.quantization in ("fp8", "fp8-block"):
         quantize_model(local, cfg.quantization)
     local.gemm_backend = cfg.gemm

@@ -163,6 +163,25 @@ def test_triton_matches_the_reference_for_any_routing(
     assert_kernel_matches(got, reference.fused_moe(**ops, activation=activation))
 
 
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_partial_slots_naming_another_ranks_expert_add_nothing(impl: str) -> None:
+    """Expert parallelism: id E names an expert another rank holds; with `partial`, those slots add
+    nothing, so the output is the one with their weights zero (here: their experts' ids 0..E-1 kept
+    and the weights zeroed; the other ranks add the rest)."""
+    t = 9
+    ops = operands(t, 2, torch.float32, bias=True)
+    ids = [[0, E], [E, 3], [E, E], [5, 1]]
+    ops["weights"], ops["ids"] = chosen(ids, t)
+    absent = ops["ids"] == E
+    run = fused_moe if impl == "triton" else reference.fused_moe
+    got = run(**ops, partial=True)
+    zeroed = dict(
+        ops, weights=torch.where(absent, 0.0, ops["weights"]), ids=torch.where(absent, 0, ops["ids"])
+    )
+    assert_kernel_matches(got, reference.fused_moe(**zeroed))
+    assert got[2::4].abs().max() == 0  # rows with both slots elsewhere: exactly zero
+
+
 def test_routing_from_route_with_k1_and_k4() -> None:
     for k in (1, 4):
         ops = operands(5, k, torch.bfloat16, bias=False, seed=k)

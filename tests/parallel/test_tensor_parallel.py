@@ -3,7 +3,7 @@ over 2 or 4 ranks computes the unsharded model's logits, through the dense refer
 engine's runner (each rank's KV cache holding its KV heads, chunked prefill then decode past the
 window), for a hybrid model with its KV heads split or replicated, Qwen3's q/k norms with biases, tied
 embeddings over a vocabulary the ranks do not divide, and a gpt-oss-like mixture of experts with
-attention sinks."""
+attention sinks, its experts sliced or (expert parallel) placed whole."""
 
 from __future__ import annotations
 
@@ -49,9 +49,10 @@ def _worker(rank: int, world: int, port: int, names: list[str]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         tp = TensorParallel(rank, world)
-        for name in names:
+        for entry in names:
+            name, _, how = entry.partition("+")  # "+ep": the experts placed whole, E/N a rank
             full = _model(name)
-            local = shard(full, tp)
+            local = shard(full, tp, expert_parallel=how == "ep")
             assert local.cfg.num_heads == full.cfg.num_heads // world, name
             seqs = [random_tokens(2 * W + 3, seed=1), random_tokens(5, seed=2)]
             want = reference_logits(full, seqs)
@@ -80,8 +81,8 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize(
     ("world", "names"),
-    [(2, list(MODELS)), (4, ["hybrid"])],  # 4 ranks: the 2 KV heads replicated, each on 2 ranks
-    ids=["tp2", "tp4-replicated-kv"],
+    [(2, [*MODELS, "gpt-oss-moe-sinks+ep"]), (4, ["hybrid", "gpt-oss-moe-sinks+ep"])],
+    ids=["tp2", "tp4-replicated-kv-one-expert-a-rank"],
 )
 def test_a_sharded_model_computes_the_whole_models_logits(world: int, names: list[str]) -> None:
     mp.spawn(_worker, args=(world, _free_port(), names), nprocs=world, join=True)
@@ -97,3 +98,8 @@ def test_kv_heads_split_or_replicate_and_impossible_splits_are_refused() -> None
     three_ways = random_transformer(random_model_config({"heads": 6, "kv_heads": 3}))  # but 128 columns
     with pytest.raises(ValueError, match="intermediate_size 128 does not split over 3"):
         shard(three_ways, TensorParallel(0, 3))
+    six = random_transformer(random_model_config({"experts": 6, "top_k": 2, "expert_intermediate": 48}))
+    with pytest.raises(ValueError, match="num_experts 6 does not split over 4"):
+        shard(six, TensorParallel(0, 4), expert_parallel=True)
+    with pytest.raises(ValueError, match="expert parallel: the model has no experts"):
+        shard(_model("hybrid"), TensorParallel(0, 2), expert_parallel=True)

@@ -1,7 +1,8 @@
 """`--tp` on the services, real processes over gloo: a decode service of two ranks generates what one
-rank generates (a hybrid model, and a gpt-oss-like mixture of experts with sinks, requests running
-together); a rank that dies makes the service report NOT_SERVING and exit with code 4, naming the
-rank, without hanging; a model that does not split over the ranks is refused at start."""
+rank generates (a hybrid model, and a gpt-oss-like mixture of experts with sinks, its experts sliced or
+placed whole, requests running together); KV crosses between a prefill and a decode of other degrees;
+a rank that dies makes the service report NOT_SERVING and exit with code 4, naming the rank, without
+hanging; a model that does not split over the ranks is refused at start."""
 
 from __future__ import annotations
 
@@ -36,11 +37,13 @@ from tests.services.service_testutil import (
 COMMON = ("--page-size", "4", "--max-running", "4", "--no-metrics")
 GREEDY = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = [[(5 * i + n) % 97 for i in range(n)] for n in (3, 17, 30)]
-MODELS = {
-    "hybrid": {"layers": "SSFS", "heads": 4, "kv_heads": 2},
-    "gpt-oss-moe-sinks": {"layers": "SFSF", "experts": 4, "top_k": 2, "expert_intermediate": 48,
-                          "sinks": True, "gpt_oss_experts": True},
-}  # fmt: skip
+MOE = {"layers": "SFSF", "experts": 4, "top_k": 2, "expert_intermediate": 48, "sinks": True,
+       "gpt_oss_experts": True}  # fmt: skip
+MODELS = {  # name: (the random model, the decode service's flags beside --tp 2)
+    "hybrid": ({"layers": "SSFS", "heads": 4, "kv_heads": 2}, ()),
+    "gpt-oss-moe-sinks": (MOE, ()),
+    "gpt-oss-moe-expert-parallel": (MOE, ("--expert-parallel",)),
+}
 
 
 def _ranks_of(pid: int) -> list[int]:
@@ -58,11 +61,12 @@ def _ranks_of(pid: int) -> list[int]:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_two_ranks_generate_what_one_rank_generates(name: str) -> None:
-    spec = random_spec(**MODELS[name])
+    opts, flags = MODELS[name]
+    spec = random_spec(**opts)
     loaded = load_served_model(spec)
     engine = Engine(loaded.model, KVConfig(page_size=4, num_pages=512, max_requests=4), EngineConfig())
     expected = [r.output for r in engine.generate(PROMPTS, SamplingParams(**GREEDY))]
-    decode = ServerProcess(spec, *COMMON, "--tp", "2")
+    decode = ServerProcess(spec, *COMMON, "--tp", "2", *flags)
     try:
         assert len(_ranks_of(decode.proc.pid)) == 1
         with Client(decode.target) as c, ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -77,7 +81,7 @@ def test_kv_crosses_between_tensor_parallel_degrees(prefill_tp: int, decode_tp: 
     """The wire holds every KV head: a prefill of 2 ranks hands over to a decode of 1 and back, the
     window history included, and the tokens are the colocated engine's. (Every prompt goes to prefill:
     none is short enough to stay, and no queue estimate sends one back.)"""
-    spec = random_spec(**MODELS["hybrid"])
+    spec = random_spec(**MODELS["hybrid"][0])
     loaded = load_served_model(spec)
     engine = Engine(loaded.model, KVConfig(page_size=4, num_pages=512, max_requests=4), EngineConfig())
     expected = [r.output for r in engine.generate(PROMPTS, SamplingParams(**GREEDY))]

@@ -116,6 +116,18 @@ def test_an_explicit_argv_gets_a_value_error_instead() -> None:
 
 
 @pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--tp", "0"], r"tp must be in \[1, 8\], got 0"),
+     (["--tp", "9"], r"tp must be in \[1, 8\], got 9"),
+     (["--expert-parallel"], r"expert_parallel .* needs --tp 2 or more")],
+)  # fmt: skip
+def test_tensor_parallel_flags_are_checked_at_parse(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        decode_args(argv, env={})
+    assert prefill_args(["--tp", "2", "--expert-parallel"], env={}).expert_parallel
+
+
+@pytest.mark.parametrize(
     ("spelling", "name"),
     [("bf16", "bfloat16"), ("BFloat16", "bfloat16"), ("fp16", "float16"), ("half", "float16"),
      ("fp32", "float32"), ("float", "float32"), ("torch.float32", "float32"), ("auto", "auto")],

@@ -174,11 +174,13 @@ def _tiles(pairs: int, experts: int) -> tuple[int, int, int]:
 def fused_moe(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     *, activation: str = "silu", b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
-    alpha: float = 1.702, limit: float = 7.0,
+    alpha: float = 1.702, limit: float = 7.0, partial: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.fused_moe`: x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I],
     weights [T, k] float32, ids [T, k] int32 (each in [0, E): not checked, an id outside reads out of
-    bounds) -> a new [T, H] tensor in x's dtype. Biases [E, 2I] and [E, H] in x's dtype. Rows of every
+    bounds; `partial`: [0, E], E an expert another rank holds: its pairs are sorted into a run of
+    their own whose blocks no kernel computes, and their parts stay zero) -> a new [T, H] tensor in
+    x's dtype. Biases [E, 2I] and [E, H] in x's dtype. Rows of every
     tensor contiguous along their last dim; no host read (CUDA-graph capturable)."""
     op = "fused_moe"
     m = check_moe(op, x, w_gate_up, w_down, weights, ids, activation, b_gate_up, b_down, alpha, limit)
@@ -193,10 +195,11 @@ def fused_moe(
         return out
     num_pairs = m.tokens * m.top_k
     block_m, block_n, block_k = _tiles(num_pairs, m.experts)
-    pairs, block_expert = align(ids, m.experts, block_m)
+    pairs, block_expert = align(ids, m.experts + partial, block_m)
     blocks = block_expert.shape[0]
     h = torch.empty((num_pairs, m.inter), dtype=dtype, device=dev)
-    parts = torch.empty((m.tokens, m.top_k, m.hidden), dtype=torch.float32, device=dev)
+    new_parts = torch.zeros if partial else torch.empty  # partial: the pairs no kernel writes add 0
+    parts = new_parts((m.tokens, m.top_k, m.hidden), dtype=torch.float32, device=dev)
     flat_weights = weights.reshape(-1)  # a copy only if weights is not contiguous
     f32 = f32_dot(dtype)
     launch = {"num_warps": 4, "num_stages": 1 if interpreting() else 3, **rounding_options(dtype)}

@@ -92,12 +92,14 @@ def check_moe(
 def fused_moe(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     *, activation: str = "silu", b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
-    alpha: float = 1.702, limit: float = 7.0,
+    alpha: float = 1.702, limit: float = 7.0, partial: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The MoE layer's experts (the module docstring's formula) for x [T, H] -> [T, H] in x's dtype.
 
     w_gate_up [E, 2I, H] (gate rows, then up rows), w_down [E, H, I], biases [E, 2I] and [E, H] in x's
-    dtype; weights [T, k] float32 and ids [T, k] int32 from `route`, every id in [0, E) (not checked).
+    dtype; weights [T, k] float32 and ids [T, k] int32 from `route`, every id in [0, E) (not checked),
+    or, `partial` (expert parallelism), [0, E]: E names an expert another rank holds, whose slot adds
+    nothing here (this loop over the E experts held here never picks it).
 
     Every expert runs on every token and the rows it was not chosen for are dropped: E / k times the
     routed work, but no host read and no shape that depends on a value (CUDA-graph safe), and each
