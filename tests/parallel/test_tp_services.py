@@ -120,6 +120,29 @@ def test_a_dead_rank_stops_the_service_not_serving_then_exit_4() -> None:
         decode.kill()
 
 
+def test_no_rank_outlives_its_service() -> None:
+    """Rank 0 killed outright (no shutdown of its own): the other ranks notice and exit."""
+    decode = ServerProcess(random_spec(), *COMMON, "--tp", "2")
+    try:
+        [rank] = _ranks_of(decode.proc.pid)
+        decode.proc.kill()
+        decode.proc.wait(10)
+        deadline = time.monotonic() + 20
+        while Path(f"/proc/{rank}").exists() and _state(rank) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{rank}").exists() or _state(rank) == "Z", "rank 1 outlived rank 0"
+    finally:
+        decode.kill()
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (Z: exited, not yet reaped by its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "X"
+
+
 def test_a_model_that_does_not_split_is_refused_at_start() -> None:
     decode = ServerProcess(random_spec(heads=4, kv_heads=2), *COMMON, "--tp", "3", wait_ready=False)
     try:
