@@ -1,6 +1,6 @@
 """`--tp` on the services, real processes over gloo: a decode service of two ranks generates what one
-rank generates (a hybrid model, and a gpt-oss-like mixture of experts with sinks, its experts sliced or
-placed whole, requests running together); KV crosses between a prefill and a decode of other degrees;
+rank generates (a hybrid model, and a gpt-oss-like mixture of experts with sinks, its experts placed
+whole on the ranks, requests running together); KV crosses between a prefill and a decode of other degrees;
 a rank that dies makes the service report NOT_SERVING and exit with code 4, naming the rank, without
 hanging; a model that does not split over the ranks is refused at start."""
 
@@ -39,9 +39,10 @@ GREEDY = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = [[(5 * i + n) % 97 for i in range(n)] for n in (3, 17, 30)]
 MOE = {"layers": "SFSF", "experts": 4, "top_k": 2, "expert_intermediate": 48, "sinks": True,
        "gpt_oss_experts": True}  # fmt: skip
-MODELS = {  # name: (the random model, the decode service's flags beside --tp 2)
+# name: (the random model, the decode service's flags beside --tp 2). The MoE with its experts sliced
+# runs through the ranks' engines in tests/parallel/test_tensor_parallel.py.
+MODELS = {
     "hybrid": ({"layers": "SSFS", "heads": 4, "kv_heads": 2}, ()),
-    "gpt-oss-moe-sinks": (MOE, ()),
     "gpt-oss-moe-expert-parallel": (MOE, ("--expert-parallel",)),
 }
 
