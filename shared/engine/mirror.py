@@ -15,6 +15,9 @@ meet in the same collectives. What is not a function of the calls comes from ran
   `poll()` reports them beside its own, and the requests rank 0 aborts for any of them are aborted on
   every follower before its next call.
 
+A call the engine refuses (ValueError: a request it will not take) is refused on every rank alike:
+rank 0's caller gets the error, and the followers carry on.
+
 Before each forward launches, a follower compares its plan (mode, and each row's request, window slot
 and token count) with the one rank 0 sends: ranks that disagree would meet in collectives of other
 sizes, so a follower that differs stops with both plans in its error instead (its service then stops,
@@ -241,6 +244,9 @@ def follow(engine: FollowerEngine) -> None:
         if kind == "op":  # `name` is the function itself
             engine.link.send(("result", name(engine, *args)))
             continue
-        getattr(Engine, name)(engine, *args, **kwargs)
+        try:
+            getattr(Engine, name)(engine, *args, **kwargs)
+        except ValueError:  # a request the engine refuses: rank 0 got the same refusal, its caller the error
+            continue
         if name in ("step", "flush", "free_finished", "release", "abort", "generate"):
             engine.forget_finished()

@@ -58,6 +58,8 @@ def test_a_follower_reaches_rank_0s_state_call_by_call() -> None:
     doomed = leader.add_request(random_tokens(W + 2, seed=9), GREEDY)
     leader.step()
     leader.abort(doomed)  # named by its id: the follower aborts its own
+    with pytest.raises(ValueError, match="prompt: must not be empty"):
+        leader.add_request([], GREEDY)  # refused on both: the follower carries on
     done = leader.generate(prompts[1:], GREEDY)
     while not first.finished or leader.in_flight:
         leader.step()
