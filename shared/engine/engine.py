@@ -44,7 +44,7 @@ from shared.engine.warm_up import warm_up
 from shared.model import gemm_tuning
 from shared.model.transformer import Transformer
 
-__all__ = ["Engine", "EngineConfig"]
+__all__ = ["Engine", "EngineConfig", "Pending"]
 
 T = TypeVar("T")
 
@@ -60,6 +60,28 @@ class InFlightStep:
     host: torch.Tensor  # [B] pinned copy, valid once `ready` has completed
     ready: torch.cuda.Event | None
     releases: list[Request] = field(default_factory=list)  # freed once this step has completed
+
+
+_MISSING = object()
+
+
+class Pending:
+    """The results of an `Engine.on_ranks_later` op, in rank order, as they arrive."""
+
+    def __init__(self, results: list[Any]) -> None:
+        self.results = results
+
+    @property
+    def done(self) -> bool:
+        return all(r is not _MISSING for r in self.results)
+
+    def missing(self, rank: int) -> bool:
+        return self.results[rank] is _MISSING
+
+    @staticmethod
+    def awaiting(first: Any, others: int) -> Pending:
+        """Rank 0's result, and `others` ranks' still to come."""
+        return Pending([first] + [_MISSING] * others)
 
 
 class Engine:
@@ -283,7 +305,18 @@ class Engine:
         """`fn(engine, *args)` on every rank's engine, in rank order: this engine's alone unless it is
         tensor parallel (`shared/engine/mirror.py`). How a transfer reads or writes each rank's share
         of a request's KV; a request among `args` is each rank's own."""
-        return [fn(self, *args)]
+        pending = self.on_ranks_later(fn, *args)
+        self.collect(pending, block=True)
+        return pending.results
+
+    def on_ranks_later(self, fn: Callable[..., Any], *args: Any) -> Pending:
+        """`on_ranks` without waiting for the other ranks: their results arrive in the returned
+        `Pending` (`collect`). This engine's own result is there at once."""
+        return Pending([fn(self, *args)])
+
+    def collect(self, pending: Pending, *, block: bool = False) -> bool:
+        """Whether every rank's result of `pending` is in (`block`: wait until it is)."""
+        return pending.done
 
     def close(self) -> None:
         """Release what outlives the Python objects (a tensor-parallel engine's other ranks)."""

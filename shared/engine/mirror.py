@@ -9,8 +9,9 @@ admissions, chunks, page and window-slot choices, snapshots and replays, so the 
 meet in the same collectives. What is not a function of the calls comes from rank 0:
 
 - the tokens: rank 0 samples, the runner broadcasts them on the device (`ModelRunner._forward`);
-- `on_ranks(fn, ...)`: a function every rank runs on its engine, its results back on rank 0 (how a
-  KV transfer reads or writes each rank's heads: `shared/transfer/ranks.py`);
+- `on_ranks(fn, ...)` / `on_ranks_later`: a function every rank runs on its engine, its results back
+  on rank 0, waited for or collected as they come (how a KV transfer reads or writes each rank's
+  heads: `shared/transfer/ranks.py`);
 - containment: a follower never aborts on its own invariant hits; it sends them to rank 0, whose
   `poll()` reports them beside its own, and the requests rank 0 aborts for any of them are aborted on
   every follower before its next call.
@@ -30,18 +31,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import invariants
-from shared.engine.engine import Engine
+from shared.engine.engine import Engine, Pending
 from shared.engine.request import Request
 from shared.engine.schedule import Plan
 
 __all__ = ["FollowerEngine", "LeaderEngine", "Link", "PlanMismatch", "follow"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-T = TypeVar("T")
 Signature = tuple[str, tuple[tuple[int, int, int], ...]]
 
 
@@ -109,7 +110,8 @@ class LeaderEngine(Engine):
         self._on_close = on_close
         self._depth = 0
         self._contained: list[int] = []  # rids aborted here for a violation, not yet sent
-        self._found: list[invariants.Violation] = []  # followers' reports taken while awaiting a reply
+        self._found: list[invariants.Violation] = []  # followers' reports, until the next poll
+        self._awaiting: deque[Pending] = deque()  # ops whose followers' results are still to come
         super().__init__(*args, **kwargs)
 
     def close(self) -> None:
@@ -139,26 +141,39 @@ class LeaderEngine(Engine):
     rebuild_window = _mirrored(Engine.rebuild_window)
     free_finished = _mirrored(Engine.free_finished)
 
-    def on_ranks(self, fn: Callable[..., T], *args: Any) -> list[T]:
-        if self._depth:
-            return [fn(self, *args)]
+    def on_ranks_later(self, fn: Callable[..., Any], *args: Any) -> Pending:
+        if self._depth or not self.links:
+            return Pending([fn(self, *args)])
         self._send(("op", fn, _refs(args), {}, self._take_contained()))
         self._depth += 1
         try:
-            results = [fn(self, *args)]
+            pending = Pending.awaiting(fn(self, *args), len(self.links))
         finally:
             self._depth -= 1
-        for link in self.links:
-            results.append(self._reply(link))
-        return results
+        self._awaiting.append(pending)
+        return pending
 
-    def _reply(self, link: Link) -> Any:
-        """A follower's answer to an op, its violation reports before it taken on the way."""
-        while True:
-            kind, value = link.recv()
-            if kind == "result":
-                return value
-            self._found += self.checker.report(value)
+    def collect(self, pending: Pending, *, block: bool = False) -> bool:
+        self._pump()
+        while block and not pending.done:
+            rank = next(r for r in range(1, len(pending.results)) if pending.missing(r))
+            self.links[rank - 1].poll(None)  # until that follower's next message
+            self._pump()
+        return pending.done
+
+    def _pump(self) -> None:
+        """Take what the followers have sent: violation reports, and op results, each follower's in
+        the order of the ops (it runs them in order)."""
+        for i, link in enumerate(self.links, start=1):
+            while link.poll(0):
+                kind, value = link.recv()
+                if kind == "violations":
+                    self._found += self.checker.report(value)
+                    continue
+                waiting = next(p for p in self._awaiting if p.missing(i))
+                waiting.results[i] = value
+        while self._awaiting and self._awaiting[0].done:
+            self._awaiting.popleft()
 
     def _planned(self, plan: Plan) -> None:
         self._send(("plan", signature(plan)))
@@ -166,12 +181,8 @@ class LeaderEngine(Engine):
     def _poll(self) -> list[invariants.Violation]:
         """This rank's violations and those the followers have sent, reported here as this
         checker's (counted, logged, handed to its listeners: the service's spans and metrics)."""
+        self._pump()
         found, self._found = self.checker.poll() + self._found, []
-        for link in self.links:
-            while link.poll(0):
-                kind, value = link.recv()
-                assert kind == "violations", kind
-                found += self.checker.report(value)
         return found
 
     def _contain(self, violations: list[invariants.Violation]) -> None:

@@ -1,7 +1,7 @@
 """The inline backend over a tensor-parallel engine's ranks: the wire carries every KV head, whatever
 either side's degree, and each rank reads or writes the heads it holds.
 
-A prefill of a ranks stages each rank's heads (`stage` on every rank, `Engine.on_ranks`) and joins
+A prefill of a ranks stages each rank's heads (`stage` on every rank, `Engine.on_ranks_later`) and joins
 them head by head, each KV head once (replicated heads, where there are fewer KV heads than ranks,
 come from the first rank holding them). A decode of b ranks hands every batch to each rank, which
 writes its own heads. So a = 2 ships to b = 1 or 4 as a = 1 does: the handshake's layout names the
@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from shared.engine.engine import Engine
+from shared.engine.engine import Engine, Pending
 from shared.engine.request import Request
 from shared.transfer.inline import KVBatch, StagedKV, apply_batch, begin_receive, stage
 
@@ -35,21 +35,54 @@ def _tensor_parallel(engine: Engine) -> bool:
 def stage_all(
     engine: Engine, req: Request, num_tokens: int, *, window: bool = True, full_from: int = 0
 ) -> StagedKV:
-    """`stage` of `req`'s prompt KV, every head of it."""
+    """`stage` of `req`'s prompt KV, every head of it. With ranks, it is ready once every rank's copy
+    is in (`ready()` never waits: each follower's heads arrive as a message of its own)."""
     if not _tensor_parallel(engine):
         return stage(engine.cache, req.pages, req.slot, num_tokens, window=window, full_from=full_from)
-    parts = engine.on_ranks(_stage_rank, req, num_tokens, window, full_from)
-    heads = [p[0] for p in parts]
-    first = parts[0][1]
-    full = _join(heads, [p[1].full for p in parts])
-    win = _join(heads, [p[1].window for p in parts])
-    return dataclasses.replace(first, full=full, window=win, event=None)
+    pending = engine.on_ranks_later(_stage_rank, req, num_tokens, window, full_from)
+    _, mine = pending.results[0]
+    return _JoinedKV(**{f.name: getattr(mine, f.name) for f in dataclasses.fields(StagedKV)},
+                     engine=engine, pending=pending)  # fmt: skip
+
+
+@dataclasses.dataclass
+class _JoinedKV(StagedKV):
+    """Rank 0's staged heads, then every rank's joined, once the followers' have come."""
+
+    engine: Engine | None = None
+    pending: Pending | None = None
+    joined: bool = False
+
+    def ready(self) -> bool:
+        assert self.engine is not None and self.pending is not None
+        if not self.joined and self.engine.collect(self.pending) and super().ready():
+            self._join()
+        return self.joined
+
+    def wait(self) -> None:
+        assert self.engine is not None and self.pending is not None
+        self.engine.collect(self.pending, block=True)
+        super().wait()
+        if not self.joined:
+            self._join()
+
+    def _join(self) -> None:
+        assert self.pending is not None
+        parts = self.pending.results
+        heads = [p[0] for p in parts]
+        self.full = _join(heads, [p[1].full for p in parts])
+        self.window = _join(heads, [p[1].window for p in parts])
+        self.joined = True
 
 
 def _stage_rank(engine: Engine, req: Request, num_tokens: int, window: bool, full_from: int) -> tuple:  # type: ignore[type-arg]
+    """(this rank's KV heads, its StagedKV): rank 0's copy still on its way; a follower's on the host,
+    without its event (it crosses to rank 0 as a message)."""
     staged = stage(engine.cache, req.pages, req.slot, num_tokens, window=window, full_from=full_from)
-    staged.wait()
-    return engine.runner.model.kv_heads, dataclasses.replace(staged, event=None)
+    if engine.runner.model.tp is not None and engine.runner.model.tp.rank > 0:
+        staged.wait()
+        staged = dataclasses.replace(staged, event=None)
+    return engine.runner.model.kv_heads, staged
 
 
 def _join(

@@ -88,3 +88,24 @@ def test_a_follower_whose_plan_differs_stops_naming_both_plans() -> None:
     ):
         raise failure[0]
     leader.close()
+
+
+def _role(engine, tag: str) -> str:  # type: ignore[no-untyped-def]
+    """An op: which engine ran it, with the caller's tag."""
+    return f"{type(engine).__name__}:{tag}"
+
+
+def test_ops_run_on_every_rank_and_their_results_come_back_in_order() -> None:
+    cfg = EngineConfig(max_batch_tokens=8)
+    leader, _, thread, failure = _pair(cfg, cfg)
+    assert leader.on_ranks(_role, "a") == ["LeaderEngine:a", "FollowerEngine:a"]
+    first, second = leader.on_ranks_later(_role, "b"), leader.on_ranks_later(_role, "c")
+    assert first.results[0] == "LeaderEngine:b"  # rank 0's at once
+    assert leader.collect(second, block=True) and leader.collect(first)
+    assert (first.results, second.results) == (
+        ["LeaderEngine:b", "FollowerEngine:b"],
+        ["LeaderEngine:c", "FollowerEngine:c"],
+    )
+    leader.close()
+    thread.join(10)
+    assert not failure
