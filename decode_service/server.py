@@ -59,7 +59,7 @@ def build_serving(cfg: ServiceConfig, on_rank_death: Callable[[str], None] | Non
     if cfg.tp > 1 and cfg.prefill_target and cfg.kv_transfer != "inline":
         raise StartupError(
             f"--kv-transfer {cfg.kv_transfer} with --tp {cfg.tp}: a decode service of several ranks takes "
-            "its KV inline for now (--kv-transfer inline)"
+            "its KV inline (--kv-transfer inline)"
         )
     loaded, engine = build_engine(cfg, "decode", mixed=cfg.mixed_steps, on_rank_death=on_rank_death)
     ipc = nixl = None

@@ -101,7 +101,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         if request.backend in ("cuda_ipc", "nixl") and s.layout.tensor_parallel > 1:
             problems.append(
                 f"backend: {request.backend} from a prefill of {s.layout.tensor_parallel} tensor-parallel "
-                "ranks is not served yet (inline is)"
+                "ranks is not served (inline is)"
             )
         if request.backend == "cuda_ipc" and not problems:
             problems += await self._map_pool(s, request)
