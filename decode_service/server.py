@@ -11,6 +11,7 @@ layout (decode_service/routing.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -46,7 +47,7 @@ from shared.serving.telemetry import Telemetry
 from shared.transfer.base import KVLayout
 from shared.transfer.cuda_ipc import IpcReceiver, IpcUnavailable
 from shared.transfer.nixl import NixlReceiver, NixlUnavailable
-from shared.transfer.ranks import wire_kv_heads
+from shared.transfer.ranks import wire_layout
 
 __all__ = ["add_services", "build_serving", "serve"]
 
@@ -65,13 +66,7 @@ def build_serving(cfg: ServiceConfig, on_rank_death: Callable[[str], None] | Non
     ipc = nixl = None
     router = PrefillRouter(None, cfg.local_prefill_max_tokens, cfg.queue_limit)
     if cfg.prefill_target:
-        layout = KVLayout.of(
-            engine.cache,
-            loaded.name,
-            loaded.fingerprint,
-            num_kv_heads=wire_kv_heads(engine),
-            tensor_parallel=cfg.tp,
-        )
+        layout = wire_layout(engine, loaded.name, loaded.fingerprint)
         try:
             if cfg.kv_transfer == "cuda_ipc":
                 ipc = IpcReceiver(engine.cache)  # the pool's IPC handles, made once
@@ -166,13 +161,5 @@ async def serve(cfg: ServiceConfig) -> int:
         servicer.serving = serving
         return serving.scheduler
 
-    return await run_service(
-        "decode",
-        cfg,
-        server,
-        health_servicer,
-        SERVICE_NAME,
-        lambda died: build_serving(cfg, died),
-        attach,
-        telemetry,
-    )
+    build = functools.partial(build_serving, cfg)  # build(on_rank_death)
+    return await run_service("decode", cfg, server, health_servicer, SERVICE_NAME, build, attach, telemetry)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import grpc
@@ -22,8 +23,7 @@ from shared.serving.runtime import (
 )
 from shared.serving.scheduler_base import Scheduler, SchedulerConfig
 from shared.serving.telemetry import Telemetry
-from shared.transfer.base import KVLayout
-from shared.transfer.ranks import wire_kv_heads
+from shared.transfer.ranks import wire_layout
 
 __all__ = ["add_services", "build_serving", "serve"]
 
@@ -39,13 +39,7 @@ def build_serving(cfg: PrefillConfig, on_rank_death: Callable[[str], None] | Non
         loaded,
         scheduler,
         limits,
-        KVLayout.of(
-            engine.cache,
-            loaded.name,
-            loaded.fingerprint,
-            num_kv_heads=wire_kv_heads(engine),
-            tensor_parallel=cfg.tp,
-        ),
+        wire_layout(engine, loaded.name, loaded.fingerprint),
     )
 
 
@@ -68,13 +62,5 @@ async def serve(cfg: PrefillConfig) -> int:
         servicer.serving = serving
         return serving.scheduler
 
-    return await run_service(
-        "prefill",
-        cfg,
-        server,
-        health_servicer,
-        SERVICE_NAME,
-        lambda died: build_serving(cfg, died),
-        attach,
-        telemetry,
-    )
+    build = functools.partial(build_serving, cfg)  # build(on_rank_death)
+    return await run_service("prefill", cfg, server, health_servicer, SERVICE_NAME, build, attach, telemetry)

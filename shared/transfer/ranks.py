@@ -18,14 +18,25 @@ import torch
 
 from shared.engine.engine import Engine, Pending
 from shared.engine.request import Request
+from shared.transfer.base import KVLayout
 from shared.transfer.inline import KVBatch, StagedKV, apply_batch, begin_receive, stage
 
-__all__ = ["apply_batch_all", "begin_receive_all", "stage_all", "wire_kv_heads"]
+__all__ = ["apply_batch_all", "begin_receive_all", "stage_all", "wire_kv_heads", "wire_layout"]
 
 
 def wire_kv_heads(engine: Engine) -> int:
     """The KV heads a row of the wire carries: the model's, on every rank count."""
     return engine.runner.model.whole_kv_heads
+
+
+def wire_layout(engine: Engine, model_name: str, weights: str) -> KVLayout:
+    """The layout the handshake announces for `engine`: its cache's, with the model's KV heads and the
+    engine's tensor-parallel degree."""
+    tp = engine.runner.model.tp
+    return KVLayout.of(
+        engine.cache, model_name, weights, num_kv_heads=wire_kv_heads(engine),
+        tensor_parallel=tp.world if tp is not None else 1,
+    )  # fmt: skip
 
 
 def _tensor_parallel(engine: Engine) -> bool:
