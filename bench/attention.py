@@ -42,7 +42,9 @@ from shared.kernels.rope import rope as rope_kernel
 HQ, HKV, D, PAGE = 16, 8, 128, 16
 
 
-def _paged_inputs(l0: list[int], n: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _paged_inputs(
+    l0: list[int], n: list[int], dtype: torch.dtype, hq: int = HQ, hkv: int = HKV
+) -> dict[str, torch.Tensor]:
     batch = len(l0)
     max_pages = math.ceil(max(a + b for a, b in zip(l0, n, strict=True)) / PAGE)
     pages = batch * max_pages
@@ -50,23 +52,25 @@ def _paged_inputs(l0: list[int], n: list[int], dtype: torch.dtype) -> dict[str, 
     for x in n:
         cu.append(cu[-1] + x)
     return {
-        "q": torch.randn(cu[-1], HQ, D, device="cuda", dtype=dtype),
-        "k_cache": torch.randn(pages, PAGE, HKV, D, device="cuda", dtype=dtype),
-        "v_cache": torch.randn(pages, PAGE, HKV, D, device="cuda", dtype=dtype),
+        "q": torch.randn(cu[-1], hq, D, device="cuda", dtype=dtype),
+        "k_cache": torch.randn(pages, PAGE, hkv, D, device="cuda", dtype=dtype),
+        "v_cache": torch.randn(pages, PAGE, hkv, D, device="cuda", dtype=dtype),
         "block_table": torch.randperm(pages, device="cuda").view(batch, max_pages).int(),
         "cu_q": torch.tensor(cu, dtype=torch.int32, device="cuda"),
         "q_start": torch.tensor(l0, dtype=torch.int32, device="cuda"),
     }
 
 
-def _ring_inputs(l0: list[int], n: list[int], window: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _ring_inputs(
+    l0: list[int], n: list[int], window: int, dtype: torch.dtype, hq: int = HQ, hkv: int = HKV
+) -> dict[str, torch.Tensor]:
     tokens = sum(n)
     return {
-        "q": torch.randn(tokens, HQ, D, device="cuda", dtype=dtype),
-        "k_new": torch.randn(tokens, HKV, D, device="cuda", dtype=dtype),
-        "v_new": torch.randn(tokens, HKV, D, device="cuda", dtype=dtype),
-        "k_ring": torch.randn(len(l0), window, HKV, D, device="cuda", dtype=dtype),
-        "v_ring": torch.randn(len(l0), window, HKV, D, device="cuda", dtype=dtype),
+        "q": torch.randn(tokens, hq, D, device="cuda", dtype=dtype),
+        "k_new": torch.randn(tokens, hkv, D, device="cuda", dtype=dtype),
+        "v_new": torch.randn(tokens, hkv, D, device="cuda", dtype=dtype),
+        "k_ring": torch.randn(len(l0), window, hkv, D, device="cuda", dtype=dtype),
+        "v_ring": torch.randn(len(l0), window, hkv, D, device="cuda", dtype=dtype),
         "slots": torch.arange(len(l0), dtype=torch.int32, device="cuda"),
         "cu_q": torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda"),
         "q_start": torch.tensor(l0, dtype=torch.int32, device="cuda"),
@@ -93,22 +97,29 @@ ENGINE_BATCH, ENGINE_CTX, ENGINE_WINDOW = 64, 528, 1024  # the decode step of be
 DecodeCall = Callable[[int | None, Tiles | None], torch.Tensor]  # (num_splits, tiles) -> output
 
 
-def engine_decode_calls() -> tuple[dict[str, DecodeCall], dict[str, int], int]:
+def engine_decode_calls(
+    hq: int = HQ, hkv: int = HKV, fp8: bool = False
+) -> tuple[dict[str, DecodeCall], dict[str, int], int]:
     """Each layer's decode attention in bench/engine.py, on fresh inputs: {"ring"/"paged": call}.
 
     Also each op's key span as the split rule sees it, and the K/V bytes one call must read
-    (64 x 528 x 8 x 128 x 2 x 2 = 138 MB). bench/attention_tune.py sweeps the same calls.
+    (64 x 528 x 8 x 128 x 2 x 2 = 138 MB). bench/attention_tune.py sweeps the same calls. `hq`/`hkv`:
+    other heads (`bench/engine.py --model 8b`: 32/8); `fp8`: an FP8 cache (half the bytes).
     """
     dtype, scale, batch, ctx, window = torch.bfloat16, D**-0.5, ENGINE_BATCH, ENGINE_CTX, ENGINE_WINDOW
     l0, n = [ctx - 1] * batch, [1] * batch
-    kv_bytes = 2 * batch * ctx * HKV * D * torch.tensor([], dtype=dtype).element_size()
-    ring, paged = _ring_inputs(l0, n, window, dtype), _paged_inputs(l0, n, dtype)
+    kv_bytes = 2 * batch * ctx * hkv * D * (1 if fp8 else 2)
+    ring, paged = _ring_inputs(l0, n, window, dtype, hq, hkv), _paged_inputs(l0, n, dtype, hq, hkv)
+    quant = KVQuant() if fp8 else None
+    if fp8:
+        ring.update({name: quantize(ring[name], 1.0) for name in ("k_ring", "v_ring")})
+        paged.update({name: quantize(paged[name], 1.0) for name in ("k_cache", "v_cache")})
     calls: dict[str, DecodeCall] = {
         "ring": lambda s, t=None: ring_attention(
-            **ring, max_q=1, scale=scale, window=window, num_splits=s, tiles=t
+            **ring, max_q=1, scale=scale, window=window, num_splits=s, tiles=t, quant=quant
         ),
         "paged": lambda s, t=None: paged_attention(
-            **paged, max_q=1, scale=scale, window=None, num_splits=s, tiles=t
+            **paged, max_q=1, scale=scale, window=None, num_splits=s, tiles=t, quant=quant
         ),
     }
     span = {"ring": window, "paged": paged["block_table"].shape[1] * PAGE}

@@ -15,6 +15,7 @@ stops the sweep early (the rest reported as not reached) should that take longer
     PYTHONPATH=. python bench/attention_tune.py           # full sweep: 2 x 108 configs, ~90 s
     PYTHONPATH=. python bench/attention_tune.py --quick   # 2 x 24 configs, ~35 s
     PYTHONPATH=. python bench/attention_tune.py --json tune.json  # the rows and the summary as JSON too
+    PYTHONPATH=. python bench/attention_tune.py --heads 32,8 --kv-fp8  # the ~8B's heads, an FP8 cache
 """
 
 from __future__ import annotations
@@ -48,58 +49,60 @@ class Config:
     num_warps: int
     num_stages: int
     splits: int
+    group: int = HQ // HKV  # query heads per KV head
+    kv_fp8: bool = False
 
     def label(self) -> str:
         return f"bn={self.block_n} warps={self.num_warps} stages={self.num_stages} splits={self.splits}"
 
     def tiles(self) -> Tiles:
-        base = choose_tiles(HQ // HKV, D, 1)
+        base = choose_tiles(self.group, D, 1, kv_fp8=self.kv_fp8)
         return dataclasses.replace(
             base, block_n=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages
         )
 
 
-def default_configs(span: dict[str, int]) -> dict[str, Config]:
+def default_configs(span: dict[str, int], hq: int, hkv: int, kv_fp8: bool) -> dict[str, Config]:
     """What the wrappers pick at the engine shape when nothing is forced."""
     sms = sm_count(torch.cuda.current_device())
     configs = {}
     for op, key_span in span.items():
-        full = fills_gpu(torch.device("cuda"), ENGINE_BATCH * HKV)
-        tiles = choose_tiles(HQ // HKV, D, 1, f"{op}_attention", full)
-        splits = split_count(ENGINE_BATCH * HKV, key_span, tiles.block_n, sms)
-        configs[op] = Config(op, tiles.block_n, tiles.num_warps, tiles.num_stages, splits)
+        full = fills_gpu(torch.device("cuda"), ENGINE_BATCH * hkv)
+        tiles = choose_tiles(hq // hkv, D, 1, f"{op}_attention", full, kv_fp8=kv_fp8)
+        splits = split_count(ENGINE_BATCH * hkv, key_span, tiles.block_n, sms)
+        configs[op] = Config(op, tiles.block_n, tiles.num_warps, tiles.num_stages, splits, hq // hkv, kv_fp8)
     return configs
 
 
 def sweep_order(defaults: dict[str, Config], grid: dict[str, list[int]]) -> list[Config]:
     """The defaults first, then every grid point, the ops interleaved (a cut-short sweep covers both)."""
     points = list(itertools.product(grid["block_n"], grid["warps"], grid["stages"], grid["splits"]))
-    per_op = [[Config(op, *p) for p in points] for op in defaults]
+    per_op = [[Config(op, *p, d.group, d.kv_fp8) for p in points] for op, d in defaults.items()]
     return list(dict.fromkeys([*defaults.values(), *itertools.chain(*zip(*per_op, strict=True))]))
 
 
 @functools.cache
-def _worker_calls() -> dict:
-    return engine_decode_calls()[0]
+def _worker_calls(hq: int, hkv: int, kv_fp8: bool) -> dict:
+    return engine_decode_calls(hq, hkv, kv_fp8)[0]
 
 
-def _compile(cfg: Config) -> None:
+def _compile(cfg: Config, hkv: int) -> None:
     """In a pool process: run `cfg` once so that its kernels land in Triton's on-disk cache."""
     try:
-        _worker_calls()[cfg.op](cfg.splits, cfg.tiles())
+        _worker_calls(cfg.group * hkv, hkv, cfg.kv_fp8)[cfg.op](cfg.splits, cfg.tiles())
         torch.cuda.synchronize()
     except Exception:
         pass  # the timing loop meets the same failure and reports it
 
 
-def precompile(configs: list[Config], jobs: int, timeout_s: float) -> None:
+def precompile(configs: list[Config], hkv: int, jobs: int, timeout_s: float) -> None:
     if jobs < 1:
         return
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     pool = ProcessPoolExecutor(jobs, mp_context=ctx)
     # The slowest compiles first (big key tiles on few warps, deep pipelines), so no worker ends alone.
     slowest_first = sorted(configs, key=lambda c: c.block_n * c.num_stages / c.num_warps, reverse=True)
-    futures = [pool.submit(_compile, c) for c in slowest_first]
+    futures = [pool.submit(_compile, c, hkv) for c in slowest_first]
     _, pending = wait(futures, timeout=timeout_s)
     if pending:
         print(f"precompile: {len(pending)} of {len(configs)} configs not compiled within {timeout_s:.0f} s")
@@ -136,8 +139,11 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=min(16, max(1, (os.cpu_count() or 2) - 1)),
                         help="compile processes (0: compile in the timing loop)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=130.0, help="stop sweeping after this many seconds")
+    parser.add_argument("--heads", default=f"{HQ},{HKV}", help="query heads, KV heads (~8B: 32,8)")
+    parser.add_argument("--kv-fp8", action="store_true", help="an FP8 cache (--kv-cache-dtype fp8_e4m3)")
     parser.add_argument("--json", help="also write the rows and the summary to this file")
     opts = parser.parse_args()
+    hq, hkv = (int(x) for x in opts.heads.split(","))
     start = time.monotonic()
     base = QUICK if opts.quick else FULL
     grid = {
@@ -146,12 +152,12 @@ def main() -> None:
     }
     ops = [op for op in opts.ops.split(",") if op]
 
-    calls, span, kv_bytes = engine_decode_calls()
+    calls, span, kv_bytes = engine_decode_calls(hq, hkv, opts.kv_fp8)
     calls = {op: calls[op] for op in ops}
-    defaults = default_configs({op: span[op] for op in ops})
+    defaults = default_configs({op: span[op] for op in ops}, hq, hkv, opts.kv_fp8)
     configs = sweep_order(defaults, grid)
     print(f"{len(configs)} configs; compiling with {opts.jobs} processes")
-    precompile(configs, opts.jobs, timeout_s=opts.budget_s / 2)
+    precompile(configs, hkv, opts.jobs, timeout_s=opts.budget_s / 2)
     rate = copy_rate(kv_bytes)
     floor_us = kv_bytes / rate * 1e6
     print(f"copy floor: {kv_bytes / 1e6:.0f} MB in {floor_us:.1f} us ({rate / 1e12:.2f} TB/s); "
@@ -184,7 +190,8 @@ def main() -> None:
         if not timed:
             continue
         best = min(timed, key=lambda r: r["us"])
-        best_cfg = Config(op, best["block_n"], best["num_warps"], best["num_stages"], best["splits"])
+        best_cfg = Config(op, best["block_n"], best["num_warps"], best["num_stages"], best["splits"],
+                          hq // hkv, opts.kv_fp8)  # fmt: skip
         again = {}  # the default and the best timed again, longer, one after the other
         for name, forced in (("default", (None, None)), ("best", (best_cfg.splits, best_cfg.tiles()))):
             again[name] = stats(measure(calls[op], *forced, ref=None, rep=200)["us"])

@@ -57,7 +57,9 @@ class Tiles:
         return math.ceil(max_q / self.block_q)
 
 
-def choose_tiles(group: int, head_dim: int, max_q: int, op: str = "", fills_gpu: bool = False) -> Tiles:
+def choose_tiles(
+    group: int, head_dim: int, max_q: int, op: str = "", fills_gpu: bool = False, *, kv_fp8: bool = False
+) -> Tiles:
     """The tiles of a call: `op` names the kernel ("ring_attention" or "paged_attention"), `fills_gpu`
     whether its unsplit programs fill the GPU on their own (`fills_gpu`); both matter to decode only."""
     group_p2 = next_pow2(group)
@@ -84,14 +86,21 @@ def choose_tiles(group: int, head_dim: int, max_q: int, op: str = "", fills_gpu:
 
 
 def resolve_tiles(
-    op: str, tiles: Tiles | None, group: int, head_dim: int, max_q: int, fills_gpu: bool = False
+    op: str,
+    tiles: Tiles | None,
+    group: int,
+    head_dim: int,
+    max_q: int,
+    fills_gpu: bool = False,
+    *,
+    kv_fp8: bool = False,
 ) -> Tiles:
     """`choose_tiles` for the shape, or the caller's `tiles` checked (bench/attention_tune.py forces them).
 
     A forced Tiles may differ only in block_n, num_warps and num_stages: the row layout (group_p2,
     block_q, block_m, block_d) is what the kernels' query rows and key ranges assume for the shape.
     """
-    chosen = choose_tiles(group, head_dim, max_q, op, fills_gpu)
+    chosen = choose_tiles(group, head_dim, max_q, op, fills_gpu, kv_fp8=kv_fp8)
     if tiles is None:
         return chosen
     if not isinstance(tiles, Tiles):

@@ -171,7 +171,7 @@ def paged_attention(
         check_last_dim_contiguous(op, k_new=kn, v_new=vn)
     page_size = k_cache.shape[1]
     full = fills_gpu(q.device, vl.batch * vl.num_kv_heads)
-    tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q, full)
+    tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q, full, kv_fp8=quant is not None)
     span = block_table.shape[1] * page_size  # the most keys one program can read
     if window is not None:
         span = min(span, window + tiles.block_q - 1)

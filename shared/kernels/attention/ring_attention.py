@@ -195,7 +195,7 @@ def ring_attention(
     if rope is not None:
         check_rope_in_kernel(op, rope, q, k_new, v_new, max_q, quant)
     full = fills_gpu(q.device, vl.batch * vl.num_kv_heads)
-    tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q, full)
+    tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q, full, kv_fp8=quant is not None)
     # The ring's W entries are what gets split (the chunk's keys all go to the last split).
     num_splits = choose_splits(op, q.device, num_splits, tiles, max_q, vl.batch * vl.num_kv_heads, window)
     out, part_o, part_lse = outputs(q, num_splits)
