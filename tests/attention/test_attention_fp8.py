@@ -246,9 +246,10 @@ def test_rope_inside_attention_stores_fp8_like_the_reference(kind: str, dtype, n
 @pytest.mark.parametrize("window", [None, 1024])
 def test_fp8_kernels_at_serving_shapes_match_the_reference(window: int | None) -> None:
     """Compiled on the GPU, at an engine's shapes: GQA 32/8 x 128, pages of 16, a decode batch of 48
-    rows with contexts up to ~1500 (split-K picked by the launch rule) beside prompt chunks; FP8 pages
-    and rings against the torch reference on the same device, and the hardware's stores against
-    torch's quantizer."""
+    rows with contexts up to ~1500 (split-K picked by the launch rule) beside prompt chunks, and a
+    decode batch of 72 whose programs fill the GPU alone (an FP8 cache's own tiles); FP8 pages and
+    rings against the torch reference on the same device, and the hardware's stores against torch's
+    quantizer."""
     q = KVQuant(0.02, 0.5)
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 1500, (48,), generator=gen).tolist()
@@ -261,6 +262,7 @@ def test_fp8_kernels_at_serving_shapes_match_the_reference(window: int | None) -
     want = torch_ops.paged_attention(*b.paged_args(), max_q=b.max_q, scale=b.scale, window=window, quant=q)
     got = triton_ops.paged_attention(*b.paged_args(), max_q=b.max_q, scale=b.scale, window=window, quant=q)
     assert_close(got, want)
+    lengths += torch.randint(1, 1500, (24,), generator=gen).tolist()
     decode = make_batch([(n, 1) for n in lengths], hq=32, hkv=8, d=128, page_size=16, window=window,
                         dtype=torch.bfloat16, device="cuda", seed=2)  # fmt: skip
     decode.k_cache, decode.v_cache = quantize(decode.k_cache, q.inv_k), quantize(decode.v_cache, q.inv_v)
