@@ -65,6 +65,16 @@ class InFlightStep:
 _MISSING = object()
 
 
+class Later:
+    """An op's result that is not there when the op returns (a transfer still running). A follower
+    keeps it, polls it between rank 0's calls and sends its value once `poll` has one; rank 0's own
+    stays as it is in `Pending.results[0]`, for its caller to poll."""
+
+    def poll(self) -> tuple[bool, Any]:
+        """(True, the value) once there is one, else (False, None); never blocks."""
+        raise NotImplementedError
+
+
 class Pending:
     """The results of an `Engine.on_ranks_later` op, in rank order, as they arrive."""
 

@@ -11,7 +11,9 @@ meet in the same collectives. What is not a function of the calls comes from ran
 - the tokens: rank 0 samples, the runner broadcasts them on the device (`ModelRunner._forward`);
 - `on_ranks(fn, ...)` / `on_ranks_later`: a function every rank runs on its engine, its results back
   on rank 0, waited for or collected as they come (how a KV transfer reads or writes each rank's
-  heads: `shared/transfer/ranks.py`);
+  heads: `shared/transfer/ranks.py`). A follower's result may be a `Later` (a NIXL WRITE in
+  flight): the follower polls it between calls and sends its value when it has one, so results
+  arrive tagged with their op's number, in any order;
 - containment: a follower never aborts on its own invariant hits; it sends them to rank 0, whose
   `poll()` reports them beside its own, and the requests rank 0 aborts for any of them are aborted on
   every follower before its next call.
@@ -31,18 +33,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import invariants
-from shared.engine.engine import Engine, Pending
+from shared.engine.engine import Engine, Later, Pending
 from shared.engine.request import Request
 from shared.engine.schedule import Plan
 
 __all__ = ["FollowerEngine", "LeaderEngine", "Link", "PlanMismatch", "follow"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+LATER_POLL_S = 0.0005  # how long a follower with results still to come waits for rank 0's next call
 Signature = tuple[str, tuple[tuple[int, int, int], ...]]
 
 
@@ -111,7 +113,8 @@ class LeaderEngine(Engine):
         self._depth = 0
         self._contained: list[int] = []  # rids aborted here for a violation, not yet sent
         self._found: list[invariants.Violation] = []  # followers' reports, until the next poll
-        self._awaiting: deque[Pending] = deque()  # ops whose followers' results are still to come
+        self._ops = 0  # ops sent so far: an op's number is its place in this count (followers count alike)
+        self._awaiting: dict[int, Pending] = {}  # ops whose followers' results are still to come
         super().__init__(*args, **kwargs)
 
     def close(self) -> None:
@@ -145,12 +148,13 @@ class LeaderEngine(Engine):
         if self._depth or not self.links:
             return Pending([fn(self, *args)])
         self._send(("op", fn, _refs(args), {}, self._take_contained()))
+        number, self._ops = self._ops, self._ops + 1
         self._depth += 1
         try:
             pending = Pending.awaiting(fn(self, *args), len(self.links))
         finally:
             self._depth -= 1
-        self._awaiting.append(pending)
+        self._awaiting[number] = pending
         return pending
 
     def collect(self, pending: Pending, *, block: bool = False) -> bool:
@@ -162,18 +166,18 @@ class LeaderEngine(Engine):
         return pending.done
 
     def _pump(self) -> None:
-        """Take what the followers have sent: violation reports, and op results, each follower's in
-        the order of the ops (it runs them in order)."""
+        """Take what the followers have sent: violation reports, and op results by op number."""
         for i, link in enumerate(self.links, start=1):
             while link.poll(0):
-                kind, value = link.recv()
+                kind, *value = link.recv()
                 if kind == "violations":
-                    self._found += self.checker.report(value)
+                    self._found += self.checker.report(value[0])
                     continue
-                waiting = next(p for p in self._awaiting if p.missing(i))
-                waiting.results[i] = value
-        while self._awaiting and self._awaiting[0].done:
-            self._awaiting.popleft()
+                number, result = value
+                pending = self._awaiting[number]
+                pending.results[i] = result
+                if pending.done:
+                    del self._awaiting[number]
 
     def _planned(self, plan: Plan) -> None:
         self._send(("plan", signature(plan)))
@@ -236,8 +240,14 @@ class FollowerEngine(Engine):
 
 def follow(engine: FollowerEngine) -> None:
     """Make rank 0's calls on `engine` until rank 0 says stop (or its end of the link closes:
-    EOFError)."""
+    EOFError). Results still to come (`Later`) are polled between calls and sent as they arrive."""
+    ops = 0
+    later: dict[int, Later] = {}
     while True:
+        if later:
+            _send_arrived(engine, later)
+            if later and not engine.link.poll(LATER_POLL_S):
+                continue
         message = engine.link.recv()
         if message[0] == "stop":
             return
@@ -245,6 +255,8 @@ def follow(engine: FollowerEngine) -> None:
         if kind not in ("call", "op"):
             raise PlanMismatch(f"tensor parallel: expected a call from rank 0, got {message!r}")
         engine.contain(contained)
+        number = ops
+        ops += kind == "op"
         try:
             args = tuple(engine.resolve(a) for a in args)
             kwargs = {k: engine.resolve(v) for k, v in kwargs.items()}
@@ -253,7 +265,11 @@ def follow(engine: FollowerEngine) -> None:
                 continue
             raise
         if kind == "op":  # `name` is the function itself
-            engine.link.send(("result", name(engine, *args)))
+            result = name(engine, *args)
+            if isinstance(result, Later):
+                later[number] = result
+            else:
+                engine.link.send(("result", number, result))
             continue
         try:
             getattr(Engine, name)(engine, *args, **kwargs)
@@ -261,3 +277,11 @@ def follow(engine: FollowerEngine) -> None:
             continue
         if name in ("step", "flush", "free_finished", "release", "abort", "generate"):
             engine.forget_finished()
+
+
+def _send_arrived(engine: FollowerEngine, later: dict[int, Later]) -> None:
+    for number, result in list(later.items()):
+        done, value = result.poll()
+        if done:
+            del later[number]
+            engine.link.send(("result", number, value))

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from shared.engine.engine import EngineConfig
+from shared.engine.engine import EngineConfig, Later
 from shared.engine.kv.cache import KVConfig
 from shared.engine.mirror import FollowerEngine, LeaderEngine, PlanMismatch, follow
 from shared.engine.request import Request
@@ -106,6 +106,44 @@ def test_ops_run_on_every_rank_and_their_results_come_back_in_order() -> None:
         ["LeaderEngine:b", "FollowerEngine:b"],
         ["LeaderEngine:c", "FollowerEngine:c"],
     )
+    leader.close()
+    thread.join(10)
+    assert not failure
+
+
+class _Gate(Later):
+    """A result that arrives once its event is set (a transfer still running on the follower)."""
+
+    def __init__(self, event: threading.Event, value: str) -> None:
+        self.event, self.value = event, value
+
+    def poll(self) -> tuple[bool, str]:
+        return (True, self.value) if self.event.is_set() else (False, "")
+
+
+GATES: dict[str, threading.Event] = {}
+
+
+def _later(engine, tag: str):  # type: ignore[no-untyped-def]
+    """An op whose follower's result comes later, when GATES[tag] is set; rank 0's at once."""
+    if isinstance(engine, LeaderEngine):
+        return f"leader:{tag}"
+    return _Gate(GATES.setdefault(tag, threading.Event()), f"follower:{tag}")
+
+
+def test_a_result_still_to_come_arrives_later_and_does_not_hold_back_the_calls_after_it() -> None:
+    cfg = EngineConfig(max_batch_tokens=8)
+    leader, _, thread, failure = _pair(cfg, cfg)
+    slow = leader.on_ranks_later(_later, "slow")
+    # The follower carries on with rank 0's calls while the first result is outstanding.
+    req = leader.add_request(random_tokens(5, seed=1), GREEDY)
+    while not req.finished:
+        leader.step()
+    assert leader.on_ranks(_role, "after") == ["LeaderEngine:after", "FollowerEngine:after"]
+    assert not leader.collect(slow) and slow.results[0] == "leader:slow"
+    GATES["slow"].set()
+    assert leader.collect(slow, block=True)
+    assert slow.results == ["leader:slow", "follower:slow"]
     leader.close()
     thread.join(10)
     assert not failure
