@@ -47,6 +47,7 @@ from shared.serving.telemetry import Telemetry
 from shared.transfer.base import KVLayout
 from shared.transfer.cuda_ipc import IpcReceiver, IpcUnavailable
 from shared.transfer.nixl import NixlReceiver, NixlUnavailable
+from shared.transfer.nixl_ranks import export_ranks
 from shared.transfer.ranks import wire_layout
 
 __all__ = ["add_services", "build_serving", "serve"]
@@ -57,10 +58,10 @@ log = logging.getLogger("decode_service")
 def build_serving(cfg: ServiceConfig, on_rank_death: Callable[[str], None] | None = None) -> Serving:
     """Load the model, build the Engine, handshake with prefill, start the scheduler (blocking).
     `on_rank_death`: see `build_engine`."""
-    if cfg.tp > 1 and cfg.prefill_target and cfg.kv_transfer != "inline":
+    if cfg.tp > 1 and cfg.prefill_target and cfg.kv_transfer == "cuda_ipc":
         raise StartupError(
-            f"--kv-transfer {cfg.kv_transfer} with --tp {cfg.tp}: a decode service of several ranks takes "
-            "its KV inline (--kv-transfer inline)"
+            f"--kv-transfer cuda_ipc with --tp {cfg.tp}: a decode service of several ranks takes its KV "
+            "inline or over nixl (--kv-transfer inline | nixl)"
         )
     loaded, engine = build_engine(cfg, "decode", mixed=cfg.mixed_steps, on_rank_death=on_rank_death)
     ipc = nixl = None
@@ -74,7 +75,8 @@ def build_serving(cfg: ServiceConfig, on_rank_death: Callable[[str], None] | Non
                 nixl = NixlReceiver(engine.cache)  # the pool registered with this process's agent, once
         except (IpcUnavailable, NixlUnavailable) as e:
             raise StartupError(f"--kv-transfer {cfg.kv_transfer}: {e}") from e
-        pool = ipc.export if ipc is not None else nixl.export if nixl is not None else None
+        # nixl with ranks: every rank's pool, each registered with its own agent
+        pool = ipc.export if ipc is not None else export_ranks(engine, nixl) if nixl is not None else None
         pin = engine.cache.device.type == "cuda"  # inline batches upload to it without a host wait
         router = _prefill_router(cfg, layout, pool, pin)
     scheduler = DecodeScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue), ipc, nixl)

@@ -8,7 +8,9 @@ At DONE the pages are released and `Prefilled` goes out: the KV is then in decod
 PrefillDone means decode can read it. At ERR the pages are released and the request fails UNAVAILABLE.
 No WRITE is started past the lease (decode may then reuse those pages); one still running
 ABANDON_AFTER_LEASE_S after it is cancelled. A request aborted meanwhile (the call was cancelled) keeps
-its pages until its WRITE has ended too, then goes quietly.
+its pages until its WRITE has ended too, then goes quietly. Where either side has tensor-parallel
+ranks, a request's WRITE is every rank's (shared/transfer/nixl_ranks.py): it has ended once each
+rank's has.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Any
 
 from shared.engine.engine import Engine
 from shared.serving.scheduler_base import Finished, _Entry
+from shared.transfer import nixl_ranks
 from shared.transfer.nixl import ABANDON_AFTER_LEASE_S, NixlError, NixlTarget
-from shared.transfer.nixl_writer import NixlTransfer, NixlWriter
+from shared.transfer.nixl_writer import NixlWriter
 
 __all__ = ["NixlSends"]
 
@@ -36,7 +39,7 @@ class _Send:
     computed_ns: int
     queued_tokens: int
     full_from: int = 0  # full layers from this position on (decode holds the ones before)
-    xfer: NixlTransfer | None = None  # None: not started yet (the agent was busy)
+    xfer: nixl_ranks.Send | None = None  # None: not started yet (the agent was busy)
     cancelled: bool = False
     finished: Finished | None = None  # the scheduler's Finished, held back until the send ends
 
@@ -103,8 +106,8 @@ class NixlSends:
             req = send.entry.req
             assert req is not None
             try:
-                send.xfer = self._writer().start(
-                    req.pages, req.slot, len(req.prompt), send.target, history=send.history,
+                send.xfer = nixl_ranks.start(
+                    self._engine, self._writer(), req, send.target, history=send.history,
                     full_from=send.full_from,
                 )  # fmt: skip
             except ValueError as e:  # a target that does not fit decode's pool: nothing was written
@@ -113,13 +116,13 @@ class NixlSends:
                 return "UNAVAILABLE", f"nixl: {e}"
             if send.xfer is None:
                 return None  # the agent was busy (a handshake): next iteration
-        state = self._writer().poll(send.xfer)
+        state = send.xfer.poll()
         if state == "DONE":
             return "OK", ""
         if state == "ERR":
             msg = f"nixl: the KV write into decode's pool ({send.xfer.agent_name}) failed: {send.xfer.error}"
             return "UNAVAILABLE", msg
-        if now > lease + ABANDON_AFTER_LEASE_S * 1e9 and self._writer().abandon(send.xfer):
+        if now > lease + ABANDON_AFTER_LEASE_S * 1e9 and send.xfer.abandon():
             return "DEADLINE_EXCEEDED", "nixl: the KV write did not complete within its lease (cancelled)"
         return None
 

@@ -34,6 +34,7 @@ from prefill_service.nixl_sends import POLL_S, NixlSends
 from shared.engine.engine import Engine
 from shared.serving import faults
 from shared.serving.scheduler_base import Finished, Scheduler, SchedulerConfig, _Entry
+from shared.transfer import nixl_ranks
 from shared.transfer.cuda_ipc import IpcTarget, IpcUnavailable, IpcWriter
 from shared.transfer.inline import StagedKV
 from shared.transfer.nixl import NixlTarget
@@ -108,7 +109,7 @@ class PrefillScheduler(Scheduler):
         """The nixl half of this service (made on first use; raises NixlUnavailable without NIXL)."""
         with self._ipc_lock:
             if self._nixl is None:
-                self._nixl = NixlWriter(self._engine.cache)
+                self._nixl = NixlWriter(self._engine.cache, heads=nixl_ranks.own_heads(self._engine))
             return self._nixl
 
     def made_nixl_writer(self) -> NixlWriter | None:

@@ -45,6 +45,7 @@ from shared.serving.telemetry import Telemetry
 from shared.transfer.base import KVLayout, mismatches
 from shared.transfer.cuda_ipc import IpcTarget, IpcUnavailable, PoolExport
 from shared.transfer.nixl import NixlError, NixlPool, NixlTarget, NixlUnavailable
+from shared.transfer.nixl_ranks import pools_of
 
 __all__ = ["BACKENDS", "SERVICE_NAME", "PrefillServicer", "PrefillServing"]
 
@@ -98,10 +99,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         problems = mismatches(KVLayout.from_pb(request.layout), s.layout)
         if request.backend and request.backend not in BACKENDS:
             problems.append(f"backend: {request.backend!r} not in {list(BACKENDS)}")
-        if request.backend in ("cuda_ipc", "nixl") and s.layout.tensor_parallel > 1:
+        if request.backend == "cuda_ipc" and s.layout.tensor_parallel > 1:
             problems.append(
-                f"backend: {request.backend} from a prefill of {s.layout.tensor_parallel} tensor-parallel "
-                "ranks is not served (inline is)"
+                f"backend: cuda_ipc from a prefill of {s.layout.tensor_parallel} tensor-parallel ranks is "
+                "not served (inline and nixl are)"
             )
         if request.backend == "cuda_ipc" and not problems:
             problems += await self._map_pool(s, request)
@@ -250,7 +251,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         pool = NixlPool.from_pb(request.nixl_pool)
         try:
             writer = await asyncio.to_thread(s.scheduler.nixl_writer)
-            await asyncio.to_thread(writer.probe, pool, _NIXL_PROBE_S)
+            for each in pools_of(pool):  # a decode of several ranks: each rank's agent
+                await asyncio.to_thread(writer.probe, each, _NIXL_PROBE_S)
         except NixlUnavailable as e:
             return f"nixl: this prefill service cannot use NIXL: {e}"
         except ValueError as e:
@@ -266,9 +268,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         reach the agent, UNAVAILABLE."""
         try:
             writer = s.scheduler.made_nixl_writer()
-            if writer is None or not writer.connected(pool.agent_name):  # the agent is made, or loaded:
-                writer = await asyncio.to_thread(s.scheduler.nixl_writer)  # not on the event loop
-                await asyncio.to_thread(writer.connect, pool)
+            for each in pools_of(pool):  # a decode of several ranks: each rank's agent
+                if writer is None or not writer.connected(each.agent_name):  # the agent is made, or loaded:
+                    writer = await asyncio.to_thread(s.scheduler.nixl_writer)  # not on the event loop
+                    await asyncio.to_thread(writer.connect, each)
         except NixlUnavailable as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"nixl: {e}")
         except ValueError as e:

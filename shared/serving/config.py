@@ -151,7 +151,8 @@ COMMON_HELP = {
     "watches the others, and exits with code 4 if one dies). On CUDA rank r uses --device's GPU + r and "
     "NCCL; on CPU every rank runs on the CPU over gloo. The heads and the MLP must split evenly; KV heads "
     "are replicated where there are fewer than ranks. Prefill and decode may differ in degree; a "
-    "service of several ranks takes and hands over its KV inline (--kv-transfer inline). "
+    "service of several ranks takes and hands over its KV inline or over nixl, each rank's heads "
+    "written by its own NIXL agent (--kv-transfer inline | nixl). "
     "docs/tensor-parallel.md",
     "expert_parallel": "with --tp N > 1, a mixture of experts' experts placed whole, E/N on each rank "
     "(each reads only its experts' weights; a token's experts are computed where they live), instead of "

@@ -8,6 +8,12 @@ round_robin, loads the agent on first sight (add_remote_agent, once per agent) w
 to lose. `write_descs` says which bytes go where; it mirrors shared/transfer/cuda_ipc.py `push`: full
 layers whole pages, sliding layers the ring's filled prefix and the slot's ring_pos row.
 
+Under tensor parallelism each rank's pool holds only its rank's KV heads (`NixlPool.heads`), and a
+prefill of a ranks writes into a decode of b: shared/transfer/heads.py `routes` says which prefill rank
+writes which heads into which decode rank, and `write_descs` (its `heads`) copies those heads of every
+token from their offset in one side's row to their offset in the other's. A copy of whole rows on
+both sides is what it is without tensor parallelism: whole pages, merged.
+
 The NIXL package is optional (`pdserve[nixl]`): it is imported only when this backend is chosen
 (`load_api`); importing this module needs torch and numpy only. Agent metadata and addresses cross the
 wire as bytes and integers (shared/pb nixl.proto), never pickle. The prefill half is
@@ -149,15 +155,23 @@ class NixlPool:
     agent_metadata: bytes
     mem_type: str
     tensors: tuple[NixlTensor, ...]
+    # The model's KV heads a row of this pool holds (a tensor-parallel rank's); None: all of them.
+    heads: range | None = None
+    # A decode of several tensor-parallel ranks: this is rank 0's pool, these ranks 1..'s, each its own
+    # agent (shared/transfer/nixl_ranks.py).
+    other_ranks: tuple[NixlPool, ...] = ()
 
     def tensor(self, name: str) -> NixlTensor:
         return next(t for t in self.tensors if t.name == name)
 
     def to_pb(self) -> pb.NixlPool:
+        heads = self.heads if self.heads is not None else range(0)
         return pb.NixlPool(
             agent_name=self.agent_name, agent_metadata=self.agent_metadata, mem_type=self.mem_type,
             tensors=[pb.NixlTensor(name=t.name, addr=t.addr, nbytes=t.nbytes, device_id=t.device_id,
                                    dtype=t.dtype, shape=list(t.shape)) for t in self.tensors],
+            kv_head_start=heads.start, kv_head_count=len(heads),
+            other_ranks=[p.to_pb() for p in self.other_ranks],
         )  # fmt: skip
 
     @classmethod
@@ -165,7 +179,9 @@ class NixlPool:
         tensors = tuple(
             NixlTensor(t.name, t.addr, t.nbytes, t.device_id, t.dtype, tuple(t.shape)) for t in msg.tensors
         )
-        return cls(msg.agent_name, msg.agent_metadata, msg.mem_type, tensors)
+        heads = range(msg.kv_head_start, msg.kv_head_start + msg.kv_head_count) if msg.kv_head_count else None
+        others = tuple(cls.from_pb(p) for p in msg.other_ranks)
+        return cls(msg.agent_name, msg.agent_metadata, msg.mem_type, tensors, heads, others)
 
 
 @dataclass(frozen=True)
@@ -226,21 +242,56 @@ class NixlReceiver:
         self.export = self.pool.export()
 
 
-def check_compatible(mine: dict[str, NixlTensor], theirs: NixlPool) -> None:
-    """Raise ValueError unless decode's pool holds rows of the same shape and dtype as ours."""
+def check_compatible(mine: dict[str, NixlTensor], theirs: NixlPool, mine_heads: range | None = None) -> None:
+    """Raise ValueError unless decode's pool holds rows of the same shape and dtype as ours.
+
+    Where either side says which of the model's KV heads it holds (`mine_heads`, `theirs.heads`: a
+    tensor-parallel rank's), the rows may hold different heads, so only their layers, page size, window
+    and head size must agree; each side must then hold as many heads as it says, and a side that says
+    nothing holds all the model's heads (range(its H)), which the other's must lie within."""
     names = {t.name for t in theirs.tensors}
     if names != {*POOL_TENSORS, PROBE}:
         raise ValueError(f"pool tensors {sorted(names)}, expected {[*POOL_TENSORS, PROBE]}")
     if theirs.mem_type not in ("DRAM", "VRAM"):
         raise ValueError(f"memory type {theirs.mem_type!r}, expected DRAM or VRAM")
+    split = mine_heads is not None or theirs.heads is not None
     for t in theirs.tensors:
         ours = mine[t.name]
         if t.dtype != ours.dtype:
             raise ValueError(f"decode's {t.name} is {t.dtype}, ours {ours.dtype}")
         if t.nbytes != math.prod(t.shape) * getattr(torch, ours.dtype).itemsize:  # ours: a known name
             raise ValueError(f"decode's {t.name} is {list(t.shape)} but {t.nbytes} bytes")
-        if t.name != PROBE and (t.shape[0] != ours.shape[0] or t.shape[2:] != ours.shape[2:]):
+        if t.name == PROBE:
+            continue
+        # [layers, pages or slots, page_size or W, H, D] (ring_pos: no H, D): rows alike but for H, when split
+        same = (2, 4) if split and t.name != "ring_pos" else range(2, len(ours.shape))
+        if (
+            len(t.shape) != len(ours.shape)
+            or t.shape[0] != ours.shape[0]
+            or any(t.shape[i] != ours.shape[i] for i in same)
+        ):
             raise ValueError(f"decode's {t.name} is {list(t.shape)}, ours {list(ours.shape)}: rows differ")
+    if split:
+        held_theirs = _held("decode's", theirs.tensor("k_pages").shape[3], theirs.heads)
+        held_mine = _held("our", mine["k_pages"].shape[3], mine_heads)
+        # A side that names no heads holds the model's all: the other's lie within them.
+        if theirs.heads is None and not _within(held_mine, held_theirs):
+            raise ValueError(f"our KV heads {held_mine} are not in decode's pool of all {len(held_theirs)}")
+        if mine_heads is None and not _within(held_theirs, held_mine):
+            raise ValueError(f"decode's KV heads {held_theirs} are not in our pool of all {len(held_mine)}")
+
+
+def _held(side: str, h: int, heads: range | None) -> range:
+    """The model's KV heads a pool of `h` heads a row holds, by what it says (`heads`) or all of them."""
+    if heads is None:
+        return range(h)
+    if heads.step != 1 or len(heads) != h:
+        raise ValueError(f"{side} pool holds {h} KV heads a row, not heads {heads}")
+    return heads
+
+
+def _within(inner: range, outer: range) -> bool:
+    return outer.start <= inner.start and inner.stop <= outer.stop
 
 
 @dataclass(frozen=True)
@@ -253,11 +304,16 @@ class WritePlan:
     window_bytes: int  # k + v of the sliding layers (ring_pos rows not counted, as cuda_ipc)
 
 
-def _rows(t: NixlTensor, rows: np.ndarray, row_bytes: int, count: int) -> np.ndarray:
-    """Descriptors of `count` bytes at the start of row `rows[i]` of every layer of `t` ([layers, rows,
-    ...], each row `row_bytes`), layer-major."""
+def _rows(
+    t: NixlTensor, rows: np.ndarray, row_bytes: int, count: int, units: int = 1, unit_bytes: int = 0,
+    offset: int = 0,
+) -> np.ndarray:  # fmt: skip
+    """Descriptors of `count` bytes at `offset` into each of the first `units` units (`unit_bytes`
+    apart: tokens of a page, entries of a ring) of row `rows[i]` of every layer of `t` ([layers, rows,
+    ...], each row `row_bytes`), layer-major, then row, then unit."""
     layers, per_layer = t.shape[0], t.shape[1]
     starts = (np.arange(layers, dtype=np.uint64)[:, None] * per_layer + rows[None, :]) * row_bytes + t.addr
+    starts = starts[:, :, None] + (np.arange(units, dtype=np.uint64) * unit_bytes + offset)[None, None, :]
     out = np.empty((starts.size, 3), dtype=np.uint64)
     out[:, 0], out[:, 1], out[:, 2] = starts.ravel(), count, t.device_id
     return out
@@ -278,14 +334,20 @@ def _merge(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarra
 def write_descs(
     mine: dict[str, NixlTensor], theirs: NixlPool, page_size: int, window: int, pages: Sequence[int],
     slot: int, num_tokens: int, dst_pages: Sequence[int], dst_slot: int, *, history: bool,
-    full_from: int = 0,
+    full_from: int = 0, src_heads: range | None = None, dst_heads: range | None = None,
+    heads: range | None = None, ring_pos: bool = True,
 ) -> WritePlan:  # fmt: skip
     """What one request's WRITE moves, as cuda_ipc's `push` does: the prompt's pages of every full
     layer from position `full_from` on (a page boundary: decode holds the ones before, shared; its
     `dst_pages[0]` is the page for `full_from`), whole (a last page's tail past the prompt is decode's
     to overwrite before it reads it), and with `history` the first min(num_tokens, W) ring entries of
-    every sliding layer (position p sits at index p % W) and the slot's whole ring_pos row, so positions
-    without history read as absent."""
+    every sliding layer (position p sits at index p % W) and, with `ring_pos`, the slot's whole ring_pos
+    row, so positions without history read as absent.
+
+    Of every token and ring entry only KV heads `heads` (the model's numbers; None: all of `src_heads`)
+    are copied, from their offset in our row, which holds `src_heads` (None: our pool's H, from 0), to
+    their offset in decode's, which holds `dst_heads` (None: `theirs.heads`, else its H from 0). Heads
+    outside either side raise ValueError. Whole rows on both sides give whole pages, as without heads."""
     d = {t.name: t for t in theirs.tensors}
     if full_from % page_size or not 0 <= full_from < max(num_tokens, 1):
         raise ValueError(f"full_from {full_from}: no page boundary within {num_tokens} tokens")
@@ -299,26 +361,56 @@ def write_descs(
         raise ValueError("destination page outside decode's pool")
     if not 0 <= dst_slot < d["k_ring"].shape[1]:
         raise ValueError(f"destination slot {dst_slot} outside decode's pool")
-    local, remote, full, window_bytes = [], [], 0, 0
+    src_heads = _held("our", mine["k_pages"].shape[3], src_heads)
+    dst_heads = _held("decode's", dk.shape[3], theirs.heads if dst_heads is None else dst_heads)
+    heads = src_heads if heads is None else heads
+    if not heads or heads.step != 1:
+        raise ValueError(f"KV heads {heads}: not a contiguous run of heads to copy")
+    for side, held in (("our", src_heads), ("decode's", dst_heads)):
+        if not _within(heads, held):
+            raise ValueError(f"KV heads {heads} are not all in {side} pool (it holds {held})")
+    # Whole rows on both sides: one descriptor a page (a ring's filled prefix), as without heads;
+    # otherwise one a token (a ring entry): the heads' bytes, at their offset on either side.
+    whole = heads == src_heads == dst_heads
+    local: list[np.ndarray] = []
+    remote: list[np.ndarray] = []
+
+    def copy(name: str, s: np.ndarray, t: np.ndarray, units: int) -> int:
+        """Describe the first `units` tokens (ring entries) of rows `s` of ours into rows `t` of
+        decode's `name`, every layer; the bytes they move."""
+        ours, dst = mine[name], d[name]
+        row, row_r = _row_bytes(ours), _row_bytes(dst)
+        unit, unit_r = row // ours.shape[2], row_r // dst.shape[2]
+        if whole:
+            local.append(_rows(ours, s, row, unit * units))
+            remote.append(_rows(dst, t, row_r, unit * units))
+            return ours.shape[0] * len(s) * unit * units
+        head = unit // len(src_heads)
+        count = len(heads) * head
+        local.append(_rows(ours, s, row, count, units, unit, (heads.start - src_heads.start) * head))
+        remote.append(_rows(dst, t, row_r, count, units, unit_r, (heads.start - dst_heads.start) * head))
+        return ours.shape[0] * len(s) * units * count
+
+    full, window_bytes = 0, 0
     if mine["k_pages"].shape[0] and need:
         s = np.asarray(pages[skip : skip + need], dtype=np.uint64)
         t = np.asarray(dst_pages[:need], dtype=np.uint64)
-        for name in ("k_pages", "v_pages"):
-            row = mine[name].nbytes // max(mine[name].shape[0] * mine[name].shape[1], 1)
-            local.append(_rows(mine[name], s, row, row))
-            remote.append(_rows(d[name], t, row, row))
-            full += mine[name].shape[0] * need * row
+        full = copy("k_pages", s, t, page_size) + copy("v_pages", s, t, page_size)
     if history and mine["k_ring"].shape[0] and num_tokens:
         s, t = np.asarray([slot], dtype=np.uint64), np.asarray([dst_slot], dtype=np.uint64)
         filled = min(num_tokens, window)
-        for name in ("k_ring", "v_ring", "ring_pos"):
-            row = mine[name].nbytes // (mine[name].shape[0] * mine[name].shape[1])
-            count = row if name == "ring_pos" else row // mine[name].shape[2] * filled
-            local.append(_rows(mine[name], s, row, count))
-            remote.append(_rows(d[name], t, row, count))
-            window_bytes += 0 if name == "ring_pos" else mine[name].shape[0] * count
+        window_bytes = copy("k_ring", s, t, filled) + copy("v_ring", s, t, filled)
+        if ring_pos:  # the same on every rank and of no head: whole, from one source (heads.py)
+            row = _row_bytes(mine["ring_pos"])
+            local.append(_rows(mine["ring_pos"], s, row, row))
+            remote.append(_rows(d["ring_pos"], t, _row_bytes(d["ring_pos"]), row))
     if not local:
         empty = np.empty((0, 3), dtype=np.uint64)
         return WritePlan(empty, empty, 0, 0)
     a, b = _merge(np.concatenate(local), np.concatenate(remote))
     return WritePlan(a, b, full, window_bytes)
+
+
+def _row_bytes(t: NixlTensor) -> int:
+    """Bytes of one row (a page, a slot's ring) of `t` [layers, rows, ...]."""
+    return t.nbytes // max(t.shape[0] * t.shape[1], 1)

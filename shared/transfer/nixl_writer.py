@@ -12,6 +12,7 @@ loop's next iteration.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -34,10 +35,21 @@ from shared.transfer.nixl import (
     write_descs,
 )
 
-__all__ = ["NixlTransfer", "NixlWriter"]
+__all__ = ["Heads", "NixlTransfer", "NixlWriter"]
 
 T = TypeVar("T")
 _PROBE_WRITE = 8  # bytes of the handshake's probe write
+
+
+@dataclass(frozen=True)
+class Heads:
+    """A WRITE's share of the KV heads (`write_descs`' arguments): the model's heads our pool and
+    theirs hold, the ones this WRITE copies, and whether it carries the slot's ring_pos row."""
+
+    src_heads: range
+    dst_heads: range
+    heads: range
+    ring_pos: bool
 
 
 @dataclass
@@ -54,8 +66,9 @@ class NixlTransfer:
 
 
 class NixlWriter:
-    def __init__(self, cache: KVCache, max_peers: int = 64) -> None:
+    def __init__(self, cache: KVCache, max_peers: int = 64, heads: range | None = None) -> None:
         self.cache = cache
+        self.heads = heads  # the model's KV heads our pool holds (a tensor-parallel rank's); None: all
         bind_device(cache.device)  # before the agent: UCX looks for a CUDA context when it starts
         self.agent = new_agent("prefill")
         self.pool = RegisteredPool(self.agent, cache)
@@ -73,7 +86,7 @@ class NixlWriter:
             if pool.agent_name in self._peers:
                 self._peers.move_to_end(pool.agent_name)
                 return
-        check_compatible(self.pool.by_name, pool)
+        check_compatible(self.pool.by_name, pool, self.heads)
         bind_device(self.cache.device)
         with self._lock:
             if pool.agent_name in self._peers:
@@ -118,15 +131,18 @@ class NixlWriter:
 
     def start(
         self, pages: Sequence[int], slot: int, num_tokens: int, target: NixlTarget, *, history: bool,
-        full_from: int = 0,
+        full_from: int = 0, heads: Heads | None = None,
     ) -> NixlTransfer | None:  # fmt: skip
         """Post the request's WRITE (None: the agent is busy, try again): full layers from position
-        `full_from` on, into the target's pages (which start there). Raises ValueError for a target
-        that does not fit decode's pool, NixlError when NIXL refuses the WRITE."""
+        `full_from` on, into the target's pages (which start there). `heads` (tensor parallelism,
+        `shared/transfer/nixl_ranks.py`): which KV heads go, from which of ours into which of theirs,
+        and whether the slot's ring_pos row goes too (None: every head, both pools whole). Raises
+        ValueError for a target that does not fit decode's pool, NixlError when NIXL refuses the WRITE."""
         c = self.cache
+        split = {} if heads is None else dataclasses.asdict(heads)
         plan = write_descs(
             self.pool.by_name, target.pool, c.page_size, c.window, pages, slot, num_tokens,
-            target.pages, target.slot, history=history, full_from=full_from,
+            target.pages, target.slot, history=history, full_from=full_from, **split,
         )  # fmt: skip
         name = target.pool.agent_name
         if not len(plan.local):

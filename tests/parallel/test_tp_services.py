@@ -25,6 +25,7 @@ from shared.engine.kv.cache import KVConfig
 from shared.engine.sampling import SamplingParams
 from shared.serving.api.model_source import load_served_model
 from shared.serving.tensor_parallel import EXIT_RANK_DIED
+from tests.engine.test_transfer_nixl import requires_nixl
 from tests.services.service_testutil import (
     PrefillInfo,
     ServerProcess,
@@ -33,6 +34,7 @@ from tests.services.service_testutil import (
     stop_all,
     wait_pool_idle,
 )  # fmt: skip
+from tests.telemetry.telemetry_testutil import metrics_url, sample, scrape
 
 COMMON = ("--page-size", "4", "--max-running", "4", "--no-metrics")
 GREEDY = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
@@ -103,6 +105,36 @@ def test_kv_crosses_between_tensor_parallel_degrees(prefill_tp: int, decode_tp: 
         stop_all(decode, prefill)
 
 
+@requires_nixl
+def test_nixl_writes_each_ranks_heads_into_the_ranks_that_hold_them() -> None:
+    """Zero-copy between degrees: a prefill of 2 ranks WRITEs its KV heads straight into a decode of 2
+    ranks (each rank's agent to its peer's) and into a decode of 1 (both ranks into its one pool), the
+    window history included; the tokens are the colocated engine's, and the KV went by NIXL, not in
+    the stream."""
+    spec = random_spec(**MODELS["hybrid"][0])
+    loaded = load_served_model(spec)
+    engine = Engine(loaded.model, KVConfig(page_size=4, num_pages=512, max_requests=4), EngineConfig())
+    expected = [r.output for r in engine.generate(PROMPTS, SamplingParams(**GREEDY))]
+    prefill = ServerProcess(spec, *COMMON, "--tp", "2", module="prefill_service", service=PREFILL)
+    remote = ("--prefill-target", prefill.target, "--local-prefill-max-tokens", "0",
+              "--remote-prefill-max-queued-tokens", "100000", "--kv-transfer", "nixl")  # fmt: skip
+    decodes = [ServerProcess(spec, *COMMON[:-1], "--tp", str(tp), *remote) for tp in (2, 1)]
+    try:
+        for decode in decodes:
+            with Client(decode.target) as c, ThreadPoolExecutor(len(PROMPTS)) as pool:
+                got = list(pool.map(lambda p: list(c.complete(p, **GREEDY).token_ids), PROMPTS))  # noqa: B023
+                wait_pool_idle(c)
+            assert got == expected
+            moved = scrape(metrics_url(decode))
+            assert sample(moved, "pdserve_kv_transfer_bytes_total", backend="nixl", direction="receive") > 0
+            assert sample(moved, "pdserve_kv_transfer_bytes_total", backend="inline") == 0
+        info = PrefillInfo(prefill.target)
+        wait_pool_idle(info)  # type: ignore[arg-type]  # every rank's WRITEs ended, the pages back
+        info.close()
+    finally:
+        stop_all(*decodes, prefill)
+
+
 def test_a_dead_rank_stops_the_service_not_serving_then_exit_4() -> None:
     decode = ServerProcess(random_spec(), *COMMON, "--tp", "2")
     try:
@@ -149,5 +181,15 @@ def test_a_model_that_does_not_split_is_refused_at_start() -> None:
     try:
         assert decode.wait(60) == 1
         assert "4 attention heads do not split over 3 ranks" in decode.log()
+    finally:
+        decode.kill()
+
+
+def test_cuda_ipc_with_several_ranks_is_refused_at_start_by_name() -> None:
+    decode = ServerProcess(random_spec(heads=4, kv_heads=2), *COMMON, "--tp", "2", "--prefill-target",
+                           "127.0.0.1:1", "--kv-transfer", "cuda_ipc", wait_ready=False)  # fmt: skip
+    try:
+        assert decode.wait(60) == 1
+        assert "--kv-transfer cuda_ipc with --tp 2" in decode.log() and "inline or over nixl" in decode.log()
     finally:
         decode.kill()

@@ -34,10 +34,14 @@ class _Writer:
         state = self.polls.pop(0) if self.polls else "PROC"
         if state == "ERR":
             xfer.error = "remote disconnected"
+        if state is not None:  # as NixlWriter.poll: the transfer's state follows
+            xfer.state = state
         return state
 
     def abandon(self, xfer: NixlTransfer) -> bool:
         self.abandoned += 1
+        if self.abandons:  # as NixlWriter.abandon: a transfer let go has ended, in error
+            xfer.state = "ERR"
         return self.abandons
 
 
@@ -46,7 +50,8 @@ class _Harness:
         self.released: list[Any] = []
         self.events: list[Any] = []
         self.finished: list[Finished] = []
-        engine = SimpleNamespace(release=self.released.append)
+        model = SimpleNamespace(tp=None, whole_kv_heads=2)  # one rank: one WRITE of every head
+        engine = SimpleNamespace(release=self.released.append, runner=SimpleNamespace(model=model))
         self.sends = NixlSends(engine, lambda: writer, self._prefilled, self._finish)  # type: ignore[arg-type]
         self.req = SimpleNamespace(pages=[3, 4], slot=1, prompt=[1, 2, 3, 4, 5], output=[42], admitted_ns=1)
         self.entry = _Entry("r1", [1, 2, 3, 4, 5], SamplingParams(), self.events.append, req=self.req)  # type: ignore[arg-type]

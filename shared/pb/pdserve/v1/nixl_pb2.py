@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdserve/v1/nixl.proto\x12\npdserve.v1\"i\n\nNixlTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\"q\n\x08NixlPool\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x10\n\x08mem_type\x18\x03 \x01(\t\x12\'\n\x07tensors\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.NixlTensor\"m\n\nNixlTarget\x12\"\n\x04pool\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.NixlPool\x12\r\n\x05pages\x18\x02 \x03(\r\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ns\x18\x04 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdserve/v1/nixl.proto\x12\npdserve.v1\"i\n\nNixlTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\"\xca\x01\n\x08NixlPool\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x10\n\x08mem_type\x18\x03 \x01(\t\x12\'\n\x07tensors\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.NixlTensor\x12\x15\n\rkv_head_start\x18\x05 \x01(\r\x12\x15\n\rkv_head_count\x18\x06 \x01(\r\x12)\n\x0bother_ranks\x18\x07 \x03(\x0b\x32\x14.pdserve.v1.NixlPool\"m\n\nNixlTarget\x12\"\n\x04pool\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.NixlPool\x12\r\n\x05pages\x18\x02 \x03(\r\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ns\x18\x04 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_NIXLTENSOR']._serialized_start=37
   _globals['_NIXLTENSOR']._serialized_end=142
-  _globals['_NIXLPOOL']._serialized_start=144
-  _globals['_NIXLPOOL']._serialized_end=257
-  _globals['_NIXLTARGET']._serialized_start=259
-  _globals['_NIXLTARGET']._serialized_end=368
+  _globals['_NIXLPOOL']._serialized_start=145
+  _globals['_NIXLPOOL']._serialized_end=347
+  _globals['_NIXLTARGET']._serialized_start=349
+  _globals['_NIXLTARGET']._serialized_end=458
 # @@protoc_insertion_point(module_scope)

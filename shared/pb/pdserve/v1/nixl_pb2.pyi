@@ -24,16 +24,22 @@ class NixlTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., device_id: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NixlPool(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata", "mem_type", "tensors")
+    __slots__ = ("agent_name", "agent_metadata", "mem_type", "tensors", "kv_head_start", "kv_head_count", "other_ranks")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    OTHER_RANKS_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
     mem_type: str
     tensors: _containers.RepeatedCompositeFieldContainer[NixlTensor]
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., mem_type: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[NixlTensor, _Mapping]]] = ...) -> None: ...
+    kv_head_start: int
+    kv_head_count: int
+    other_ranks: _containers.RepeatedCompositeFieldContainer[NixlPool]
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., mem_type: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[NixlTensor, _Mapping]]] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ..., other_ranks: _Optional[_Iterable[_Union[NixlPool, _Mapping]]] = ...) -> None: ...
 
 class NixlTarget(_message.Message):
     __slots__ = ("pool", "pages", "slot", "lease_deadline_unix_ns")
