@@ -122,7 +122,7 @@ def test_nixl_writes_each_ranks_heads_into_the_ranks_that_hold_them() -> None:
     try:
         for decode in decodes:
             with Client(decode.target) as c, ThreadPoolExecutor(len(PROMPTS)) as pool:
-                got = list(pool.map(lambda p: list(c.complete(p, **GREEDY).token_ids), PROMPTS))  # noqa: B023
+                got = list(pool.map(lambda p: list(c.complete(p, **GREEDY).token_ids), PROMPTS))
                 wait_pool_idle(c)
             assert got == expected
             moved = scrape(metrics_url(decode))
