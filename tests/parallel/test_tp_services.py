@@ -106,19 +106,22 @@ def test_kv_crosses_between_tensor_parallel_degrees(prefill_tp: int, decode_tp: 
 
 
 @requires_nixl
-def test_nixl_writes_each_ranks_heads_into_the_ranks_that_hold_them() -> None:
+@pytest.mark.parametrize(("prefill_tp", "decode_tps"), [(2, (2, 1)), (1, (2,))])
+def test_nixl_writes_each_ranks_heads_into_the_ranks_that_hold_them(
+    prefill_tp: int, decode_tps: tuple[int, ...]
+) -> None:
     """Zero-copy between degrees: a prefill of 2 ranks WRITEs its KV heads straight into a decode of 2
-    ranks (each rank's agent to its peer's) and into a decode of 1 (both ranks into its one pool), the
-    window history included; the tokens are the colocated engine's, and the KV went by NIXL, not in
-    the stream."""
+    ranks (each rank's agent to its peer's) and into a decode of 1 (both ranks into its one pool), and
+    a prefill of 1 into both ranks of a decode of 2, the window history included; the tokens are the
+    colocated engine's, and the KV went by NIXL, not in the stream."""
     spec = random_spec(**MODELS["hybrid"][0])
     loaded = load_served_model(spec)
     engine = Engine(loaded.model, KVConfig(page_size=4, num_pages=512, max_requests=4), EngineConfig())
     expected = [r.output for r in engine.generate(PROMPTS, SamplingParams(**GREEDY))]
-    prefill = ServerProcess(spec, *COMMON, "--tp", "2", module="prefill_service", service=PREFILL)
+    prefill = ServerProcess(spec, *COMMON, "--tp", str(prefill_tp), module="prefill_service", service=PREFILL)
     remote = ("--prefill-target", prefill.target, "--local-prefill-max-tokens", "0",
               "--remote-prefill-max-queued-tokens", "100000", "--kv-transfer", "nixl")  # fmt: skip
-    decodes = [ServerProcess(spec, *COMMON[:-1], "--tp", str(tp), *remote) for tp in (2, 1)]
+    decodes = [ServerProcess(spec, *COMMON[:-1], "--tp", str(tp), *remote) for tp in decode_tps]
     try:
         for decode in decodes:
             with Client(decode.target) as c, ThreadPoolExecutor(len(PROMPTS)) as pool:
