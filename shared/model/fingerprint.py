@@ -16,6 +16,7 @@ checkpoint names why their weights differ.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -38,15 +39,25 @@ def _sample(t: torch.Tensor) -> bytes:
 
 
 @torch.no_grad()
-def fingerprint(model: Transformer, tokenizer: Tokenizer | None) -> str:
+def fingerprint(
+    model: Transformer, tokenizer: Tokenizer | None, *,
+    served: tuple[str, Sequence[tuple[str, Callable[[], torch.Tensor]]]] | None = None,
+) -> str:  # fmt: skip
     """A hex digest of the model's weights (sampled) and its tokenizer, after the quantization if any;
-    equal for the same checkpoint loaded in the same dtype and quantization, on any device."""
+    equal for the same checkpoint loaded in the same dtype and quantization, on any device. `served`:
+    (quantization, its parameters by name) for a model still unquantized that is served quantized
+    (`shared/model/quant/fp8.py` `quantized_parameters`): the digest is the quantized model's."""
+    quantization = getattr(model, "quantization", "none")
+    if served is not None:
+        quantization, params = served
+    else:
+        params = [(name, lambda p=p: p) for name, p in model.named_parameters()]
     h = hashlib.blake2b(digest_size=16)
-    for name, p in sorted(model.named_parameters()):
+    for name, get in sorted(params, key=lambda item: item[0]):
+        p = get()
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
         h.update(_sample(p.contiguous()))
     if tokenizer is not None:
         h.update(tokenizer.backend.to_str().encode())
         h.update((tokenizer.chat_template or "").encode())
-    quantization = getattr(model, "quantization", "none")
     return h.hexdigest() if quantization == "none" else f"{quantization}:{h.hexdigest()}"

@@ -42,6 +42,7 @@ from shared.engine.mirror import FollowerEngine, Link, follow
 from shared.model import LoadedModel
 from shared.model.fingerprint import fingerprint
 from shared.model.quant import quantize_model
+from shared.model.quant.fp8 import quantized_parameters
 from shared.model.tensor_parallel import TensorParallel, check_split, shard
 from shared.serving.api.model_source import load_served_model
 from shared.serving.config import CommonConfig
@@ -92,7 +93,10 @@ def load_whole(cfg: CommonConfig, device: torch.device) -> LoadedModel:
             "serve it with --quantization none (dequantized) or --tp 1"
         )
     check_split(loaded.config, cfg.tp, cfg.expert_parallel)
-    return dataclasses.replace(loaded, fingerprint=fingerprint(loaded.model, loaded.tokenizer))
+    # The fingerprint of the model as one rank would serve it (quantized), so that services of other
+    # degrees, or of one rank, agree on it.
+    served = (cfg.quantization, quantized_parameters(loaded.model, cfg.quantization)) if online else None
+    return dataclasses.replace(loaded, fingerprint=fingerprint(loaded.model, loaded.tokenizer, served=served))
 
 
 def share_of(loaded: LoadedModel, cfg: CommonConfig, tp: TensorParallel) -> LoadedModel:

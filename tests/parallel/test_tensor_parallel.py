@@ -20,11 +20,15 @@ from shared.engine.batch import Mode
 from shared.engine.kv.cache import KVCache, KVConfig
 from shared.engine.runner import ModelRunner
 from shared.model import reference_logits
+from shared.model.fingerprint import fingerprint
 from shared.model.tensor_parallel import TensorParallel, kv_heads_of, shard
-from shared.serving.api.model_source import random_model_config, random_transformer
+from shared.serving.api.model_source import load_served_model, random_model_config, random_transformer
+from shared.serving.config import CommonConfig
+from shared.serving.tensor_parallel import load_whole
 from tests.engine.engine_testutil import W, random_tokens
 from tests.engine.test_engine_parity import PAGE, Seq, run
 
+CPU = torch.device("cpu")
 MODELS = {
     "hybrid": ({"layers": "SSFS", "window": W}, {}),
     "qwen3-bias-tied": (
@@ -103,3 +107,19 @@ def test_kv_heads_split_or_replicate_and_impossible_splits_are_refused() -> None
         shard(six, TensorParallel(0, 4), expert_parallel=True)
     with pytest.raises(ValueError, match="expert parallel: the model has no experts"):
         shard(_model("hybrid"), TensorParallel(0, 2), expert_parallel=True)
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8", "fp8-block"])
+def test_a_service_of_ranks_announces_the_fingerprint_one_rank_would(quantization: str) -> None:
+    """The KV handshake compares weights by fingerprint. Ranks quantize their own shares, so rank 0
+    takes the fingerprint from the whole model as one rank would serve it: services of any degrees,
+    quantized alike, agree; quantized otherwise, they do not."""
+    spec = 'random:{"layers": "SSFS", "heads": 4, "kv_heads": 2}'
+    one = load_served_model(spec, quantization=quantization)
+    whole = load_whole(CommonConfig(model=spec, dtype="float32", quantization=quantization, tp=2), CPU)
+    assert whole.fingerprint == fingerprint(one.model, one.tokenizer)
+    assert whole.model.quantization == "none"  # each rank quantizes its share
+    other = "fp8" if quantization != "fp8" else "none"
+    assert load_whole(
+        CommonConfig(model=spec, dtype="float32", quantization=other, tp=2), CPU
+    ).fingerprint != (whole.fingerprint)

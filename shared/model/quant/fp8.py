@@ -34,6 +34,7 @@ from shared.model.transformer import Transformer
 
 __all__ = [
     "BLOCK", "QUANTIZATIONS", "Fp8Linear", "Fp8RMSNorm", "convert", "projections", "quantize_model",
+    "quantized_parameters",
 ]  # fmt: skip
 
 # --quantization: "auto" (the checkpoint's own: FP8 for an FP8 checkpoint, else none), "none" (FP8
@@ -208,6 +209,46 @@ def convert(
             setattr(model.get_submodule(owner), norm_attr, Fp8RMSNorm.of(model.get_submodule(norm), block[1]))
     model.quantization = quantization
     model.kernel_factory = fp8_kernels_for
+
+
+def quantized_parameters(model: Transformer, quantization: str) -> list[tuple[str, Callable[[], Tensor]]]:
+    """The parameters `convert(model, quantization)` would leave, by name, each as a function giving
+    it: a projection's e4m3 weight and scales are computed when asked (one projection at a time, never
+    a second copy of the model). For a fingerprint of the model as a service that quantizes it holds it
+    (`shared/model/fingerprint.py`), taken while it is still whole and unquantized (tensor parallelism
+    quantizes each rank's share instead)."""
+    if model.quantization != "none":
+        raise ValueError(f"quantized_parameters: the model is quantized already ({model.quantization})")
+    names = {name for name, _, _ in projections(model)}
+    out: list[tuple[str, Callable[[], Tensor]]] = []
+    for module_name, module in model.named_modules():
+        if module_name not in names:
+            continue
+        assert isinstance(module, nn.Linear)
+        block = _block(model, module_name, module, quantization)
+        pair = _lazy_quantized(module.weight, block)
+        out += [(f"{module_name}.weight", lambda pair=pair: pair()[0]),
+                (f"{module_name}.weight_scale_inv", lambda pair=pair: pair()[1])]  # fmt: skip
+    held = {name for name, _ in out}
+    projection_weights = {f"{n}.weight" for n in names}
+    for name, p in model.named_parameters():
+        if name not in projection_weights and name not in held:
+            out.append((name, lambda p=p: p))
+    return out
+
+
+def _lazy_quantized(w: Tensor, block: tuple[int, int]) -> Callable[[], tuple[Tensor, Tensor]]:
+    """quantize_weight(w, block), computed on the first call and kept only until the second."""
+    kept: list[tuple[Tensor, Tensor]] = []
+
+    def get() -> tuple[Tensor, Tensor]:
+        if kept:
+            return kept.pop()
+        pair = quantize_weight(w, block)
+        kept.append(pair)
+        return pair
+
+    return get
 
 
 def quantize_model(model: Transformer, quantization: str) -> Transformer:
