@@ -35,7 +35,7 @@ from shared.engine.kv.cache import KVConfig
 from shared.engine.sampling import SamplingParams
 from shared.kernels.kv_quant import FP8_KV_DTYPE
 from shared.model.config import config_from_hf
-from shared.model.quant import quantize_model
+from shared.model.quant import quantize_head, quantize_model
 from shared.model.transformer import Transformer
 
 W = 1024
@@ -160,8 +160,9 @@ def decode_roofline_bytes(model, batch: int, ctx: int, kv_bytes: int = 2) -> int
         e, k = cfg.moe.num_experts, cfg.moe.top_k
         read = 1 - (1 - k / e) ** batch  # the share of each layer's experts the step reads
     weights = 0.0
+    head_is_embedding = model.lm_head.weight is model.embed_tokens.weight  # tied, not an FP8 head
     for n, p in model.named_parameters():  # a tied LM head is listed once, as the embedding table
-        if "embed" not in n or cfg.tie_word_embeddings:
+        if "embed" not in n or head_is_embedding:
             expert = any(n.endswith(s) for s in (".w_gate_up", ".w_down", ".b_gate_up", ".b_down"))
             weights += p.numel() * p.element_size() * (read if expert else 1.0)
     window = cfg.sliding_window or ctx
@@ -479,6 +480,11 @@ def main() -> None:
         help="tokens per KV page of the decode engines (the services' default is 16), or a list",
     )  # fmt: skip
     ap.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="with FP8 --quantization values: the LM head FP8 too (--quantize-lm-head of the services)",
+    )
+    ap.add_argument(
         "--quantization", default="none", type=comma_list(one_of("none", "fp8", "fp8-block")),
         help="the model's projections as they are (none), FP8 with per-channel (fp8) or 128x128 block scales "
         "(fp8-block), or a list: each on a model of its own, its decode and prefill rows in turn",
@@ -527,6 +533,8 @@ def main() -> None:
             torch.cuda.empty_cache()
             cfg, model, _ = make_models(False, MODELS[args.model])
         quantize_model(model, quant)
+        if args.quantize_lm_head and quant != "none":
+            quantize_head(model)
         model.kernel_backend = args.kernels
         params = sum(p.numel() for p in model.parameters()) / 1e9
         print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B; kernels {args.kernels}; "

@@ -265,7 +265,7 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding with lm_head when the checkpoint ties them (again after `to_empty`, which
         materializes each module's parameters separately)."""
-        if self.cfg.tie_word_embeddings:
+        if self.cfg.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # an FP8 head has its own
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:

@@ -30,6 +30,7 @@ from shared.engine.mirror import LeaderEngine
 from shared.kernels.kv_quant import FP8_KV_DTYPE
 from shared.model import LoadedModel, Transformer
 from shared.model.fingerprint import fingerprint
+from shared.model.quant import quantize_head
 from shared.serving.api.model_source import load_served_model
 from shared.serving.binding import bind
 from shared.serving.config import CommonConfig
@@ -110,6 +111,11 @@ def build_engine(
         log.info("tensor parallel: rank 0 of %d (%s)", cfg.tp, "NCCL" if device.type == "cuda" else "gloo")
     else:
         loaded = load_served_model(cfg.model, device=device, dtype=cfg.dtype, quantization=cfg.quantization)
+        if cfg.quantize_lm_head:
+            try:
+                quantize_head(loaded.model)
+            except ValueError as e:
+                raise StartupError(f"--quantize-lm-head: {e}") from e
         # Before the engine rewrites any weight (its folded norms): what the KV handshake compares.
         loaded = dataclasses.replace(loaded, fingerprint=fingerprint(loaded.model, loaded.tokenizer))
         loaded.model.gemm_backend = cfg.gemm

@@ -41,8 +41,7 @@ from shared.engine.kv.cache import KVConfig
 from shared.engine.mirror import FollowerEngine, Link, follow
 from shared.model import LoadedModel
 from shared.model.fingerprint import fingerprint
-from shared.model.quant import quantize_model
-from shared.model.quant.fp8 import quantized_parameters
+from shared.model.quant import quantize_head, quantize_model, quantized_parameters
 from shared.model.tensor_parallel import TensorParallel, check_split, shard
 from shared.serving.api.model_source import load_served_model
 from shared.serving.config import CommonConfig
@@ -93,9 +92,19 @@ def load_whole(cfg: CommonConfig, device: torch.device) -> LoadedModel:
             "serve it with --quantization none (dequantized) or --tp 1"
         )
     check_split(loaded.config, cfg.tp, cfg.expert_parallel)
+    if cfg.quantize_lm_head and not online:
+        raise ValueError(
+            "--quantize-lm-head with --tp quantizes each rank's share at load: it needs --quantization fp8 "
+            "or fp8-block"
+        )
     # The fingerprint of the model as one rank would serve it (quantized), so that services of other
     # degrees, or of one rank, agree on it.
-    served = (cfg.quantization, quantized_parameters(loaded.model, cfg.quantization)) if online else None
+    head = cfg.quantize_lm_head
+    served = (
+        (cfg.quantization, quantized_parameters(loaded.model, cfg.quantization, lm_head=head))
+        if online
+        else None
+    )
     return dataclasses.replace(loaded, fingerprint=fingerprint(loaded.model, loaded.tokenizer, served=served))
 
 
@@ -104,6 +113,8 @@ def share_of(loaded: LoadedModel, cfg: CommonConfig, tp: TensorParallel) -> Load
     local = shard(loaded.model, tp, cfg.expert_parallel)
     if cfg.quantization in ("fp8", "fp8-block"):
         quantize_model(local, cfg.quantization)
+        if cfg.quantize_lm_head:  # this rank's block of the vocabulary
+            quantize_head(local)
     local.gemm_backend = cfg.gemm
     return dataclasses.replace(loaded, model=local)
 

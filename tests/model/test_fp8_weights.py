@@ -6,6 +6,7 @@ perplexity on a fixed text moves by less than 2% with FP8 weights."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -17,7 +18,7 @@ from torch import nn
 
 from shared.model import Transformer, load_model, reference_logits
 from shared.model.fingerprint import fingerprint
-from shared.model.quant import Fp8Linear, Fp8RMSNorm, quantize_model
+from shared.model.quant import Fp8Linear, Fp8RMSNorm, quantize_head, quantize_model, quantized_parameters
 from shared.serving.config import QUANTIZATIONS as FLAG_VALUES
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
@@ -146,6 +147,34 @@ def test_norms_before_fp8_projections_stay_unfolded(tmp_path: Path) -> None:
         quantize_model(model, "fp8")
 
 
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-block"])
+def test_the_lm_head_is_fp8_only_when_asked_and_a_tied_embedding_keeps_its_own(quantization: str) -> None:
+    from shared.serving.api.model_source import random_model_config, random_transformer
+
+    cfg = dataclasses.replace(random_model_config({"hidden": 128}), tie_word_embeddings=True)
+    model = random_transformer(cfg)
+    embedding = model.embed_tokens.weight.detach().clone()
+    with pytest.raises(ValueError, match="with the projections"):
+        quantize_head(model)  # the head alone is not served FP8
+    # What a service of ranks announces for it, hashed before it is quantized (one projection at a time)
+    served = fingerprint(
+        model, None, served=(quantization, quantized_parameters(model, quantization, lm_head=True))
+    )
+    quantize_model(model, quantization)
+    assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is model.embed_tokens.weight
+    before = reference_logits(model, SEQS)
+    quantize_head(model)
+    assert fingerprint(model, None) == served
+    assert isinstance(model.lm_head, Fp8Linear) and model.lm_head.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(model.embed_tokens.weight, embedding)  # the lookup's table, untouched
+    model.tie_weights()  # as a load does again: an FP8 head stays its own
+    assert isinstance(model.lm_head, Fp8Linear)
+    err = _rel(reference_logits(model, SEQS), before)
+    assert 0 < err < 0.05, err  # an FP8 rounding of each logit's weights
+    with pytest.raises(ValueError, match="quantized already"):
+        quantize_head(model)
+
+
 def test_quantizing_twice_or_unknown_is_refused() -> None:
     from shared.serving.api.model_source import random_model_config, random_transformer
 
@@ -187,14 +216,20 @@ def _perplexity(model: Transformer, ids: list[int]) -> float:
 def test_smollm2_perplexity_with_fp8_weights(smollm) -> None:
     """The embedded model, float32 forward (the reference kernels), on ~500 tokens of plain prose:
     17.79 unquantized; fp8 (per-channel) +1.4%; fp8-block +2.5% (its Q4_1 weights each have a range of
-    their own per 32 values, which one scale per 128x128 block fits worse than one per row)."""
+    their own per 32 values, which one scale per 128x128 block fits worse than one per row); fp8 with
+    the (tied) LM head FP8 too (--quantize-lm-head) +2.5%: a 576-wide head of a 135M model is where
+    FP8 costs most."""
     ids = smollm.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     assert 400 < len(ids) < 600
     base = _perplexity(smollm.model, ids)
     assert 10 < base < 30  # ordinary prose for a small model
+    models = {}
     for quantization, bound in (("fp8", 0.02), ("fp8-block", 0.03)):
-        model = quantize_model(copy.deepcopy(smollm.model), quantization)
-        assert _perplexity(model, ids) / base - 1 < bound, quantization
+        models[quantization] = quantize_model(copy.deepcopy(smollm.model), quantization)
+        assert _perplexity(models[quantization], ids) / base - 1 < bound, quantization
+    head = quantize_head(models["fp8"])
+    assert isinstance(head.lm_head, Fp8Linear)
+    assert _perplexity(head, ids) / base - 1 < 0.03
 
 
 def test_an_fp8_mixture_of_experts_checkpoint_is_refused_by_name(tmp_path: Path) -> None:

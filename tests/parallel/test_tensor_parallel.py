@@ -21,6 +21,7 @@ from shared.engine.kv.cache import KVCache, KVConfig
 from shared.engine.runner import ModelRunner
 from shared.model import reference_logits
 from shared.model.fingerprint import fingerprint
+from shared.model.quant import quantize_head
 from shared.model.tensor_parallel import TensorParallel, kv_heads_of, shard
 from shared.serving.api.model_source import load_served_model, random_model_config, random_transformer
 from shared.serving.config import CommonConfig
@@ -109,17 +110,24 @@ def test_kv_heads_split_or_replicate_and_impossible_splits_are_refused() -> None
         shard(_model("hybrid"), TensorParallel(0, 2), expert_parallel=True)
 
 
-@pytest.mark.parametrize("quantization", ["none", "fp8", "fp8-block"])
-def test_a_service_of_ranks_announces_the_fingerprint_one_rank_would(quantization: str) -> None:
-    """The KV handshake compares weights by fingerprint. Ranks quantize their own shares, so rank 0
-    takes the fingerprint from the whole model as one rank would serve it: services of any degrees,
-    quantized alike, agree; quantized otherwise, they do not."""
+@pytest.mark.parametrize(("quantization", "head"), [("none", False), ("fp8", False), ("fp8-block", True)])
+def test_a_service_of_ranks_announces_the_fingerprint_one_rank_would(quantization: str, head: bool) -> None:
+    """The KV handshake compares weights by fingerprint. Ranks quantize their own shares (the LM head's
+    too, with --quantize-lm-head), so rank 0 takes the fingerprint from the whole model as one rank
+    would serve it: services of any degrees, quantized alike, agree; quantized otherwise, they do not."""
     spec = 'random:{"layers": "SSFS", "heads": 4, "kv_heads": 2}'
     one = load_served_model(spec, quantization=quantization)
-    whole = load_whole(CommonConfig(model=spec, dtype="float32", quantization=quantization, tp=2), CPU)
+    if head:
+        quantize_head(one.model)
+    cfg = CommonConfig(model=spec, dtype="float32", quantization=quantization, tp=2, quantize_lm_head=head)
+    whole = load_whole(cfg, CPU)
     assert whole.fingerprint == fingerprint(one.model, one.tokenizer)
     assert whole.model.quantization == "none"  # each rank quantizes its share
-    other = "fp8" if quantization != "fp8" else "none"
-    assert load_whole(
-        CommonConfig(model=spec, dtype="float32", quantization=other, tp=2), CPU
-    ).fingerprint != (whole.fingerprint)
+    other = dataclasses.replace(
+        cfg, quantization="fp8" if quantization == "none" else "none", quantize_lm_head=False
+    )
+    assert load_whole(other, CPU).fingerprint != whole.fingerprint
+    if head:  # the head alone makes them differ
+        assert (
+            load_whole(dataclasses.replace(cfg, quantize_lm_head=False), CPU).fingerprint != whole.fingerprint
+        )

@@ -127,6 +127,13 @@ def test_tensor_parallel_flags_are_checked_at_parse(argv: list[str], message: st
     assert prefill_args(["--tp", "2", "--expert-parallel"], env={}).expert_parallel
 
 
+def test_an_fp8_lm_head_needs_fp8_projections_at_parse() -> None:
+    with pytest.raises(ValueError, match=r"quantize_lm_head .* needs --quantization fp8, fp8-block or auto"):
+        decode_args(["--quantize-lm-head", "--quantization", "none"], env={})
+    assert prefill_args(["--quantize-lm-head", "--quantization", "fp8"], env={}).quantize_lm_head
+    assert not decode_args([], env={}).quantize_lm_head  # not unless asked
+
+
 @pytest.mark.parametrize(
     ("spelling", "name"),
     [("bf16", "bfloat16"), ("BFloat16", "bfloat16"), ("fp16", "float16"), ("half", "float16"),

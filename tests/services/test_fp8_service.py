@@ -14,6 +14,7 @@ from shared.client.client import Client
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv.cache import KVConfig
 from shared.engine.sampling import SamplingParams
+from shared.model.quant import quantize_head
 from shared.serving.api.model_source import load_served_model
 from tests.services.service_testutil import ServerProcess, random_spec, stop_all, wait_pool_idle
 
@@ -49,6 +50,31 @@ def test_fp8_services_generate_the_fp8_engines_tokens(prefill: ServerProcess) ->
                 wait_pool_idle(c)
         finally:
             stop_all(decode)
+
+
+def test_an_fp8_lm_head_serves_its_own_tokens_and_a_prefill_without_it_refuses_it(
+    prefill: ServerProcess,
+) -> None:
+    """--quantize-lm-head: the decode service generates what the engine over FP8 weights and head
+    generates; a prefill whose head is not FP8 holds other weights, and says so at the handshake."""
+    loaded = load_served_model(random_spec(), quantization="fp8")
+    engine = Engine(
+        quantize_head(loaded.model), KVConfig(page_size=4, num_pages=512, max_requests=4), EngineConfig()
+    )
+    expected = [r.output for r in engine.generate(PROMPTS, SamplingParams(**GREEDY))]
+    alone = ServerProcess(random_spec(), *COMMON, *FP8, "--quantize-lm-head")
+    refused = ServerProcess(random_spec(), *COMMON, *FP8, "--quantize-lm-head", "--prefill-target",
+                            prefill.target, wait_ready=False)  # fmt: skip
+    try:
+        with Client(alone.target) as c:
+            assert [list(c.complete(p, **GREEDY).token_ids) for p in PROMPTS] == expected
+        assert refused.wait(60) == 1
+        assert "refused the handshake" in refused.log() and "weights: '" in refused.log(), refused.log()[
+            -2000:
+        ]
+    finally:
+        refused.kill()
+        stop_all(alone)
 
 
 def test_an_unquantized_decode_is_refused_by_an_fp8_prefill(prefill: ServerProcess) -> None:

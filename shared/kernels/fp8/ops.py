@@ -52,6 +52,11 @@ class Fp8Kernels(ModelKernels):
             return super().linear_add(x, layer, residual)
         return self.fp8_gemm(self._quantized(x, layer), layer, residual)
 
+    def head(self, x: Tensor, layer: nn.Module) -> Tensor:  # type: ignore[override]
+        if isinstance(layer, nn.Linear):
+            return super().head(x, layer)
+        return self.fp8_gemm(self._quantized(x, layer), layer)  # an FP8 head (--quantize-lm-head)
+
     def takes_cublas(self, rows: int, layer: nn.Linear) -> bool:
         return isinstance(layer, nn.Linear) and super().takes_cublas(rows, layer)
 

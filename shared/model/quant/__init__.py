@@ -5,11 +5,19 @@ are `shared/kernels/fp8/`; docs/quantization.md says what is served how."""
 from __future__ import annotations
 
 from shared.model.quant.checkpoint import Fp8Checkpoint, dequantize_unconverted, fp8_checkpoint
-from shared.model.quant.fp8 import QUANTIZATIONS, Fp8Linear, Fp8RMSNorm, convert, quantize_model
+from shared.model.quant.fp8 import (
+    QUANTIZATIONS,
+    Fp8Linear,
+    Fp8RMSNorm,
+    convert,
+    quantize_head,
+    quantize_model,
+    quantized_parameters,
+)
 
 __all__ = [
     "QUANTIZATIONS", "Fp8Checkpoint", "Fp8Linear", "Fp8RMSNorm", "convert", "dequantize_unconverted",
-    "fp8_checkpoint", "quantize_model", "served_quantization",
+    "fp8_checkpoint", "quantize_head", "quantize_model", "quantized_parameters", "served_quantization",
 ]  # fmt: skip
 
 
