@@ -18,6 +18,7 @@ refused (`apply_batch`), and the pages a zero-copy backend may write are the res
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from shared.engine.engine import Engine
+from shared.engine.engine import Engine, Pending
 from shared.engine.request import Request
 from shared.serving import faults
 from shared.serving.scheduler_base import (
@@ -88,10 +89,25 @@ class Reserved:
     # Prompt tokens whose full-layer KV the reservation reads from the prefix cache: `pages` up to
     # cached_tokens // page_size are shared (read-only); prefill ships the KV from here on.
     cached_tokens: int = 0
-    # nixl on CUDA: a torch.cuda.Event after the reservation's own writes (its rings emptied). Query it
-    # before sending the target: UCX writes outside this process's stream order, so an emptying still
-    # queued on the stream could land after prefill's ring_pos.
+    # nixl on CUDA: `_Settled`, whether the reservation's own writes (its rings emptied) have run on
+    # every rank's GPU. Query it before sending the target: UCX writes outside the streams' order, so an
+    # emptying still queued could land after prefill's ring_pos.
     settled: Any = None
+
+
+_SETTLE_POLL_S = 0.0002  # how often an otherwise idle loop collects the other ranks' emptying
+
+
+@dataclass
+class _Settled:
+    """`Reserved.settled` for nixl on CUDA: the reservation's emptying has run on every rank's GPU
+    (this rank's event; the others' collected on the scheduler thread, which sets `others`)."""
+
+    event: torch.cuda.Event
+    others: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def query(self) -> bool:
+        return self.others.is_set() and self.event.query()
 
 
 class DecodeScheduler(Scheduler):
@@ -108,6 +124,8 @@ class DecodeScheduler(Scheduler):
         self.ipc = ipc  # cuda_ipc: prefill writes into this pool
         self.nixl = nixl  # nixl: prefill writes into this pool (its agent lives as long as this)
         self._leases: dict[str, int] = {}  # rid -> cuda_ipc / nixl write lease deadline (epoch ns)
+        # nixl on CUDA with ranks: the other ranks' emptying of a reservation, until each has run
+        self._settling: list[tuple[Pending, threading.Event]] = []
         self._quarantined: dict[str, Request] = {}  # abandoned zero-copy reservations, freed at lease end
 
     # ---- any thread ----
@@ -153,24 +171,39 @@ class DecodeScheduler(Scheduler):
                 return  # no room yet: retried after the next step frees pages
             self._pending.popleft()
             entry.req = req
-            begin_receive_all(self._engine, req)
+            emptied = begin_receive_all(self._engine, req)
             self._reserved[entry.rid] = entry
             ready = self.ipc.ready() if self.ipc is not None else b""
             settled = None
             if self.nixl is not None and self._engine.cache.device.type == "cuda":
-                settled = torch.cuda.Event()
-                settled.record(torch.cuda.current_stream(self._engine.cache.device))
+                settled = _Settled(torch.cuda.Event())
+                settled.event.record(torch.cuda.current_stream(self._engine.cache.device))
+                if self._engine.collect(emptied):
+                    settled.others.set()
+                else:  # the other ranks' emptying, collected on this thread as it completes
+                    self._settling.append((emptied, settled.others))
             entry.emit(
                 Reserved(req.admitted_ns, tuple(req.pages), req.slot, ready, req.cached_tokens, settled)
             )
 
+    def _poll_interval(self) -> float | None:
+        return _SETTLE_POLL_S if self._settling else None
+
     def _after_step(self) -> None:
+        if self._settling:
+            self._settling = [(p, flag) for p, flag in self._settling if not self._collected(p, flag)]
         if self._pending:
             try:
                 self._reserve_pending()
             except ValueError as exc:
                 entry = self._pending.popleft()
                 self._finish(entry, Finished("abort", len(entry.prompt), 0, error=str(exc)))
+
+    def _collected(self, pending: Pending, flag: threading.Event) -> bool:
+        if self._engine.collect(pending):
+            flag.set()
+            return True
+        return False
 
     def _abort_one(self, rid: str) -> None:
         for entry in self._pending:

@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from shared.engine.engine import Engine, Pending
+from shared.engine.engine import Engine, Later, Pending
 from shared.engine.request import Request
 from shared.transfer.base import KVLayout
 from shared.transfer.inline import KVBatch, StagedKV, apply_batch, begin_receive, stage
@@ -114,13 +114,29 @@ def _join(
     return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
 
-def begin_receive_all(engine: Engine, req: Request) -> None:
-    """`begin_receive` on every rank: the reservation's window slot emptied."""
-    engine.on_ranks(_begin_receive_rank, req)
+def begin_receive_all(engine: Engine, req: Request) -> Pending:
+    """`begin_receive` on every rank: the reservation's window slot emptied. Done (`Engine.collect`)
+    once every other rank's emptying has run on its GPU, not only been queued: a NIXL WRITE lands
+    outside the stream order, so it must not be sent before then (rank 0's own: the caller's event)."""
+    return engine.on_ranks_later(_begin_receive_rank, req)
 
 
-def _begin_receive_rank(engine: Engine, req: Request) -> None:
+class _Emptied(Later):
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def poll(self) -> tuple[bool, None]:
+        return self.event.query(), None
+
+
+def _begin_receive_rank(engine: Engine, req: Request) -> Later | None:
     begin_receive(engine.cache, req.slot)
+    tp = engine.runner.model.tp
+    if tp is None or tp.rank == 0 or engine.cache.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(engine.cache.device))
+    return _Emptied(event)
 
 
 def apply_batch_all(engine: Engine, req: Request, batch: KVBatch) -> None:
