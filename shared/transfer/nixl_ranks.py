@@ -144,7 +144,10 @@ def start(
 
 def _start_rank(engine: Engine, req: Any, target: NixlTarget, history: bool, full_from: int) -> Any:
     """On each rank: rank 0 has posted its own already (None); another posts its WRITEs, connecting
-    to decode's agents it has not loaded yet, and answers once they have ended."""
+    to decode's agents it has not loaded yet, and answers once they have ended. A WRITE reads outside
+    the stream order, and this rank's KV of the prompt is complete on its GPU: rank 0 asks only once
+    it has the prompt's last step's tokens, which needed every rank's last all-reduce of that step,
+    and each rank's stream wrote the step's KV before it."""
     tp = engine.runner.model.tp
     if tp is None or tp.rank == 0:
         return None
