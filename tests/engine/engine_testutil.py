@@ -14,9 +14,17 @@ from shared.serving.api.model_source import random_model_config, random_transfor
 W = 8
 
 
-def tiny_config(layer_types: str = "SSFS", window: int = W, vocab: int = 97) -> ModelConfig:
-    """hidden 64, 4/2 heads x 16, intermediate 128: what `random:<json>` serves, built in-process."""
-    return random_model_config({"layers": layer_types, "window": window, "vocab": vocab})
+# Half tiny_config's hidden and MLP widths (`tiny_config(..., **NARROW)`), for tests that interpret the
+# Triton kernels: a GEMM's programs are its output column blocks. Heads, window and vocabulary stay,
+# and every row or half-row of activations stays a multiple of 16 bytes: the same kernels, views and
+# launch variants, fewer programs to interpret.
+NARROW = {"hidden": 32, "intermediate": 64}
+
+
+def tiny_config(layer_types: str = "SSFS", window: int = W, vocab: int = 97, **dims: int) -> ModelConfig:
+    """hidden 64, 4/2 heads x 16, intermediate 128 (unless `dims`, more of `random:<json>`'s keys:
+    "hidden", "intermediate", "heads", "kv_heads"): what `random:<json>` serves, built in-process."""
+    return random_model_config({"layers": layer_types, "window": window, "vocab": vocab, **dims})
 
 
 def tiny_model(cfg: ModelConfig, seed: int = 0) -> Transformer:

@@ -59,9 +59,15 @@ def test_the_window_matters_for_these_weights():
     assert (a[-1] - b[-1]).abs().max() > 1e-2 * a[-1].abs().max()
 
 
+PROMPT_LENS = [W - 1, W, W + 1, 3 * PAGE, 2 * W + 3]
+CHUNKS = [3, W - 1, W, W + 1, 64]
+# Every chunk at least as long as the prompt prefills it in one chunk, the same batches whichever it is:
+# the shortest of them runs it.
+CHUNKINGS = [(n, c) for n in PROMPT_LENS for c in CHUNKS if c < n or c == min(x for x in CHUNKS if x >= n)]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("prompt_len", [W - 1, W, W + 1, 3 * PAGE, 2 * W + 3])
-@pytest.mark.parametrize("chunk", [3, W - 1, W, W + 1, 64])
+@pytest.mark.parametrize(("prompt_len", "chunk"), CHUNKINGS)
 def test_chunked_prefill_then_decode_matches_one_dense_pass(layout, prompt_len, chunk):
     assert_chunked_prefill_then_decode(*make(layout), prompt_len, chunk)
 
@@ -200,15 +206,17 @@ def test_decode_with_rope_storing_kv_in_one_kernel_matches_the_reference_past_th
     elif variant == "one-kv-head":  # four query heads share one stored K/V head
         cfg = dataclasses.replace(cfg, num_kv_heads=1)
     model = tiny_model(cfg)
+    cache = KVCache(cfg, KVConfig(page_size=PAGE, num_pages=32, max_requests=2))
+    seqs = [Seq(cache, 0, random_tokens(3 * W + 1, seed=6)), Seq(cache, 1, random_tokens(3 * W + 1, seed=7))]
+    # The dense reference through torch's kernels, as every other test here takes it (not interpreted:
+    # Triton's kernels in it were most of this test's time, and the reference would share their errors).
+    wants = [reference(model, s.tokens) for s in seqs]
     # Triton's RoPE and norm kernels; the layers' GEMMs torch's (the skinny GEMM's own tests, and the
     # runner's above, take it): the interpreter runs what this test is about.
     model.kernel_backend, model.gemm_backend = "triton", "cublas"
-    cache = KVCache(cfg, KVConfig(page_size=PAGE, num_pages=32, max_requests=2))
     runner = ModelRunner(
         model, cache, ops_for(cache.device, backend="triton"), rope_in_attention=rope_in_attention
     )
-    seqs = [Seq(cache, 0, random_tokens(3 * W + 1, seed=6)), Seq(cache, 1, random_tokens(3 * W + 1, seed=7))]
-    wants = [reference(model, s.tokens) for s in seqs]
     run(runner, [seqs[0].chunk(W - 1), seqs[1].chunk(W - 3)], Mode.EXTEND)
     for _ in range(4):
         logits = run(runner, [s.chunk(1) for s in seqs], Mode.DECODE)

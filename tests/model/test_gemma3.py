@@ -9,6 +9,7 @@ embeddings times sqrt(hidden), GeGLU (GELU-tanh), query_pre_attn_scalar, final l
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -220,29 +221,42 @@ def gemma_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def gemma(gemma_path: Path):
-    return load_model(gemma_path, progress=False)
+def gemma_reader(gemma_path: Path) -> Callable[[str | Path], object]:
+    """In place of opening the file: its header parsed once for the module, by the reader our loader
+    makes (gguf's GGUFReader over plain views of the memory map). Every field, the 262k-token vocabulary
+    included, takes seconds to parse, and three loads below would parse it (ours, and transformers'
+    config and weights). The reader is read only: each load still reads the metadata and dequantizes the
+    tensors itself."""
+    from shared.model import gguf_loader
+
+    reader = gguf_loader._reader(gemma_path)
+
+    def parsed(path: str | Path) -> object:
+        assert Path(path) == gemma_path, path
+        return reader
+
+    return parsed
 
 
 @pytest.fixture(scope="module")
-def hf_gemma(gemma_path: Path):
+def gemma(gemma_path: Path, gemma_reader):
+    from shared.model import gguf_loader
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_loader, "_reader", gemma_reader)
+        return load_model(gemma_path, progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(gemma_path: Path, gemma_reader):
     """transformers loading the same file: its own reading of the metadata, gguf's dequantization.
 
-    It opens the file twice (the config, then the weights), and each GGUFReader parses every field,
-    the 262k-token vocabulary included: one reader (read-only, a memory map) serves both."""
+    It opens the file twice (the config, then the weights): both times the module's reader."""
     import gguf
     from transformers import AutoModelForCausalLM
 
-    readers: dict[str, gguf.GGUFReader] = {}
-    parse = gguf.GGUFReader
-
-    def parse_once(path: str | Path) -> gguf.GGUFReader:
-        if str(path) not in readers:
-            readers[str(path)] = parse(path)
-        return readers[str(path)]
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", parse_once)
+        patch.setattr(gguf, "GGUFReader", gemma_reader)
         model = AutoModelForCausalLM.from_pretrained(
             gemma_path.parent, gguf_file=gemma_path.name, dtype=torch.float32, attn_implementation="eager"
         )

@@ -6,10 +6,13 @@ and then moves a bf16 value by one ulp. Logits may differ by that rounding carri
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from model_testutil import TINY
 
+from shared.kernels import kernels_for
 from shared.model import DenseAttention, Transformer, config_from_hf, pack, reference_logits, with_layout
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,18 +44,27 @@ def random_model(name: str, dtype: torch.dtype) -> Transformer:
     return model.eval().requires_grad_(False)
 
 
+SEQS = [list(range(3, 20)), [7, 1, 4], [9]]
+
+
+@functools.cache
+def unfolded_logits(name: str, dtype: torch.dtype, backend: str, gemm: str = "auto") -> list[torch.Tensor]:
+    """`reference_logits` over SEQS of `random_model(name, dtype)` (deterministic) through `backend`'s
+    kernels, computed once a module: both tests below compare against it (read only), and through the
+    interpreted Triton kernels it costs a few seconds."""
+    model = random_model(name, dtype)
+    model.kernel_backend, model.gemm_backend = backend, gemm
+    return reference_logits(model, SEQS)
+
+
 @pytest.mark.parametrize("gemm", ["cublas", "skinny"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_triton_forward_matches_torch(name: str, dtype: torch.dtype, gemm: str) -> None:
     # skinny: the layers' GEMMs through skinny_gemm where a layer has no bias; Llama's and Qwen2's
     # biased projections stay on torch's GEMM.
-    model = random_model(name, dtype)
-    seqs = [list(range(3, 20)), [7, 1, 4], [9]]
-    model.kernel_backend = "torch"
-    expected = reference_logits(model, seqs)
-    model.kernel_backend, model.gemm_backend = "triton", gemm
-    got = reference_logits(model, seqs)
+    expected = unfolded_logits(name, dtype, "torch")
+    got = unfolded_logits(name, dtype, "triton", gemm)
     for a, b in zip(got, expected, strict=True):
         rel = 1e-4 if dtype == torch.float32 else 3e-2
         err, scale = (a - b).abs().max().item(), b.abs().max().item()
@@ -88,19 +100,23 @@ def test_folded_norms_give_the_same_logits(name: str, dtype: torch.dtype, backen
     changes nothing more."""
     model = random_model(name, dtype)
     model.kernel_backend = backend
-    seqs = [list(range(3, 20)), [7, 1, 4], [9]]
-    unfolded = reference_logits(model, seqs)
+    # The unfolded model through the default GEMMs ("auto"): at SEQS' rows, torch's for every layer
+    # (asserted), i.e. the "cublas" run test_triton_forward_matches_torch compares too.
+    kernels, rows = kernels_for(DEVICE, backend), sum(map(len, SEQS))
+    linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert backend == "torch" or all(kernels.takes_cublas(rows, m) for m in linears)
+    unfolded = unfolded_logits(name, dtype, backend, "cublas" if backend == "triton" else "auto")
     model.fold_norms()
     folded_weights = [p.clone() for p in model.parameters()]
     model.fold_norms()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), folded_weights, strict=True))
     has_bias = model.layers[0].self_attn.qkv_proj.bias is not None
     assert all(layer.mlp_norm_folded and layer.attn_norm_folded != has_bias for layer in model.layers)
-    folded = reference_logits(model, seqs)
+    folded = reference_logits(model, SEQS)
     if dtype == torch.float32:
         assert max_rel_diff(folded, unfolded) <= 1e-4
     else:
-        truth = reference_logits(random_model(name, torch.float32), seqs)
+        truth = unfolded_logits(name, torch.float32, "auto")
         assert max_rel_diff(folded, truth) <= 1.5 * max_rel_diff(unfolded, truth)
 
 
