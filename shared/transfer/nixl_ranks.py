@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from shared.engine.engine import Engine, Later, Pending
@@ -99,41 +98,14 @@ def _writes(
     return out
 
 
-def _post(
-    writer: NixlWriter, writes: Sequence[tuple[NixlTarget, Heads | None]],
-    pages: Sequence[int], slot: int, num_tokens: int, history: bool, full_from: int,
-) -> list[NixlTransfer] | None:  # fmt: skip
-    """Post `writes` (None: the agent is busy and nothing was posted). A WRITE NIXL refuses after others
-    went out becomes an ERR transfer, so the ones in flight are still waited for."""
-    posted: list[NixlTransfer] = []
-    for target, heads in writes:
-        try:
-            xfer = writer.start(pages, slot, num_tokens, target, history=history, full_from=full_from,
-                                heads=heads)  # fmt: skip
-        except Exception as e:
-            if not posted:
-                raise
-            posted.append(NixlTransfer(target.pool.agent_name, None, 0, 0, "ERR", error=str(e)))
-            break
-        if xfer is None:
-            if not posted:
-                return None
-            while xfer is None:  # the rest of one request's WRITEs go out together
-                time.sleep(0.0005)
-                xfer = writer.start(pages, slot, num_tokens, target, history=history,
-                                    full_from=full_from, heads=heads)  # fmt: skip
-        posted.append(xfer)
-    return posted
-
-
 def start(
     engine: Engine, writer: NixlWriter, req: Any, target: NixlTarget, *, history: bool, full_from: int
 ) -> Send | None:
     """Post one request's WRITEs on every rank (None: rank 0's agent is busy, try again). Raises
     ValueError for a target that does not fit decode's pool, NixlError when NIXL refuses rank 0's
     first WRITE: nothing was posted then."""
-    n = len(req.prompt)
-    own = _post(writer, _writes(engine, 0, target), req.pages, req.slot, n, history, full_from)
+    own = writer.start(req.pages, req.slot, len(req.prompt), _writes(engine, 0, target), history=history,
+                       full_from=full_from)  # fmt: skip
     if own is None:
         return None
     pending = None
@@ -158,7 +130,10 @@ def _start_rank(engine: Engine, req: Any, target: NixlTarget, history: bool, ful
     try:
         for t, _ in writes:
             writer.connect(t.pool)
-        posted = _post(writer, writes, req.pages, req.slot, len(req.prompt), history, full_from)
+        posted = None
+        while posted is None:  # this rank's agent: only this thread uses it
+            posted = writer.start(req.pages, req.slot, len(req.prompt), writes, history=history,
+                                  full_from=full_from)  # fmt: skip
     except Exception as e:  # answered as this rank's outcome: rank 0 fails the request with it
         return _Outcome("ERR", f"rank {tp.rank}: {e}", 0, 0)
     return _RankWrites(writer, posted or [], target.lease_deadline_ns, tp.rank)

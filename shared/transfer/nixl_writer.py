@@ -130,33 +130,48 @@ class NixlWriter:
     # ---- the scheduler thread: never blocks ----
 
     def start(
-        self, pages: Sequence[int], slot: int, num_tokens: int, target: NixlTarget, *, history: bool,
-        full_from: int = 0, heads: Heads | None = None,
-    ) -> NixlTransfer | None:  # fmt: skip
-        """Post the request's WRITE (None: the agent is busy, try again): full layers from position
-        `full_from` on, into the target's pages (which start there). `heads` (tensor parallelism,
-        `shared/transfer/nixl_ranks.py`): which KV heads go, from which of ours into which of theirs,
-        and whether the slot's ring_pos row goes too (None: every head, both pools whole). Raises
-        ValueError for a target that does not fit decode's pool, NixlError when NIXL refuses the WRITE."""
+        self, pages: Sequence[int], slot: int, num_tokens: int,
+        writes: Sequence[tuple[NixlTarget, Heads | None]], *, history: bool, full_from: int = 0,
+    ) -> list[NixlTransfer] | None:  # fmt: skip
+        """Post the request's WRITEs, one per target, all or none (None: the agent is busy, try again):
+        full layers from position `full_from` on, into each target's pages (which start there).
+        `heads` (tensor parallelism, `shared/transfer/nixl_ranks.py`): which KV heads go, from which of
+        ours into which of theirs, and whether the slot's ring_pos row goes too (None: every head, both
+        pools whole). Raises ValueError for a target that does not fit decode's pool (nothing posted),
+        NixlError when NIXL refuses the first WRITE; one refused after others went out becomes an ERR
+        transfer, so that the ones in flight are still waited for."""
         c = self.cache
-        split = {} if heads is None else dataclasses.asdict(heads)
-        plan = write_descs(
-            self.pool.by_name, target.pool, c.page_size, c.window, pages, slot, num_tokens,
-            target.pages, target.slot, history=history, full_from=full_from, **split,
-        )  # fmt: skip
-        name = target.pool.agent_name
-        if not len(plan.local):
-            return NixlTransfer(name, None, 0, 0, "DONE")
+        plans = []
+        for target, heads in writes:
+            split = {} if heads is None else dataclasses.asdict(heads)
+            plan = write_descs(
+                self.pool.by_name, target.pool, c.page_size, c.window, pages, slot, num_tokens,
+                target.pages, target.slot, history=history, full_from=full_from, **split,
+            )  # fmt: skip
+            plans.append((target.pool, plan))
         if not self._lock.acquire(blocking=False):
             return None
+        posted: list[NixlTransfer] = []
         try:
-            if name not in self._peers:  # connected before submit, then unloaded: should not happen
-                raise NixlError(f"decode's NIXL agent {name} is not loaded")
-            xfer = self._post(name, target.pool.mem_type, plan.local, plan.remote)
+            for pool, plan in plans:
+                name = pool.agent_name
+                if not len(plan.local):
+                    posted.append(NixlTransfer(name, None, 0, 0, "DONE"))
+                    continue
+                try:
+                    if name not in self._peers:  # connected before submit, then unloaded: should not happen
+                        raise NixlError(f"decode's NIXL agent {name} is not loaded")
+                    xfer = self._post(name, pool.mem_type, plan.local, plan.remote)
+                except NixlError as e:
+                    if not posted:
+                        raise
+                    posted.append(NixlTransfer(name, None, 0, 0, "ERR", error=str(e)))
+                    break
+                xfer.full_bytes, xfer.window_bytes = plan.full_bytes, plan.window_bytes
+                posted.append(xfer)
         finally:
             self._lock.release()
-        xfer.full_bytes, xfer.window_bytes = plan.full_bytes, plan.window_bytes
-        return xfer
+        return posted
 
     def poll(self, xfer: NixlTransfer) -> str | None:
         """The WRITE's state, PROC | DONE | ERR (None: the agent is busy). At DONE or ERR the handle is

@@ -191,8 +191,9 @@ def _prefill_side(conn, device: str, n: int, history: bool, export: bytes) -> No
     writer.probe(pool)  # the handshake: loads the agent, writes its probe buffer
     target = NixlTarget(pool, tuple(PAGES), SLOT, time.time_ns() + 60 * 10**9)
     with no_host_sync():  # the scheduler thread's part: post and poll, never wait
-        xfer = writer.start(p.pages, p.slot, n, target, history=history)
-        assert xfer is not None
+        posted = writer.start(p.pages, p.slot, n, [(target, None)], history=history)
+        assert posted is not None
+        (xfer,) = posted
         states = [writer.poll(xfer)]
     deadline = time.monotonic() + 30
     while states[-1] == "PROC" and time.monotonic() < deadline:

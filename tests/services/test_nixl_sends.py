@@ -24,11 +24,11 @@ class _Writer:
         self.starts, self.polls, self.abandons = starts, polls, abandons
         self.abandoned = 0
 
-    def start(self, *args: Any, **kw: Any) -> NixlTransfer | None:
+    def start(self, *args: Any, **kw: Any) -> list[NixlTransfer] | None:
         what = self.starts.pop(0)
         if isinstance(what, Exception):
             raise what
-        return NixlTransfer("decode-1", object(), 100, 20, "PROC") if what == "PROC" else None
+        return [NixlTransfer("decode-1", object(), 100, 20, "PROC")] if what == "PROC" else None
 
     def poll(self, xfer: NixlTransfer) -> str | None:
         state = self.polls.pop(0) if self.polls else "PROC"
