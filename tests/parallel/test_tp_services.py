@@ -49,6 +49,22 @@ MODELS = {
 }
 
 
+def _colocated(spec: str) -> list[list[int]]:
+    """PROMPTS' greedy tokens from one engine in this process: what every service here must generate."""
+    loaded = load_served_model(spec)
+    engine = Engine(loaded.model, KVConfig(page_size=4, num_pages=512, max_requests=4), EngineConfig())
+    return [r.output for r in engine.generate(PROMPTS, SamplingParams(**GREEDY))]
+
+
+def _served(decode: ServerProcess, idle: bool = True) -> list[list[int]]:
+    """PROMPTS sent together to `decode`, their tokens; with `idle`, once its pool is idle again."""
+    with Client(decode.target) as c, ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: list(c.complete(p, **GREEDY).token_ids), PROMPTS))
+        if idle:
+            wait_pool_idle(c)
+    return got
+
+
 def _ranks_of(pid: int) -> list[int]:
     """The service's rank processes (multiprocessing's spawned children, not its resource tracker)."""
     children = [
@@ -66,15 +82,11 @@ def _ranks_of(pid: int) -> list[int]:
 def test_two_ranks_generate_what_one_rank_generates(name: str) -> None:
     opts, flags = MODELS[name]
     spec = random_spec(**opts)
-    loaded = load_served_model(spec)
-    engine = Engine(loaded.model, KVConfig(page_size=4, num_pages=512, max_requests=4), EngineConfig())
-    expected = [r.output for r in engine.generate(PROMPTS, SamplingParams(**GREEDY))]
+    expected = _colocated(spec)
     decode = ServerProcess(spec, *COMMON, "--tp", "2", *flags)
     try:
         assert len(_ranks_of(decode.proc.pid)) == 1
-        with Client(decode.target) as c, ThreadPoolExecutor(len(PROMPTS)) as pool:
-            got = list(pool.map(lambda p: list(c.complete(p, **GREEDY).token_ids), PROMPTS))
-        assert got == expected
+        assert _served(decode, idle=False) == expected
     finally:
         stop_all(decode)
 
@@ -85,18 +97,13 @@ def test_kv_crosses_between_tensor_parallel_degrees(prefill_tp: int, decode_tp: 
     window history included, and the tokens are the colocated engine's. (Every prompt goes to prefill:
     none is short enough to stay, and no queue estimate sends one back.)"""
     spec = random_spec(**MODELS["hybrid"][0])
-    loaded = load_served_model(spec)
-    engine = Engine(loaded.model, KVConfig(page_size=4, num_pages=512, max_requests=4), EngineConfig())
-    expected = [r.output for r in engine.generate(PROMPTS, SamplingParams(**GREEDY))]
+    expected = _colocated(spec)
     prefill = ServerProcess(spec, *COMMON, "--tp", str(prefill_tp), module="prefill_service", service=PREFILL)
     remote = ("--prefill-target", prefill.target, "--local-prefill-max-tokens", "0",
               "--remote-prefill-max-queued-tokens", "100000")  # fmt: skip
     decode = ServerProcess(spec, *COMMON, "--tp", str(decode_tp), *remote)
     try:
-        with Client(decode.target) as c, ThreadPoolExecutor(len(PROMPTS)) as pool:
-            got = list(pool.map(lambda p: list(c.complete(p, **GREEDY).token_ids), PROMPTS))
-            wait_pool_idle(c)
-        assert got == expected
+        assert _served(decode) == expected
         info = PrefillInfo(prefill.target)
         wait_pool_idle(info)  # type: ignore[arg-type]
         assert info.model_info().kv_pool.pages_cached > 0  # the prompts were computed there
@@ -115,19 +122,14 @@ def test_nixl_writes_each_ranks_heads_into_the_ranks_that_hold_them(
     a prefill of 1 into both ranks of a decode of 2, the window history included; the tokens are the
     colocated engine's, and the KV went by NIXL, not in the stream."""
     spec = random_spec(**MODELS["hybrid"][0])
-    loaded = load_served_model(spec)
-    engine = Engine(loaded.model, KVConfig(page_size=4, num_pages=512, max_requests=4), EngineConfig())
-    expected = [r.output for r in engine.generate(PROMPTS, SamplingParams(**GREEDY))]
+    expected = _colocated(spec)
     prefill = ServerProcess(spec, *COMMON, "--tp", str(prefill_tp), module="prefill_service", service=PREFILL)
     remote = ("--prefill-target", prefill.target, "--local-prefill-max-tokens", "0",
               "--remote-prefill-max-queued-tokens", "100000", "--kv-transfer", "nixl")  # fmt: skip
     decodes = [ServerProcess(spec, *COMMON[:-1], "--tp", str(tp), *remote) for tp in decode_tps]
     try:
         for decode in decodes:
-            with Client(decode.target) as c, ThreadPoolExecutor(len(PROMPTS)) as pool:
-                got = list(pool.map(lambda p: list(c.complete(p, **GREEDY).token_ids), PROMPTS))
-                wait_pool_idle(c)
-            assert got == expected
+            assert _served(decode) == expected
             moved = scrape(metrics_url(decode))
             assert sample(moved, "pdserve_kv_transfer_bytes_total", backend="nixl", direction="receive") > 0
             assert sample(moved, "pdserve_kv_transfer_bytes_total", backend="inline") == 0
