@@ -1,13 +1,14 @@
-"""The decode step's FP8 GEMMs at M = 64 / 16 / 1: the skinny GEMM with FP8 operands (its default and
-a sweep of configs) against cuBLAS's scaled GEMM (`torch._scaled_mm`, per-token x per-channel scales,
-plus the residual add the o and down projections need), the Triton FP8 GEMM and bf16 cuBLAS, each
-against reading its weights at the copy rate.
+"""The decode step's FP8 GEMMs at M = 64 / 16 / 1: the skinny GEMM with FP8 operands (its default, its
+pointer loads' default, and a sweep of configs) against cuBLAS's scaled GEMM (`torch._scaled_mm`,
+per-token x per-channel scales, plus the residual add the o and down projections need), the Triton
+FP8 GEMM and bf16 cuBLAS, each against reading its weights at the copy rate.
 
 Shapes: `gemm_decode.py`'s (the engine bench's ~2B hybrid; `--model 8b` its ~8B), weights [N, K] e4m3
 with per-channel scales (`--block 128` for 128x128 blocks and 128-column activation groups). Every
 timing is a CUDA graph over enough weight copies that they come from HBM, as in a decode step.
 
     python bench/gemm_fp8.py [--rows 64,16,1] [--shapes qkv,o,gate_up,down] [--no-sweep] [--json f]
+                             [--sweep-loads tma|pointers] [--verbose]
 """
 
 from __future__ import annotations
@@ -36,15 +37,16 @@ SHAPES_8B = {
 }
 
 
-def sweep(n: int, k: int, group: int | None):  # type: ignore[no-untyped-def]
-    """Column block x K tile x K split x pipeline, kept to 64-1024 programs and to shared memory."""
-    tiles = (group,) if group else (128, 256, 512)
-    for bn, bk, s, st in itertools.product((16, 32, 64, 128), tiles, (1, 2, 4, 8), (3, 4)):
+def sweep(n: int, k: int, group: int | None, tma: bool):  # type: ignore[no-untyped-def]
+    """Column block x K tile x K split x pipeline, kept to 64-1024 programs and to shared memory;
+    with `tma` descriptor loads (K tiles of at most 256 columns, deeper pipelines)."""
+    tiles = (group,) if group else (128, 256) if tma else (128, 256, 512)
+    stages = (3, 4, 5, 6, 8) if tma else (3, 4)
+    for bn, bk, s, st in itertools.product((16, 32, 64, 128), tiles, (1, 2, 4, 8), stages):
         programs = triton.cdiv(n, bn) * s
         if 64 <= programs <= 1024 and st * bk * (64 + bn) <= 192 << 10 and k // s >= bk:
-            yield GemmConfig(
-                block_n=bn, block_k=bk, split_k=s, num_warps=8 if bn == 128 else 4, num_stages=st
-            )
+            warps = 8 if bn == 128 else 4
+            yield GemmConfig(block_n=bn, block_k=bk, split_k=s, num_warps=warps, num_stages=st, tma=tma)
 
 
 def main() -> None:
@@ -53,6 +55,13 @@ def main() -> None:
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--block", type=int, default=0, help="0: per-channel scales; 128: 128x128 blocks")
     ap.add_argument("--no-sweep", action="store_true", help="the defaults and the libraries only")
+    ap.add_argument(
+        "--sweep-loads",
+        choices=["tma", "pointers"],
+        default="tma",
+        help="the sweep's loads: tensor descriptors (Hopper's default) or pointers",
+    )
+    ap.add_argument("--verbose", action="store_true", help="every config of the sweep, not only the best")
     ap.add_argument("--model", choices=["2b", "8b"], default="2b", help="bench/engine.py's model's shapes")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -98,15 +107,19 @@ def main() -> None:
                 print(f"  scaled_mm: {str(exc).splitlines()[0]}")
             timed["triton"] = graph_us(lambda: [triton_gemm(*layer) for layer in layers], copies)  # noqa: B023
             if m <= 64:
-                default = choose_config(m, n, k, itemsize=1, group=group)
-                timed["skinny default"] = graph_us(lambda: [skinny(default, *lr) for lr in layers], copies)  # noqa: B023
+                # the default as skinny_gemm picks it (descriptor loads on Hopper), and the pointer loads'
+                pointers = choose_config(m, n, k, itemsize=1, group=group)
+                timed["skinny default"] = graph_us(lambda: [skinny(None, *lr) for lr in layers], copies)  # noqa: B023
+                timed["skinny pointers"] = graph_us(lambda: [skinny(pointers, *lr) for lr in layers], copies)  # noqa: B023
                 best = None
-                for cfg in () if args.no_sweep else sweep(n, k, group):
+                for cfg in () if args.no_sweep else sweep(n, k, group, args.sweep_loads == "tma"):
                     try:
                         us = graph_us(lambda: [skinny(cfg, *lr) for lr in layers], copies)  # noqa: B023
                     except Exception as exc:  # a config Triton cannot fit
                         print(f"  {cfg}: {type(exc).__name__}")
                         continue
+                    if args.verbose:
+                        print(f"  {us:7.2f} us x{us / floor:4.2f} {cfg}", flush=True)
                     if best is None or us < best[0]:
                         best = (us, cfg)
                 if best is not None:

@@ -19,22 +19,29 @@ the whole input's activation.
 
 With `add=` the result is added to a tensor and written into it (a residual add inside the GEMM,
 `ModelKernels.linear_add`): the addend is loaded before the K loop, so its latency is not at the tail.
+
+On Hopper and later, FP8 operands load through the Tensor Memory Accelerator (`GemmConfig.tma`: tensor
+descriptors, one bulk copy a tile, out-of-bounds rows and columns zero-filled): the copies take no
+registers or address arithmetic from the warps, so a deeper pipeline keeps more weight bytes in flight
+(`bench/gemm_fp8.py`). 16-bit operands keep the pointer loads, which their configs were tuned with.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from shared.kernels._launch import f32_dot, interpreting, next_pow2
 from shared.kernels._norm_checks import check_triton_device, fail
 from shared.kernels._round import round_to
 from shared.kernels._tickets import tickets
 
-__all__ = ["GemmConfig", "Scales", "choose_config", "skinny_gemm"]
+__all__ = ["GemmConfig", "Scales", "choose_config", "skinny_gemm", "tma_capable"]
 
 
 # M (the batch's rows) changes every step: only masks and the activation scales' stride read it, and
@@ -46,7 +53,7 @@ def _skinny_gemm_kernel(
     as_ptr, ws_ptr, bias_ptr, stride_asm, stride_asg, stride_wsn, stride_wsg,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr, ADD: tl.constexpr, SCALED: tl.constexpr, A_GROUPED: tl.constexpr,
-    W_GROUPED: tl.constexpr, W_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    W_GROUPED: tl.constexpr, W_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -66,12 +73,16 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_first = pid_k * k_chunk
     for k0 in range(k_first, k_first + k_chunk, BLOCK_K):  # k_chunk is a multiple of BLOCK_K
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        x_at = x_ptr + rm[:, None] * stride_xm + rk[None, :]
-        x = tl.load(x_at, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if TMA:  # x_ptr and w_ptr are tensor descriptors; what lies past M, N or K reads as zeros
+            x = x_ptr.load([0, k0])
+            w = w_ptr.load([pid_n * BLOCK_N, k0])
+        else:
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            x_at = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+            x = tl.load(x_at, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+            w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if F32_DOT:  # fp32 operands, or bf16 in the interpreter (whose dot cannot take bf16)
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
@@ -119,6 +130,7 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    tma: bool = False  # operand tiles by tensor descriptor (`tma_capable`), else by pointer loads
 
 
 # Operand tiles in flight, all stages: under an H200's 227 KiB of shared memory per block with room for
@@ -126,16 +138,21 @@ class GemmConfig:
 _SMEM_BUDGET = 192 << 10
 
 
-def choose_config(m: int, n: int, k: int, *, itemsize: int = 2, group: int | None = None) -> GemmConfig:
+def choose_config(
+    m: int, n: int, k: int, *, itemsize: int = 2, group: int | None = None, tma: bool = False, sms: int = 132
+) -> GemmConfig:  # fmt: skip
     """The sweep's best at a decode step's shapes (`bench/gemm_decode.py` on an H200, M = 64; the quick
     sweep at 16 and 1 rows, 32-column blocks only, agreed but for o): outputs too narrow for 32-column
     blocks to fill the SMs take 16-column blocks, or split K four ways when K is deep (the down
     projection); wide outputs stream 128-deep K tiles (1-byte operands: twice as deep, the same
     bytes). FP8 operands scaled per K group take that group as their K tile. The K tile, then the
-    pipeline, shrink until the stages' operand tiles fit in shared memory."""
+    pipeline, shrink until the stages' operand tiles fit in shared memory. With `tma` (`_tma_config`)
+    the tiles for descriptor loads on `sms` SMs."""
     narrow = triton.cdiv(n, 32) < 96
     split = 4 if narrow and k >= 4096 else 1
     block_n = 16 if narrow and split == 1 else 32
+    if tma:
+        return _tma_config(m, n, k, itemsize, group, sms, narrow=narrow, split=split, block_n=block_n)
     block_k, stages = (256 if split == 1 and n <= 4096 else 128) * max(1, 2 // itemsize), 4
     if itemsize == 1 and n > 8192:
         # FP8 gate/up (the best of `bench/gemm_fp8.py --model 8b`'s sweep): wider column blocks re-read
@@ -150,6 +167,27 @@ def choose_config(m: int, n: int, k: int, *, itemsize: int = 2, group: int | Non
         else:
             stages -= 1
     return GemmConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=stages)
+
+
+def _tma_config(
+    m: int, n: int, k: int, itemsize: int, group: int | None, sms: int, *, narrow: bool, split: int,
+    block_n: int,
+) -> GemmConfig:  # fmt: skip
+    """Descriptor loads (`bench/gemm_fp8.py --model 8b` on an H200, M = 64): 256-byte K tiles, and as
+    deep a pipeline as leaves every program a place in the first wave: six stages where the programs
+    are no more than the SMs, four where two share one (twice as many for tiles half as deep, a scale
+    group's). The widest outputs (gate/up) take 64-column blocks over 128-deep tiles, six deep."""
+    block_k = group or 256 // itemsize
+    if not narrow and n > 8192:
+        block_n, block_k = 64, group or 128
+    programs = triton.cdiv(n, block_n) * split
+    stages = 6 if programs <= sms or n > 8192 else 4
+    if block_k * itemsize < 256 and not n > 8192:
+        stages = min(8, stages * 256 // (block_k * itemsize))
+    a_rows = max(16, next_pow2(m))
+    while stages * block_k * itemsize * (a_rows + block_n) > _SMEM_BUDGET and stages > 2:
+        stages -= 1
+    return GemmConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=stages, tma=True)
 
 
 @dataclass(frozen=True)
@@ -188,9 +226,17 @@ def skinny_gemm(
     dtype = x.dtype if scales is None else scales.out_dtype
     a_grouped, w_grouped = _grouping(op, m, n, k, x, scales)
     group = scales.x_group if a_grouped else scales.w_block[1] if w_grouped else None  # type: ignore[union-attr]
-    cfg = cfg or choose_config(m, n, k, itemsize=x.element_size(), group=group)
+    if cfg is None:
+        tma = scales is not None and _tma_default(x.device) and tma_capable(x, w)
+        sms = _sms(x.device) if x.device.type == "cuda" else 132
+        cfg = choose_config(m, n, k, itemsize=x.element_size(), group=group, tma=tma, sms=sms)
     if group is not None and cfg.block_k != group:
         fail(op, f"scales per {group}-column group need block_k = {group}, got {cfg.block_k}")
+    if cfg.tma and not tma_capable(x, w):
+        strides = f"row strides {x.stride(0)} and {w.stride(0)}"
+        fail(op, f"tma needs 1- or 2-byte operands on 16-byte aligned rows, got {x.dtype}, {strides}")
+    if cfg.tma and not (cfg.block_k * x.element_size() >= 16 and cfg.block_k <= 256 and cfg.block_n <= 256):
+        fail(op, f"tma tiles must span 16 bytes to 256 columns of K and at most 256 of N, got {cfg}")
     if add is not None:
         if add.shape != (m, n) or add.dtype != dtype or add.device != x.device or add.stride(1) != 1:
             fail(op, f"add must be [{m}, {n}] {dtype} on {x.device}, rows contiguous, got "
@@ -211,16 +257,43 @@ def skinny_gemm(
     part = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     ticket = tickets(x.device, blocks, 4096)
     sx, sw = (out, out) if scales is None else (scales.x, scales.w)
+    xa, wa = (x, w)
+    if cfg.tma:
+        xa = TensorDescriptor.from_tensor(x, [block_m, cfg.block_k])
+        wa = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
     _skinny_gemm_kernel[(blocks, split)](
-        x, w, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
+        xa, wa, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
         sx, sw, bias if bias is not None else out, sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1),
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         F32_DOT=f32_dot(x.dtype) or (scales is not None and interpreting()), ADD=add is not None,
         SCALED=scales is not None, A_GROUPED=a_grouped, W_GROUPED=w_grouped,
-        W_ROWS=1 if scales is None else scales.w_block[0], HAS_BIAS=bias is not None,
+        W_ROWS=1 if scales is None else scales.w_block[0], HAS_BIAS=bias is not None, TMA=cfg.tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+def tma_capable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x [M, K] and w [N, K] can be read through tensor descriptors: 1- or 2-byte elements,
+    16-byte aligned starts and row strides (the Tensor Memory Accelerator's rule)."""
+    size = x.element_size()
+    return (
+        size in (1, 2)
+        and all(t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0 for t in (x, w))
+        and x.shape[1] * size >= 16
+    )
+
+
+@functools.cache
+def _tma_default(device: torch.device) -> bool:
+    """Descriptor loads by default: a GPU with a Tensor Memory Accelerator (Hopper, compute capability
+    9.0, and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0) and not interpreting()
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _grouping(op: str, m: int, n: int, k: int, x: torch.Tensor, scales: Scales | None) -> tuple[bool, bool]:
