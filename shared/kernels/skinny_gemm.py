@@ -63,7 +63,9 @@ def _skinny_gemm_kernel(
     n_ok = rn < N
     out_mask = m_ok[:, None] & n_ok[None, :]
     out = out_ptr + rm[:, None] * stride_om + rn[None, :]
-    if ADD:  # out holds the addend; loaded first, its latency under the loop's rather than at the tail
+    # out holds the addend. Pointer loads take it first, its latency under the loop's rather than at
+    # the tail; descriptor loads at the end, where its registers do not stand between the pipeline's.
+    if ADD and not TMA:
         addend = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
     # FP8 operands' scales (SCALED): a row's (x) and a column's (w), either one per K step (GROUPED:
     # the step is one scale group, and its partial product is scaled before it joins the sum) or one
@@ -83,15 +85,22 @@ def _skinny_gemm_kernel(
             x = tl.load(x_at, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
             w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if F32_DOT:  # fp32 operands, or bf16 in the interpreter (whose dot cannot take bf16)
-            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            part = tl.dot(x, tl.trans(w))
-        if A_GROUPED:
-            part = part * tl.load(as_rows + (k0 // BLOCK_K) * stride_asg, mask=m_ok, other=0.0)[:, None]
-        if W_GROUPED:
-            part = part * tl.load(ws_cols + (k0 // BLOCK_K) * stride_wsg, mask=n_ok, other=0.0)[None, :]
-        acc += part
+        if A_GROUPED or W_GROUPED:  # the step's partial product scaled before it joins the sum
+            if F32_DOT:  # fp32 operands, or bf16 in the interpreter (whose dot cannot take bf16)
+                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(x, tl.trans(w))
+            if A_GROUPED:
+                part = part * tl.load(as_rows + (k0 // BLOCK_K) * stride_asg, mask=m_ok, other=0.0)[:, None]
+            if W_GROUPED:
+                part = part * tl.load(ws_cols + (k0 // BLOCK_K) * stride_wsg, mask=n_ok, other=0.0)[None, :]
+            acc += part
+        elif F32_DOT:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:  # accumulated in the tensor cores' own registers
+            acc = tl.dot(x, tl.trans(w), acc)
+    if ADD and TMA:
+        addend = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
     if SCALED:  # a split's partial scaled on its own: the scaling is linear
         if not A_GROUPED:
             acc = acc * tl.load(as_rows, mask=m_ok, other=0.0)[:, None]
@@ -146,12 +155,12 @@ def choose_config(
     blocks to fill the SMs take 16-column blocks, or split K four ways when K is deep (the down
     projection); wide outputs stream 128-deep K tiles (1-byte operands: twice as deep, the same
     bytes). FP8 operands scaled per K group take that group as their K tile. The K tile, then the
-    pipeline, shrink until the stages' operand tiles fit in shared memory. With `tma` (`_tma_config`)
-    the tiles for descriptor loads on `sms` SMs."""
+    pipeline, shrink until the stages' operand tiles fit in shared memory. With `tma`, batches of
+    more than 16 rows take the tiles for descriptor loads on `sms` SMs (`_tma_config`)."""
     narrow = triton.cdiv(n, 32) < 96
     split = 4 if narrow and k >= 4096 else 1
     block_n = 16 if narrow and split == 1 else 32
-    if tma:
+    if tma and max(16, next_pow2(m)) > 16:  # a 16-row tile streams faster by pointer loads
         return _tma_config(m, n, k, itemsize, group, sms, narrow=narrow, split=split, block_n=block_n)
     block_k, stages = (256 if split == 1 and n <= 4096 else 128) * max(1, 2 // itemsize), 4
     if itemsize == 1 and n > 8192:
@@ -176,13 +185,13 @@ def _tma_config(
     """Descriptor loads (`bench/gemm_fp8.py --model 8b` on an H200, M = 64): 256-byte K tiles, and as
     deep a pipeline as leaves every program a place in the first wave: six stages where the programs
     are no more than the SMs, four where two share one (twice as many for tiles half as deep, a scale
-    group's). The widest outputs (gate/up) take 64-column blocks over 128-deep tiles, six deep."""
-    block_k = group or 256 // itemsize
+    group's). The widest outputs (gate/up) take 128-column blocks on 8 warps over 128-deep tiles, four
+    deep: scaled per group, the narrower blocks' deeper pipelines fall behind pointer loads."""
     if not narrow and n > 8192:
-        block_n, block_k = 64, group or 128
-    programs = triton.cdiv(n, block_n) * split
-    stages = 6 if programs <= sms or n > 8192 else 4
-    if block_k * itemsize < 256 and not n > 8192:
+        return GemmConfig(128, group or 128, split_k=split, num_warps=8, num_stages=4, tma=True)
+    block_k = group or 256 // itemsize
+    stages = 6 if triton.cdiv(n, block_n) * split <= sms else 4
+    if block_k * itemsize < 256:
         stages = min(8, stages * 256 // (block_k * itemsize))
     a_rows = max(16, next_pow2(m))
     while stages * block_k * itemsize * (a_rows + block_n) > _SMEM_BUDGET and stages > 2:

@@ -173,19 +173,21 @@ def test_smollm2_perplexity_with_fp8_weights_on_the_gpu_kernels(smollm_fp8: Load
     assert head / ppl - 1 < 0.04, (ppl, head)
 
 
-@pytest.mark.parametrize("lm_head", ["bf16", "fp8"])
-def test_engine_serves_fp8_weights_with_graphs(smollm_fp8: LoadedModel, lm_head: str) -> None:
+@pytest.mark.parametrize(("lm_head", "batch"), [("bf16", 1), ("fp8", 1), ("fp8", 24)])
+def test_engine_serves_fp8_weights_with_graphs(smollm_fp8: LoadedModel, lm_head: str, batch: int) -> None:
+    """Greedy tokens from the engine's captured decode steps are the dense forward's; a batch of more
+    than 16 rows takes the decode GEMMs' descriptor loads (`GemmConfig.tma`)."""
     model = copy.deepcopy(smollm_fp8.model)
     if lm_head == "fp8":  # --quantize-lm-head: the decode step's head is an FP8 GEMM as well
         quantize_head(model)
-    engine = Engine(model, KVConfig(page_size=16, num_pages=256, max_requests=4, device="cuda",
+    engine = Engine(model, KVConfig(page_size=16, num_pages=256, max_requests=max(4, batch), device="cuda",
                                     dtype=torch.bfloat16), EngineConfig())  # fmt: skip
     engine.warm_up()
     assert not model.norms_folded  # the runner folds on CUDA; FP8 projections keep their norms
     assert smollm_fp8.tokenizer is not None
     prompt = smollm_fp8.tokenizer.encode(TEXT.read_text()[:400], add_special_tokens=False)
-    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].output
+    outs = engine.generate([prompt] * batch, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     ours: list[int] = []
     for _ in range(8):  # the dense forward of the same FP8 model, recomputed each token
         ours.append(int(reference_logits(model, [prompt + ours])[0][-1].argmax()))
-    assert out[:8] == ours
+    assert [o.output[:8] for o in outs] == [ours] * batch

@@ -103,6 +103,22 @@ def test_the_default_config_is_the_sweeps_best_at_the_decode_shapes() -> None:
     assert choose_config(64, 12288, 2048) == GemmConfig(block_n=32, block_k=128, split_k=1)  # gate/up
 
 
+def test_fp8_descriptor_loads_take_the_sweeps_best_above_16_rows() -> None:
+    """`bench/gemm_fp8.py --model 8b` on an H200 at M = 64, per-channel scales and 128-column groups;
+    16 rows or fewer keep the pointer loads (faster there)."""
+
+    def tma(m: int, n: int, k: int, group: int | None = None) -> GemmConfig:
+        return choose_config(m, n, k, itemsize=1, group=group, tma=True, sms=132)
+
+    assert tma(64, 6144, 4096) == GemmConfig(32, 256, 1, 4, 4, tma=True)  # qkv: 192 programs, two an SM
+    assert tma(64, 4096, 4096) == GemmConfig(32, 256, 1, 4, 6, tma=True)  # o: one wave
+    assert tma(64, 4096, 14336) == GemmConfig(32, 256, 1, 4, 6, tma=True)  # down
+    assert tma(64, 28672, 4096) == GemmConfig(128, 128, 1, 8, 4, tma=True)  # gate/up
+    assert tma(64, 6144, 4096, 128) == GemmConfig(32, 128, 1, 4, 8, tma=True)  # half-deep tiles
+    assert tma(64, 28672, 4096, 128) == GemmConfig(128, 128, 1, 8, 4, tma=True)
+    assert tma(16, 4096, 14336) == choose_config(16, 4096, 14336, itemsize=1)  # pointer loads
+
+
 def test_the_default_config_fits_its_operand_tiles_in_shared_memory() -> None:
     # fp32 operands would overflow an H200's 227 KiB with the bf16 tiles (seen on the GPU as
     # OutOfResources); the K tile, then the pipeline, shrink.
