@@ -85,20 +85,18 @@ def _skinny_gemm_kernel(
             x = tl.load(x_at, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
             w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if A_GROUPED or W_GROUPED:  # the step's partial product scaled before it joins the sum
-            if F32_DOT:  # fp32 operands, or bf16 in the interpreter (whose dot cannot take bf16)
-                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                part = tl.dot(x, tl.trans(w))
-            if A_GROUPED:
-                part = part * tl.load(as_rows + (k0 // BLOCK_K) * stride_asg, mask=m_ok, other=0.0)[:, None]
-            if W_GROUPED:
-                part = part * tl.load(ws_cols + (k0 // BLOCK_K) * stride_wsg, mask=n_ok, other=0.0)[None, :]
-            acc += part
-        elif F32_DOT:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:  # accumulated in the tensor cores' own registers
-            acc = tl.dot(x, tl.trans(w), acc)
+        # Each step's product starts from zero and joins the sum in fp32 outside the tensor cores:
+        # Hopper's FP8 MMA accumulates in fewer bits than fp32, and summing a whole K inside it (the
+        # accumulator passed to the dot) changes greedy tokens (tests/model/test_fp8_gpu.py).
+        if F32_DOT:  # fp32 operands, or bf16 in the interpreter (whose dot cannot take bf16)
+            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(x, tl.trans(w))
+        if A_GROUPED:
+            part = part * tl.load(as_rows + (k0 // BLOCK_K) * stride_asg, mask=m_ok, other=0.0)[:, None]
+        if W_GROUPED:
+            part = part * tl.load(ws_cols + (k0 // BLOCK_K) * stride_wsg, mask=n_ok, other=0.0)[None, :]
+        acc += part
     if ADD and TMA:
         addend = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
     if SCALED:  # a split's partial scaled on its own: the scaling is linear
