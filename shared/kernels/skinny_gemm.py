@@ -158,7 +158,8 @@ def choose_config(
     narrow = triton.cdiv(n, 32) < 96
     split = 4 if narrow and k >= 4096 else 1
     block_n = 16 if narrow and split == 1 else 32
-    if tma and max(16, next_pow2(m)) > 16:  # a 16-row tile streams faster by pointer loads
+    # A 16-row tile streams faster by pointer loads; so do the widest outputs scaled per K group.
+    if tma and max(16, next_pow2(m)) > 16 and not (group is not None and not narrow and n > 8192):
         return _tma_config(m, n, k, itemsize, group, sms, narrow=narrow, split=split, block_n=block_n)
     block_k, stages = (256 if split == 1 and n <= 4096 else 128) * max(1, 2 // itemsize), 4
     if itemsize == 1 and n > 8192:
@@ -180,13 +181,13 @@ def _tma_config(
     m: int, n: int, k: int, itemsize: int, group: int | None, sms: int, *, narrow: bool, split: int,
     block_n: int,
 ) -> GemmConfig:  # fmt: skip
-    """Descriptor loads (`bench/gemm_fp8.py --model 8b` on an H200, M = 64): 256-byte K tiles, and as
-    deep a pipeline as leaves every program a place in the first wave: six stages where the programs
-    are no more than the SMs, four where two share one (twice as many for tiles half as deep, a scale
-    group's). The widest outputs (gate/up) take 128-column blocks on 8 warps over 128-deep tiles, four
-    deep: scaled per group, the narrower blocks' deeper pipelines fall behind pointer loads."""
+    """Descriptor loads (the 8B's decode GEMMs on an H200 at M = 64, docs/performance.md): 256-byte K
+    tiles, and as deep a pipeline as leaves every program a place in the first wave: six stages where
+    the programs are no more than the SMs, four where two share one (twice as many for tiles half as
+    deep, a scale group's). The widest outputs (gate/up, scaled per channel) take 128-column blocks on
+    8 warps over 128-deep tiles, four deep."""
     if not narrow and n > 8192:
-        return GemmConfig(128, group or 128, split_k=split, num_warps=8, num_stages=4, tma=True)
+        return GemmConfig(128, 128, split_k=split, num_warps=8, num_stages=4, tma=True)
     block_k = group or 256 // itemsize
     stages = 6 if triton.cdiv(n, block_n) * split <= sms else 4
     if block_k * itemsize < 256:
