@@ -137,6 +137,12 @@ class PrefillResult:
     queued_tokens: int = 0  # prompt tokens the prefill service still had to compute for others
     cuda_ipc_event: bytes = b""  # cuda_ipc: decode's stream waits on it before reading the pages
     prefill_hit_tokens: int = 0  # prompt tokens the prefill service read from its own prefix cache
+    cuda_ipc_rank_events: tuple[bytes, ...] = ()  # cuda_ipc from a prefill of ranks: the others' events
+
+    @property
+    def cuda_ipc_events(self) -> tuple[bytes, ...]:
+        """Every event decode's streams wait on before reading the pages (none: inline or nixl)."""
+        return tuple(e for e in (self.cuda_ipc_event, *self.cuda_ipc_rank_events) if e)
 
 
 Pool = PoolExport | NixlPool  # decode's pool as a zero-copy backend exports it
@@ -347,7 +353,7 @@ class PrefillClient:
                         nbytes, first_ns = d.full_bytes + d.window_bytes, first_ns or now
                     return PrefillResult(
                         d.first_token, nbytes, first_ns, now, d.queued_prompt_tokens, d.cuda_ipc_event,
-                        d.prefix_hit_tokens,
+                        d.prefix_hit_tokens, tuple(d.cuda_ipc_rank_events),
                     )  # fmt: skip
             raise PrefillFailed("the stream ended without PrefillDone")
         except PrefillMismatch as e:

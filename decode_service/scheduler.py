@@ -43,6 +43,7 @@ from shared.serving.scheduler_base import (
     Tokens,
     _Entry,
 )
+from shared.transfer import ipc_ranks
 from shared.transfer.cuda_ipc import IpcReceiver
 from shared.transfer.inline import KVBatch
 from shared.transfer.nixl import NixlReceiver
@@ -89,9 +90,10 @@ class Reserved:
     # Prompt tokens whose full-layer KV the reservation reads from the prefix cache: `pages` up to
     # cached_tokens // page_size are shared (read-only); prefill ships the KV from here on.
     cached_tokens: int = 0
-    # nixl on CUDA: `_Settled`, whether the reservation's own writes (its rings emptied) have run on
-    # every rank's GPU. Query it before sending the target: UCX writes outside the streams' order, so an
-    # emptying still queued could land after prefill's ring_pos.
+    # nixl on CUDA, and cuda_ipc with ranks: `_Settled`, whether the reservation's own writes (its
+    # rings emptied) have run on every rank's GPU. Query it before sending the target: UCX writes
+    # outside the streams' order, and a cuda_ipc write into rank j > 0 waits on no event of rank j's,
+    # so an emptying still queued could land after prefill's ring_pos.
     settled: Any = None
 
 
@@ -100,8 +102,9 @@ _SETTLE_POLL_S = 0.0002  # how often an otherwise idle loop collects the other r
 
 @dataclass
 class _Settled:
-    """`Reserved.settled` for nixl on CUDA: the reservation's emptying has run on every rank's GPU
-    (this rank's event; the others' collected on the scheduler thread, which sets `others`)."""
+    """`Reserved.settled` (nixl on CUDA, cuda_ipc with ranks): the reservation's emptying has run on
+    every rank's GPU (this rank's event; the others' collected on the scheduler thread, which sets
+    `others`)."""
 
     event: torch.cuda.Event
     others: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -134,9 +137,12 @@ class DecodeScheduler(Scheduler):
         """KV for a reserved request, in order (dropped if it was aborted meanwhile)."""
         self._post(lambda: self._apply_batches(rid, batches))
 
-    def prefilled(self, rid: str, first_token: int, history: bool, cuda_ipc_event: bytes = b"") -> None:
-        """Every chunk has been delivered (or, cuda_ipc, the writes' event has come): admit the request."""
-        self._post(lambda: self._admit(rid, first_token, history, cuda_ipc_event))
+    def prefilled(
+        self, rid: str, first_token: int, history: bool, cuda_ipc_events: tuple[bytes, ...] = ()
+    ) -> None:  # fmt: skip
+        """Every chunk has been delivered (or, cuda_ipc, the writes' events have come: one a prefill
+        rank): admit the request."""
+        self._post(lambda: self._admit(rid, first_token, history, cuda_ipc_events))
 
     def leased(self, rid: str, deadline_ns: int) -> None:
         """Prefill may write into this reservation until `deadline_ns` (cuda_ipc, nixl): call before
@@ -175,7 +181,10 @@ class DecodeScheduler(Scheduler):
             self._reserved[entry.rid] = entry
             ready = self.ipc.ready() if self.ipc is not None else b""
             settled = None
-            if self.nixl is not None and self._engine.cache.device.type == "cuda":
+            # nixl writes outside the streams' order; cuda_ipc with ranks orders prefill's writes after
+            # rank 0's event only: either way every rank's emptying must have run before the target goes
+            ranked = self.ipc is not None and self._engine.runner.model.tp is not None
+            if (self.nixl is not None or ranked) and self._engine.cache.device.type == "cuda":
                 settled = _Settled(torch.cuda.Event())
                 settled.event.record(torch.cuda.current_stream(self._engine.cache.device))
                 if self._engine.collect(emptied):
@@ -253,14 +262,15 @@ class DecodeScheduler(Scheduler):
         except (ValueError, RuntimeError) as exc:  # a malformed batch costs this request only
             self._drop_reserved(rid, f"bad KV chunk: {exc}")
 
-    def _admit(self, rid: str, first_token: int, history: bool, cuda_ipc_event: bytes) -> None:
+    def _admit(self, rid: str, first_token: int, history: bool, cuda_ipc_events: tuple[bytes, ...]) -> None:
         if rid not in self._reserved:
             return
-        if cuda_ipc_event:
+        if cuda_ipc_events:
             try:
                 if self.ipc is None:
                     raise RuntimeError("this decode did not ask for cuda_ipc")
-                self.ipc.wait(cuda_ipc_event)  # this stream's next step runs after prefill's writes
+                # every rank's next step runs after prefill's writes (every prefill rank's)
+                ipc_ranks.wait_all(self._engine, self.ipc, cuda_ipc_events)
             except RuntimeError as exc:  # no event to order the reads after: this request cannot run
                 self._drop_reserved(rid, f"prefill's cuda_ipc event does not open here: {exc}")
                 return

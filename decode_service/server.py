@@ -44,6 +44,7 @@ from shared.serving.runtime import (
 from shared.serving.security.tls import ClientTLS, TLSError
 from shared.serving.security.tokens import TokenError, Tokens
 from shared.serving.telemetry import Telemetry
+from shared.transfer import ipc_ranks
 from shared.transfer.base import KVLayout
 from shared.transfer.cuda_ipc import IpcReceiver, IpcUnavailable
 from shared.transfer.nixl import NixlReceiver, NixlUnavailable
@@ -58,11 +59,6 @@ log = logging.getLogger("decode_service")
 def build_serving(cfg: ServiceConfig, on_rank_death: Callable[[str], None] | None = None) -> Serving:
     """Load the model, build the Engine, handshake with prefill, start the scheduler (blocking).
     `on_rank_death`: see `build_engine`."""
-    if cfg.tp > 1 and cfg.prefill_target and cfg.kv_transfer == "cuda_ipc":
-        raise StartupError(
-            f"--kv-transfer cuda_ipc with --tp {cfg.tp}: a decode service of several ranks takes its KV "
-            "inline or over nixl (--kv-transfer inline | nixl)"
-        )
     loaded, engine = build_engine(cfg, "decode", mixed=cfg.mixed_steps, on_rank_death=on_rank_death)
     ipc = nixl = None
     router = PrefillRouter(None, cfg.local_prefill_max_tokens, cfg.queue_limit)
@@ -75,8 +71,11 @@ def build_serving(cfg: ServiceConfig, on_rank_death: Callable[[str], None] | Non
                 nixl = NixlReceiver(engine.cache)  # the pool registered with this process's agent, once
         except (IpcUnavailable, NixlUnavailable) as e:
             raise StartupError(f"--kv-transfer {cfg.kv_transfer}: {e}") from e
-        # nixl with ranks: every rank's pool, each registered with its own agent
-        pool = ipc.export if ipc is not None else export_ranks(engine, nixl) if nixl is not None else None
+        # With ranks: every rank's pool, each exported by its own process (nixl: its own agent)
+        pool = (
+            ipc_ranks.export_ranks(engine, ipc) if ipc is not None
+            else export_ranks(engine, nixl) if nixl is not None else None
+        )  # fmt: skip
         pin = engine.cache.device.type == "cuda"  # inline batches upload to it without a host wait
         router = _prefill_router(cfg, layout, pool, pin)
     scheduler = DecodeScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue), ipc, nixl)

@@ -262,7 +262,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         assert client is not None
         target: IpcTarget | NixlTarget | None = None
         if client.pool is not None:  # cuda_ipc, nixl: prefill writes into the reservation until the lease
-            if reserved.settled is not None:  # nixl on CUDA: the rings' emptying must run before any write
+            # nixl on CUDA, cuda_ipc with ranks: every rank's emptying of the rings runs before any write
+            if reserved.settled is not None:
                 while not reserved.settled.query():
                     await asyncio.sleep(0.0002)
             deadline = time.time_ns() + int(client.call_timeout(context.time_remaining()) * 1e9)
@@ -327,7 +328,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             ipc_late = reason == "prefix_mismatch" and isinstance(target, IpcTarget)
             s.scheduler.prefill_locally(rid, written=reason == "prefill_unavailable" or ipc_late)
             return local
-        s.scheduler.prefilled(rid, res.first_token, s.window_history, res.cuda_ipc_event)
+        s.scheduler.prefilled(rid, res.first_token, s.window_history, res.cuda_ipc_events)
         return route
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

@@ -34,12 +34,12 @@ from prefill_service.nixl_sends import POLL_S, NixlSends
 from shared.engine.engine import Engine
 from shared.serving import faults
 from shared.serving.scheduler_base import Finished, Scheduler, SchedulerConfig, _Entry
-from shared.transfer import nixl_ranks
-from shared.transfer.cuda_ipc import IpcTarget, IpcUnavailable, IpcWriter
+from shared.transfer import ipc_ranks
+from shared.transfer.cuda_ipc import IpcTarget, IpcUnavailable, IpcWriter, PoolExport
 from shared.transfer.inline import StagedKV
 from shared.transfer.nixl import NixlTarget
 from shared.transfer.nixl_writer import NixlWriter
-from shared.transfer.ranks import stage_all
+from shared.transfer.ranks import own_heads, stage_all
 
 __all__ = ["PrefillOpts", "PrefillScheduler", "Prefilled"]
 
@@ -66,6 +66,7 @@ class Prefilled:
     extracted_ns: int = 0
     queued_tokens: int = 0  # prompt tokens other live requests (waiting + in flight) still had to compute
     cuda_ipc_event: bytes = b""  # cuda_ipc: recorded after the writes into decode's pool (no chunks then)
+    cuda_ipc_rank_events: tuple[bytes, ...] = ()  # cuda_ipc with ranks: the other ranks' events
     # The request could not be handed over (nothing was written): (gRPC status code name, message).
     error: tuple[str, str] | None = None
     full_from: int = 0  # the first position of the full layers' KV shipped
@@ -105,11 +106,19 @@ class PrefillScheduler(Scheduler):
                 self._ipc = IpcWriter(self._engine.cache)
             return self._ipc
 
+    def map_ipc(self, export: PoolExport) -> None:
+        """Map decode's pools this rank writes into (any thread; raises IpcUnavailable)."""
+        ipc_ranks.map_own(self._engine, self.ipc_writer(), export)
+
+    def ipc_mapped(self, export: PoolExport) -> bool:
+        """Whether `map_ipc(export)` has nothing left to map (never makes the writer)."""
+        return self._ipc is not None and ipc_ranks.mapped_own(self._engine, self._ipc, export)
+
     def nixl_writer(self) -> NixlWriter:
         """The nixl half of this service (made on first use; raises NixlUnavailable without NIXL)."""
         with self._ipc_lock:
             if self._nixl is None:
-                self._nixl = NixlWriter(self._engine.cache, heads=nixl_ranks.own_heads(self._engine))
+                self._nixl = NixlWriter(self._engine.cache, heads=own_heads(self._engine))
             return self._nixl
 
     def made_nixl_writer(self) -> NixlWriter | None:
@@ -218,8 +227,8 @@ class PrefillScheduler(Scheduler):
             msg = "the cuda_ipc write lease expired before the prompt was computed"
             return Prefilled(first, None, 0, 0, error=("DEADLINE_EXCEEDED", msg))
         try:
-            full, window, event = self.ipc_writer().write(
-                req.pages, req.slot, len(req.prompt), target, window=opts.window_history,
+            full, window, event, rank_events = ipc_ranks.write_all(
+                self._engine, self.ipc_writer(), req, target, window=opts.window_history,
                 full_from=opts.full_from,
             )  # fmt: skip
         except IpcUnavailable as e:  # decode's pool cannot be mapped here: nothing was written
@@ -228,6 +237,7 @@ class PrefillScheduler(Scheduler):
             return Prefilled(first, None, 0, 0, error=("INVALID_ARGUMENT", f"cuda_ipc target: {e}"))
         return Prefilled(
             first, None, full, window, 0, req.admitted_ns, computed_ns, time.time_ns(),
-            self._queued_tokens(entry), cuda_ipc_event=event, full_from=opts.full_from,
+            self._queued_tokens(entry), cuda_ipc_event=event, cuda_ipc_rank_events=rank_events,
+            full_from=opts.full_from,
             hit_tokens=req.cached_tokens,
         )  # fmt: skip

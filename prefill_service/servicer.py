@@ -99,11 +99,6 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         problems = mismatches(KVLayout.from_pb(request.layout), s.layout)
         if request.backend and request.backend not in BACKENDS:
             problems.append(f"backend: {request.backend!r} not in {list(BACKENDS)}")
-        if request.backend == "cuda_ipc" and s.layout.tensor_parallel > 1:
-            problems.append(
-                f"backend: cuda_ipc from a prefill of {s.layout.tensor_parallel} tensor-parallel ranks is "
-                "not served (inline and nixl are)"
-            )
         if request.backend == "cuda_ipc" and not problems:
             problems += await self._map_pool(s, request)
         await _refuse_mismatch(context, problems)
@@ -201,6 +196,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     done = pb.PrefillDone(
                         first_token=ev.first_token, full_bytes=ev.full_bytes, window_bytes=ev.window_bytes,
                         queued_prompt_tokens=ev.queued_tokens, cuda_ipc_event=ev.cuda_ipc_event,
+                        cuda_ipc_rank_events=list(ev.cuda_ipc_rank_events),
                         full_from=ev.full_from, prefix_hit_tokens=ev.hit_tokens,
                     )  # fmt: skip
                     yield pb.PrefillResponse(done=done)
@@ -225,8 +221,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         if not request.HasField("cuda_ipc_pool"):
             return ["cuda_ipc_pool: missing (the cuda_ipc backend needs decode's pool export)"]
         try:
-            writer = s.scheduler.ipc_writer()
-            await asyncio.to_thread(writer.map, PoolExport.from_pb(request.cuda_ipc_pool))
+            await asyncio.to_thread(s.scheduler.map_ipc, PoolExport.from_pb(request.cuda_ipc_pool))
         except IpcUnavailable as e:
             return [f"cuda_ipc: {e}"]
         return []
@@ -237,9 +232,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         behind round_robin, sees the pool first here, and mapping it (a driver call per pool tensor) must
         not stall the scheduler thread. One it cannot map answers FAILED_PRECONDITION, as at handshake."""
         try:
-            writer = await asyncio.to_thread(s.scheduler.ipc_writer)
-            if not writer.mapped(pool.pool_id):
-                await asyncio.to_thread(writer.map, pool)
+            if not s.scheduler.ipc_mapped(pool):
+                await asyncio.to_thread(s.scheduler.map_ipc, pool)
         except IpcUnavailable as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cuda_ipc: {e}")
 

@@ -154,9 +154,9 @@ COMMON_HELP = {
     "process each (rank 0 is the service's own process and runs the scheduler; the service starts and "
     "watches the others, and exits with code 4 if one dies). On CUDA rank r uses --device's GPU + r and "
     "NCCL; on CPU every rank runs on the CPU over gloo. The heads and the MLP must split evenly; KV heads "
-    "are replicated where there are fewer than ranks. Prefill and decode may differ in degree; a "
-    "service of several ranks takes and hands over its KV inline or over nixl, each rank's heads "
-    "written by its own NIXL agent (--kv-transfer inline | nixl). "
+    "are replicated where there are fewer than ranks. Prefill and decode may differ in degree, with "
+    "any --kv-transfer: over nixl or cuda_ipc each prefill rank writes its own KV heads into the "
+    "decode ranks that hold them. "
     "docs/tensor-parallel.md",
     "expert_parallel": "with --tp N > 1, a mixture of experts' experts placed whole, E/N on each rank "
     "(each reads only its experts' weights; a token's experts are computed where they live), instead of "

@@ -24,7 +24,7 @@ import torch
 
 from shared.engine.host_copy import to_device
 from shared.engine.kv.cache import KVCache
-from shared.kernels.copy_rows import copy_rows
+from shared.kernels.copy_rows import copy_heads, copy_rows
 from shared.pb.pdserve.v1 import cuda_ipc_pb2 as pb
 from shared.transfer.ipc_events import EventRing, OpenedEvents
 from shared.transfer.ipc_memory import (
@@ -37,8 +37,8 @@ from shared.transfer.ipc_memory import (
 )
 
 __all__ = [
-    "EventRing", "IpcReceiver", "IpcTarget", "IpcUnavailable", "IpcWriter", "OpenedEvents", "PeerPool",
-    "PeerPools", "PoolExport", "export_pool", "push",
+    "EventRing", "HeadRun", "IpcReceiver", "IpcTarget", "IpcUnavailable", "IpcWriter", "OpenedEvents",
+    "PeerPool", "PeerPools", "PoolExport", "export_pool", "push",
 ]  # fmt: skip
 
 
@@ -52,9 +52,22 @@ def _by_row(t: torch.Tensor | PeerTensor, rows_from: int) -> tuple[int, ...]:
     return (shape[0], math.prod(shape[1:rows_from]), math.prod(shape[rows_from:]))
 
 
+@dataclass(frozen=True)
+class HeadRun:
+    """A run of KV heads one rank writes into another's pool (tensor parallelism): `count` heads from
+    this pool's head `src_first` into the destination's `dst_first` on, and with `ring_pos` the slot's
+    ring_pos row (identical on every rank: one writer per destination)."""
+
+    src_first: int
+    dst_first: int
+    count: int
+    ring_pos: bool
+
+
 def push(
     src: KVCache, pages: Sequence[int], slot: int, num_tokens: int, dst: PeerPool,
     dst_pages: Sequence[int], dst_slot: int, *, window: bool, full_from: int = 0,
+    heads: HeadRun | None = None,
 ) -> tuple[int, int]:  # fmt: skip
     """Enqueue the writes of a prompt's KV into decode's reservation; (full bytes, window bytes).
 
@@ -63,7 +76,8 @@ def push(
     before it reads it); `dst_pages[0]` is decode's page for position `full_from`. Sliding layers
     (`window`): the ring's filled part, which is its first min(num_tokens, W) entries (position p sits
     at index p % W), and the slot's whole ring_pos row, so positions without history read as absent.
-    Three small index uploads; no other host work.
+    Three small index uploads; no other host work. `heads`: that run of KV heads only (each side's
+    rows hold its own rank's share), and the ring_pos row only where the run says.
     """
     t = dst.tensors
     if full_from % src.page_size or not 0 <= full_from < max(num_tokens, 1):
@@ -78,21 +92,32 @@ def push(
     if not 0 <= dst_slot < t["k_ring"].shape[1]:
         raise ValueError(f"destination slot {dst_slot} outside decode's pool")
     dev, full, window_bytes = src.device, 0, 0
+    share = 1.0 if heads is None else heads.count / src.k_pages.shape[3]  # of a row's bytes
     if src.full_layers and need:
         s, d = _upload(pages[skip : skip + need], dev), _upload(dst_pages[:need], dev)
         for name in ("k_pages", "v_pages"):
             pool = getattr(src, name)
-            copy_rows(pool.view(_by_row(pool, 2)), t[name], _by_row(t[name], 2), s, d)
-            full += pool[:, 0].numel() * need * pool.element_size()
+            if heads is None:
+                copy_rows(pool.view(_by_row(pool, 2)), t[name], _by_row(t[name], 2), s, d)
+            else:
+                copy_heads(
+                    pool, t[name], t[name].shape, s, d, (heads.src_first, heads.dst_first, heads.count)
+                )
+            full += int(pool[:, 0].numel() * share) * need * pool.element_size()
     if window and src.sliding_layers and num_tokens:
         s, d = _upload([slot], dev), _upload([dst_slot], dev)
         filled = min(num_tokens, src.window)
         for name in ("k_ring", "v_ring"):
             pool = getattr(src, name)
             per_entry = pool[0, 0, 0].numel()
-            copy_rows(pool.view(_by_row(pool, 2)), t[name], _by_row(t[name], 2), s, d, filled * per_entry)
-            window_bytes += pool.shape[0] * filled * per_entry * pool.element_size()
-        copy_rows(src.ring_pos, t["ring_pos"], t["ring_pos"].shape, s, d)
+            if heads is None:
+                copy_rows(pool.view(_by_row(pool, 2)), t[name], _by_row(t[name], 2), s, d, filled * per_entry)
+            else:
+                run = (heads.src_first, heads.dst_first, heads.count)
+                copy_heads(pool, t[name], t[name].shape, s, d, run, tokens=filled)
+            window_bytes += pool.shape[0] * filled * int(per_entry * share) * pool.element_size()
+        if heads is None or heads.ring_pos:
+            copy_rows(src.ring_pos, t["ring_pos"], t["ring_pos"].shape, s, d)
     return full, window_bytes
 
 
@@ -141,16 +166,22 @@ class IpcWriter:
 
     def write(
         self, pages: Sequence[int], slot: int, num_tokens: int, target: IpcTarget, *, window: bool,
-        full_from: int = 0,
+        full_from: int = 0, writes: Sequence[tuple[PoolExport, HeadRun | None]] | None = None,
     ) -> tuple[int, int, bytes]:  # fmt: skip
         """Enqueue the request's KV writes after decode's ready event; (full, window bytes, done event).
-        Full layers from position `full_from` on, into the target's pages (which start there)."""
+        Full layers from position `full_from` on, into the target's pages (which start there).
+        `writes`: which of decode's pools get which of this rank's heads (tensor parallelism,
+        shared/transfer/ipc_ranks.py); by default the target's pool gets every head."""
+        writes = [(target.pool, None)] if writes is None else writes
         with self._lock:
-            pool = self._pools.get(target.pool)
+            pools = [(self._pools.get(export), run) for export, run in writes]
         if target.ready_event:
             self._opened.wait(target.ready_event)
-        full, window_bytes = push(self.cache, pages, slot, num_tokens, pool, target.pages, target.slot,
-                                  window=window, full_from=full_from)  # fmt: skip
+        full = window_bytes = 0
+        for pool, run in pools:
+            f, w = push(self.cache, pages, slot, num_tokens, pool, target.pages, target.slot, window=window,
+                        full_from=full_from, heads=run)  # fmt: skip
+            full, window_bytes = full + f, window_bytes + w
         return full, window_bytes, self._ring.record()
 
 

@@ -95,18 +95,31 @@ class PoolExport:
     pool_id: str  # unique per decode process: prefill's mapping cache key
     gpu_uuid: str
     tensors: tuple[IpcTensor, ...]
+    # The model's KV heads a row of this pool holds (a tensor-parallel rank's); None: all of them.
+    heads: range | None = None
+    # A decode of several ranks: rank 0's export carries ranks 1.. in order (shared/transfer/ipc_ranks.py).
+    other_ranks: tuple[PoolExport, ...] = ()
 
     def to_pb(self) -> pb.CudaIpcPool:
+        heads = self.heads if self.heads is not None else range(0)
         return pb.CudaIpcPool(
             pool_id=self.pool_id, gpu_uuid=self.gpu_uuid,
             tensors=[pb.CudaIpcTensor(name=t.name, handle=t.handle, offset=t.offset, dtype=t.dtype,
                                       shape=list(t.shape)) for t in self.tensors],
+            kv_head_start=heads.start, kv_head_count=len(heads),
+            other_ranks=[p.to_pb() for p in self.other_ranks],
         )  # fmt: skip
 
     @classmethod
     def from_pb(cls, msg: pb.CudaIpcPool) -> PoolExport:
         tensors = tuple(IpcTensor(t.name, t.handle, t.offset, t.dtype, tuple(t.shape)) for t in msg.tensors)
-        return cls(msg.pool_id, msg.gpu_uuid, tensors)
+        heads = range(msg.kv_head_start, msg.kv_head_start + msg.kv_head_count) if msg.kv_head_count else None
+        others = tuple(cls.from_pb(p) for p in msg.other_ranks)
+        return cls(msg.pool_id, msg.gpu_uuid, tensors, heads, others)
+
+    def ranks(self) -> list[PoolExport]:
+        """Decode's pools in rank order: this one (rank 0's), then `other_ranks`."""
+        return [self, *self.other_ranks]
 
 
 def export_pool(cache: KVCache) -> PoolExport:
@@ -158,9 +171,19 @@ class PeerPool:
                 mine = getattr(like, t.name)
                 if t.dtype != str(mine.dtype).removeprefix("torch.") or t.shape[0] != mine.shape[0]:
                     raise IpcUnavailable(f"decode's {t.name} is {t.dtype}{list(t.shape)}, ours {mine.dtype}")
-                if t.shape[2:] != tuple(mine.shape[2:]):
-                    theirs, ours = t.shape[2:], tuple(mine.shape[2:])
+                # Either side may hold a share of the KV heads (a tensor-parallel rank's): the rest of a
+                # row must agree, and a pool that names its heads holds that many. Which heads go where,
+                # and that they lie within both rows: ipc_ranks.py and copy_heads.
+                theirs, ours = t.shape[2:], tuple(mine.shape[2:])
+                rows = (
+                    (theirs[:1] + theirs[2:], ours[:1] + ours[2:]) if t.name != "ring_pos" else (theirs, ours)
+                )
+                if rows[0] != rows[1] or len(theirs) != len(ours):
                     raise IpcUnavailable(f"decode's {t.name} rows are {theirs}, ours {ours}")
+                if export.heads is not None and t.name != "ring_pos" and theirs[1] != len(export.heads):
+                    raise IpcUnavailable(
+                        f"decode's {t.name} rows hold {theirs[1]} KV heads, not {export.heads}"
+                    )
                 if t.handle not in self._bases:
                     h = drv.CUipcMemHandle()
                     h.reserved = t.handle
@@ -177,12 +200,13 @@ class PeerPool:
 
 
 class PeerPools:
-    """Mapped decode pools by pool_id (a few: one per decode process on this node), oldest unmapped first.
+    """Mapped decode pools by pool_id (a few: one per decode process, or rank, on this node), oldest
+    unmapped first.
 
     An evicted pool is unmapped once the writes already enqueued into it have run (an event query).
     """
 
-    def __init__(self, device: torch.device, like: KVCache, limit: int = 8) -> None:
+    def __init__(self, device: torch.device, like: KVCache, limit: int = 64) -> None:
         self.device, self.like, self.limit = device, like, limit
         self._pools: OrderedDict[str, PeerPool] = OrderedDict()
         self._closing: list[tuple[torch.cuda.Event, PeerPool]] = []

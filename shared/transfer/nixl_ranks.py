@@ -22,30 +22,16 @@ import time
 from typing import Any
 
 from shared.engine.engine import Engine, Later, Pending
-from shared.model.tensor_parallel import kv_heads_of
 from shared.transfer.heads import routes
 from shared.transfer.nixl import ABANDON_AFTER_LEASE_S, NixlPool, NixlReceiver, NixlTarget
 from shared.transfer.nixl_writer import Heads, NixlTransfer, NixlWriter
+from shared.transfer.ranks import own_heads, rank_heads
 
-__all__ = ["Send", "export_ranks", "own_heads", "pools_of", "rank_heads", "start"]
+__all__ = ["Send", "export_ranks", "pools_of", "start"]
 
 # A process's own agents: one receiver (decode) or writer (prefill) per process, as long as it lives.
 _RECEIVERS: dict[int, NixlReceiver] = {}
 _WRITERS: dict[int, NixlWriter] = {}
-
-
-def own_heads(engine: Engine) -> range | None:
-    """The KV heads this rank's pool holds, where it holds a share of them (None: all)."""
-    return engine.runner.model.kv_heads if engine.runner.model.tp is not None else None
-
-
-def rank_heads(engine: Engine) -> list[range]:
-    """Every rank's KV heads, in rank order (one rank: all of them)."""
-    model = engine.runner.model
-    if model.tp is None:
-        return [range(engine.model_cfg.num_kv_heads)]
-    world, heads = model.tp.world, engine.model_cfg.num_heads * model.tp.world
-    return [kv_heads_of(heads, model.whole_kv_heads, r, world) for r in range(world)]
 
 
 def pools_of(pool: NixlPool) -> list[NixlPool]:

@@ -18,10 +18,14 @@ import torch
 
 from shared.engine.engine import Engine, Later, Pending
 from shared.engine.request import Request
+from shared.model.tensor_parallel import kv_heads_of
 from shared.transfer.base import KVLayout
 from shared.transfer.inline import KVBatch, StagedKV, apply_batch, begin_receive, stage
 
-__all__ = ["apply_batch_all", "begin_receive_all", "stage_all", "wire_kv_heads", "wire_layout"]
+__all__ = [
+    "apply_batch_all", "begin_receive_all", "own_heads", "rank_heads", "stage_all", "wire_kv_heads",
+    "wire_layout",
+]  # fmt: skip
 
 
 def wire_kv_heads(engine: Engine) -> int:
@@ -37,6 +41,20 @@ def wire_layout(engine: Engine, model_name: str, weights: str) -> KVLayout:
         engine.cache, model_name, weights, num_kv_heads=wire_kv_heads(engine),
         tensor_parallel=tp.world if tp is not None else 1,
     )  # fmt: skip
+
+
+def own_heads(engine: Engine) -> range | None:
+    """The KV heads this rank's pool holds, where it holds a share of them (None: all)."""
+    return engine.runner.model.kv_heads if engine.runner.model.tp is not None else None
+
+
+def rank_heads(engine: Engine) -> list[range]:
+    """Every rank's KV heads, in rank order (one rank: all of them)."""
+    model = engine.runner.model
+    if model.tp is None:
+        return [range(engine.model_cfg.num_kv_heads)]
+    world, heads = model.tp.world, engine.model_cfg.num_heads * model.tp.world
+    return [kv_heads_of(heads, model.whole_kv_heads, r, world) for r in range(world)]
 
 
 def _tensor_parallel(engine: Engine) -> bool:

@@ -7,17 +7,24 @@ pages equals what the inline backend writes, and neither side's critical path sy
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import multiprocessing as mp
 import sys
 import traceback
+import types
 
 import pytest
 import torch
 
+from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv.cache import KVCache, KVConfig
-from shared.kernels.copy_rows import copy_rows
-from shared.transfer.ipc_memory import IpcTensor, PoolExport
+from shared.engine.request import Request
+from shared.engine.sampling import SamplingParams
+from shared.kernels.copy_rows import copy_heads, copy_rows
+from shared.transfer.cuda_ipc import HeadRun, push
+from shared.transfer.ipc_memory import POOL_TENSORS, IpcTensor, PoolExport
+from shared.transfer.ipc_ranks import rank_writes
 from tests.engine.engine_testutil import W, random_tokens, tiny_config, tiny_model
 
 gpu = pytest.mark.gpu
@@ -61,9 +68,95 @@ def test_copy_rows_refuses_what_does_not_fit():
         copy_rows(src, torch.zeros(3, 4, 8, device=DEV), (3, 4, 8), rows, rows)
 
 
+def test_copy_heads_moves_a_run_of_heads_between_pools_of_other_head_counts():
+    """A rank of 2 KV heads writes its heads 0-1 into heads 1-2 of a rank of 4 (tensor-parallel
+    degrees that differ): only those heads of the chosen rows change, every token of them."""
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(2, 6, 4, 2, 8, generator=g).to(DEV)  # [layers, pages, page tokens, heads, dim]
+    dst = torch.zeros(2, 5, 4, 4, 8, device=DEV)
+    s, d = torch.tensor([5, 1], device=DEV), torch.tensor([0, 3], device=DEV)
+    copy_heads(src, dst, tuple(dst.shape), s, d, (0, 1, 2))
+    want = torch.zeros_like(dst)
+    want[:, d, :, 1:3] = src[:, s]
+    assert torch.equal(dst, want)
+
+
+def test_copy_heads_copies_a_rings_filled_tokens_only():
+    src = torch.randn(1, 3, 10, 4, 8, device=DEV)  # one head taken from the middle of four
+    dst = torch.zeros(1, 2, 10, 1, 8, device=DEV)
+    copy_heads(src, dst, tuple(dst.shape), torch.tensor([2], device=DEV), torch.tensor([1], device=DEV),
+               (2, 0, 1), tokens=7)  # fmt: skip
+    assert torch.equal(dst[0, 1, :7, 0], src[0, 2, :7, 2]) and not dst[0, 1, 7:].any() and not dst[0, 0].any()
+    with pytest.raises(ValueError, match=r"heads \(3, 0, 2\) outside 4 source, 1 destination heads"):
+        copy_heads(src, dst, tuple(dst.shape), torch.tensor([0], device=DEV), torch.tensor([0], device=DEV),
+                   (3, 0, 2))  # fmt: skip
+
+
+def test_each_prefill_rank_writes_the_heads_each_decode_rank_holds():
+    """`rank_writes` over degrees: every head of every decode rank once, from the first prefill rank
+    holding it, and each decode rank's ring_pos row once; one rank each side: whole rows."""
+    pool = PoolExport("d0", "GPU-0", ())
+    one, two = [range(4)], [range(0, 2), range(2, 4)]
+    d0, d1 = dataclasses.replace(pool, heads=range(0, 2)), PoolExport("d1", "GPU-1", (), range(2, 4))
+    ranked = dataclasses.replace(d0, other_ranks=(d1,))
+    assert rank_writes(one, 0, pool, 4) == [(pool, None)]
+    assert rank_writes(two, 0, pool, 4) == [(pool, HeadRun(0, 0, 2, True))]
+    assert rank_writes(two, 1, pool, 4) == [(pool, HeadRun(0, 2, 2, False))]
+    assert rank_writes(one, 0, ranked, 4) == [(ranked, HeadRun(0, 0, 2, True)), (d1, HeadRun(2, 0, 2, True))]
+    assert rank_writes(two, 1, ranked, 4) == [(d1, HeadRun(0, 0, 2, True))]
+    replicated = [range(0, 1), range(0, 1)]  # one KV head, two ranks: rank 1 writes nothing
+    assert rank_writes(replicated, 1, pool, 1) == []
+
+
+def test_push_regroups_heads_between_degrees_as_inline_would():
+    """A prefill rank of all 2 KV heads pushes a prompt into two decode ranks of one head each (the
+    `push` of a tensor-parallel handoff, into real decode caches): each rank's pages, ring and ring_pos
+    equal its share of what the inline backend would have written."""
+    prompt = random_tokens(11, seed=5)
+    cfg = tiny_config("SF", heads=2, kv_heads=2)
+    model = tiny_model(cfg)
+    src = Engine(model, KVConfig(page_size=4, num_pages=8, max_requests=2), EngineConfig())
+    req = src.add_request(prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    while not req.finished:
+        src.step()
+    ranks = [KVCache(dataclasses.replace(cfg, num_kv_heads=1), KVConfig(page_size=4, num_pages=6,
+                                                                               max_requests=2))
+             for _ in range(2)]  # fmt: skip
+    dst_pages, slot = [4, 1, 3], 1
+    total = (0, 0)
+    for rank, cache in enumerate(ranks):
+        pool = types.SimpleNamespace(tensors={n: getattr(cache, n) for n in POOL_TENSORS})
+        run = HeadRun(rank, 0, 1, True)
+        written = push(
+            src.cache, req.pages, req.slot, len(prompt), pool, dst_pages, slot, window=True, heads=run
+        )
+        total = (total[0] + written[0], total[1] + written[1])
+        for name in ("k_pages", "v_pages"):
+            theirs, mine = getattr(cache, name), getattr(src.cache, name)
+            assert torch.equal(theirs[:, dst_pages], mine[:, req.pages, :, rank : rank + 1])
+        for name in ("k_ring", "v_ring"):
+            theirs, mine = getattr(cache, name), getattr(src.cache, name)
+            assert torch.equal(theirs[:, slot, :W], mine[:, req.slot, :W, rank : rank + 1])
+        assert torch.equal(cache.ring_pos[:, slot], src.cache.ring_pos[:, req.slot])
+    whole = push_bytes(src.cache, req, len(prompt))
+    assert total == whole, "the ranks' writes add up to one rank's"
+
+
+def push_bytes(cache: KVCache, req: Request, num_tokens: int) -> tuple[int, int]:
+    """What `push` of every head reports: its whole rows' bytes."""
+    size = cache.k_pages.element_size()
+    full = 2 * cache.k_pages[:, 0].numel() * cache.pages_needed(num_tokens) * size
+    window = 2 * cache.k_ring.shape[0] * min(num_tokens, cache.window) * cache.k_ring[0, 0, 0].numel() * size
+    return full, window
+
+
 def test_a_pool_export_survives_the_wire():
     tensor = IpcTensor("k_pages", bytes(range(64)), 512, "bfloat16", (2, 8, 4, 2, 16))
     export = PoolExport("p1", "GPU-abc", (tensor,))
+    ranked = PoolExport(
+        "p0", "GPU-0", (tensor,), range(0, 2), (dataclasses.replace(export, heads=range(2, 4)),)
+    )
+    assert PoolExport.from_pb(ranked.to_pb()) == ranked
     assert PoolExport.from_pb(type(export.to_pb()).FromString(export.to_pb().SerializeToString())) == export
 
 

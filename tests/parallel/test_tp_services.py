@@ -2,7 +2,8 @@
 rank generates (a hybrid model, and a gpt-oss-like mixture of experts with sinks, its experts placed
 whole on the ranks, requests running together); KV crosses between a prefill and a decode of other degrees;
 a rank that dies makes the service report NOT_SERVING and exit with code 4, naming the rank, without
-hanging; a model that does not split over the ranks is refused at start."""
+hanging; a model that does not split over the ranks is refused at start. Zero-copy handoff between
+degrees: nixl here (UCX over loopback), cuda_ipc on two GPUs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2
 
 from decode_service.servicer import SERVICE_NAME
@@ -190,11 +192,31 @@ def test_a_model_that_does_not_split_is_refused_at_start() -> None:
         decode.kill()
 
 
-def test_cuda_ipc_with_several_ranks_is_refused_at_start_by_name() -> None:
-    decode = ServerProcess(random_spec(heads=4, kv_heads=2), *COMMON, "--tp", "2", "--prefill-target",
-                           "127.0.0.1:1", "--kv-transfer", "cuda_ipc", wait_ready=False)  # fmt: skip
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="ranks of a service need a GPU each (NCCL)")
+@pytest.mark.parametrize(("prefill_tp", "decode_tps"), [(2, (2, 1)), (1, (2,))])
+def test_cuda_ipc_writes_each_ranks_heads_into_the_ranks_that_hold_them(
+    prefill_tp: int, decode_tps: tuple[int, ...]
+) -> None:
+    """cuda_ipc between degrees, on GPUs: each prefill rank writes its KV heads into the pools of the
+    decode ranks that hold them, on its own stream, and every decode rank waits on every prefill
+    rank's event; the tokens are the colocated engine's, and the KV went pool to pool."""
+    spec = random_spec(**MODELS["hybrid"][0])
+    expected = _colocated(spec)
+    gpu = ("--device", "cuda:0")
+    prefill = ServerProcess(spec, *COMMON, *gpu, "--tp", str(prefill_tp), module="prefill_service",
+                            service=PREFILL)  # fmt: skip
+    remote = ("--prefill-target", prefill.target, "--local-prefill-max-tokens", "0",
+              "--remote-prefill-max-queued-tokens", "100000", "--kv-transfer", "cuda_ipc")  # fmt: skip
+    decodes = [ServerProcess(spec, *COMMON[:-1], *gpu, "--tp", str(tp), *remote) for tp in decode_tps]
     try:
-        assert decode.wait(60) == 1
-        assert "--kv-transfer cuda_ipc with --tp 2" in decode.log() and "inline or over nixl" in decode.log()
+        for decode in decodes:
+            assert _served(decode) == expected
+            moved = scrape(metrics_url(decode))
+            received = sample(
+                moved, "pdserve_kv_transfer_bytes_total", backend="cuda_ipc", direction="receive"
+            )
+            assert received > 0
+            assert sample(moved, "pdserve_kv_transfer_bytes_total", backend="inline") == 0
     finally:
-        decode.kill()
+        stop_all(*decodes, prefill)

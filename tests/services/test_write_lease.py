@@ -85,7 +85,7 @@ def test_a_done_event_that_does_not_open_fails_that_request_only(sched):
     idle = _pages_free(sched)
     events = _reserve(sched, "r4")
     sched.leased("r4", time.time_ns() + int(0.2e9))
-    sched.prefilled("r4", 5, history=True, cuda_ipc_event=b"\0" * 64)
+    sched.prefilled("r4", 5, history=True, cuda_ipc_events=(b"\0" * 64,))
     finished = events.get(timeout=5)
     assert isinstance(finished, Finished) and "cuda_ipc event" in (finished.error or "")
     _wait(lambda: _pages_free(sched) == idle)  # after the lease and the grace

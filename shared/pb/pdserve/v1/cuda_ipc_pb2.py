@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/cuda_ipc.proto\x12\npdserve.v1\"[\n\rCudaIpcTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\r\"\\\n\x0b\x43udaIpcPool\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.CudaIpcTensor\"\x88\x01\n\rCudaIpcTarget\x12%\n\x04pool\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.CudaIpcPool\x12\r\n\x05pages\x18\x02 \x03(\r\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\x13\n\x0bready_event\x18\x04 \x01(\x0c\x12\x1e\n\x16lease_deadline_unix_ns\x18\x05 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/cuda_ipc.proto\x12\npdserve.v1\"[\n\rCudaIpcTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\r\"\xb8\x01\n\x0b\x43udaIpcPool\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.CudaIpcTensor\x12\x15\n\rkv_head_start\x18\x04 \x01(\r\x12\x15\n\rkv_head_count\x18\x05 \x01(\r\x12,\n\x0bother_ranks\x18\x06 \x03(\x0b\x32\x17.pdserve.v1.CudaIpcPool\"\x88\x01\n\rCudaIpcTarget\x12%\n\x04pool\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.CudaIpcPool\x12\r\n\x05pages\x18\x02 \x03(\r\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\x13\n\x0bready_event\x18\x04 \x01(\x0c\x12\x1e\n\x16lease_deadline_unix_ns\x18\x05 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CUDAIPCTENSOR']._serialized_start=41
   _globals['_CUDAIPCTENSOR']._serialized_end=132
-  _globals['_CUDAIPCPOOL']._serialized_start=134
-  _globals['_CUDAIPCPOOL']._serialized_end=226
-  _globals['_CUDAIPCTARGET']._serialized_start=229
-  _globals['_CUDAIPCTARGET']._serialized_end=365
+  _globals['_CUDAIPCPOOL']._serialized_start=135
+  _globals['_CUDAIPCPOOL']._serialized_end=319
+  _globals['_CUDAIPCTARGET']._serialized_start=322
+  _globals['_CUDAIPCTARGET']._serialized_end=458
 # @@protoc_insertion_point(module_scope)

@@ -22,14 +22,20 @@ class CudaIpcTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CudaIpcPool(_message.Message):
-    __slots__ = ("pool_id", "gpu_uuid", "tensors")
+    __slots__ = ("pool_id", "gpu_uuid", "tensors", "kv_head_start", "kv_head_count", "other_ranks")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    OTHER_RANKS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     gpu_uuid: str
     tensors: _containers.RepeatedCompositeFieldContainer[CudaIpcTensor]
-    def __init__(self, pool_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[CudaIpcTensor, _Mapping]]] = ...) -> None: ...
+    kv_head_start: int
+    kv_head_count: int
+    other_ranks: _containers.RepeatedCompositeFieldContainer[CudaIpcPool]
+    def __init__(self, pool_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[CudaIpcTensor, _Mapping]]] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ..., other_ranks: _Optional[_Iterable[_Union[CudaIpcPool, _Mapping]]] = ...) -> None: ...
 
 class CudaIpcTarget(_message.Message):
     __slots__ = ("pool", "pages", "slot", "ready_event", "lease_deadline_unix_ns")

@@ -99,7 +99,7 @@ class KVChunk(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., window: _Optional[bool] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token", "full_bytes", "window_bytes", "queued_prompt_tokens", "full_from", "prefix_hit_tokens", "cuda_ipc_event")
+    __slots__ = ("first_token", "full_bytes", "window_bytes", "queued_prompt_tokens", "full_from", "prefix_hit_tokens", "cuda_ipc_event", "cuda_ipc_rank_events")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FULL_BYTES_FIELD_NUMBER: _ClassVar[int]
     WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class PrefillDone(_message.Message):
     FULL_FROM_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_EVENT_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_RANK_EVENTS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     full_bytes: int
     window_bytes: int
@@ -114,7 +115,8 @@ class PrefillDone(_message.Message):
     full_from: int
     prefix_hit_tokens: int
     cuda_ipc_event: bytes
-    def __init__(self, first_token: _Optional[int] = ..., full_bytes: _Optional[int] = ..., window_bytes: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., full_from: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cuda_ipc_event: _Optional[bytes] = ...) -> None: ...
+    cuda_ipc_rank_events: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, first_token: _Optional[int] = ..., full_bytes: _Optional[int] = ..., window_bytes: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., full_from: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cuda_ipc_event: _Optional[bytes] = ..., cuda_ipc_rank_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("chunk", "done")
