@@ -12,7 +12,8 @@ Prefill (`write_all`): `shared/transfer/heads.py` `routes` says which prefill ra
 into which decode rank: each head once (a replicated head from the first rank holding it), and the
 slot's ring_pos row once per decode rank. Rank 0 enqueues its writes on the scheduler thread; every
 other rank enqueues its own when the op reaches it, behind the prompt's forward on its stream, and
-answers with the interprocess event it records after them. PrefillDone carries every rank's event,
+answers with the interprocess event it records after them: rank 0 waits for those answers (a message
+each, not the GPU's work), as the events must ride on PrefillDone. PrefillDone carries every rank's event,
 and every decode rank's stream waits on all of them before its first step that reads the pages
 (`wait_all`): no host waits on either side.
 """
