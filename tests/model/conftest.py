@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import pytest
 import torch
-from model_testutil import TINY, WINDOW
+from model_testutil import TINY, WINDOW, transformers_reads_gguf
 
 
 @pytest.fixture
@@ -31,3 +34,16 @@ def hf_gguf_dir(tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("gguf")
     (path / "model.gguf").symlink_to(default_gguf_path())
     return path
+
+
+@pytest.fixture(scope="session")
+def hf_reads_smollm() -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A context in which transformers reads the embedded GGUF through one parse of it for the test session
+    (`transformers_reads_gguf`): its model (test_model_embedded_default.py) opens the file twice, for
+    the config and the weights, and its tokenizer (test_model_tokenizer.py) once, each open a parse of
+    ~3 s on a 2-core host otherwise."""
+    from shared.model import default_gguf_path, gguf_loader
+
+    path = default_gguf_path()
+    reader = gguf_loader._reader(path)
+    return lambda: transformers_reads_gguf(path, reader)

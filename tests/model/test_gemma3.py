@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_testutil import TINY, WINDOW, gemma3_gguf_or_skip, save_hf_model
+from model_testutil import TINY, WINDOW, gemma3_gguf_or_skip, save_hf_model, transformers_reads_gguf
 
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv.cache import KVConfig
@@ -251,12 +251,11 @@ def gemma(gemma_path: Path, gemma_reader):
 def hf_gemma(gemma_path: Path, gemma_reader):
     """transformers loading the same file: its own reading of the metadata, gguf's dequantization.
 
-    It opens the file twice (the config, then the weights): both times the module's reader."""
-    import gguf
+    It opens the file twice (the config, then the weights): both times the module's reader, and gguf's
+    tensor name map built once rather than for each of its modules (`transformers_reads_gguf`)."""
     from transformers import AutoModelForCausalLM
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", gemma_reader)
+    with transformers_reads_gguf(gemma_path, gemma_reader(gemma_path)):
         model = AutoModelForCausalLM.from_pretrained(
             gemma_path.parent, gguf_file=gemma_path.name, dtype=torch.float32, attn_implementation="eager"
         )

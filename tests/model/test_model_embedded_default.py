@@ -15,12 +15,13 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def hf_model(hf_gguf_dir):
+def hf_model(hf_gguf_dir, hf_reads_smollm):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        hf_gguf_dir, gguf_file="model.gguf", dtype=torch.float32, attn_implementation="eager"
-    )
+    with hf_reads_smollm():  # its config and its weights, both from the test session's parse
+        model = AutoModelForCausalLM.from_pretrained(
+            hf_gguf_dir, gguf_file="model.gguf", dtype=torch.float32, attn_implementation="eager"
+        )
     return model.eval()
 
 

@@ -32,10 +32,11 @@ def tok(smollm) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf_tok(hf_gguf_dir):
+def hf_tok(hf_gguf_dir, hf_reads_smollm):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(hf_gguf_dir, gguf_file="model.gguf")
+    with hf_reads_smollm():  # transformers' own reading of the vocabulary, from the test session's parse
+        return AutoTokenizer.from_pretrained(hf_gguf_dir, gguf_file="model.gguf")
 
 
 @pytest.mark.slow
