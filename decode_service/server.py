@@ -44,12 +44,10 @@ from shared.serving.runtime import (
 from shared.serving.security.tls import ClientTLS, TLSError
 from shared.serving.security.tokens import TokenError, Tokens
 from shared.serving.telemetry import Telemetry
-from shared.transfer import ipc_ranks
 from shared.transfer.base import KVLayout
 from shared.transfer.cuda_ipc import IpcReceiver, IpcUnavailable
 from shared.transfer.nixl import NixlReceiver, NixlUnavailable
-from shared.transfer.nixl_ranks import export_ranks
-from shared.transfer.ranks import wire_layout
+from shared.transfer.ranks import export_ranks, wire_layout
 
 __all__ = ["add_services", "build_serving", "serve"]
 
@@ -72,10 +70,8 @@ def build_serving(cfg: ServiceConfig, on_rank_death: Callable[[str], None] | Non
         except (IpcUnavailable, NixlUnavailable) as e:
             raise StartupError(f"--kv-transfer {cfg.kv_transfer}: {e}") from e
         # With ranks: every rank's pool, each exported by its own process (nixl: its own agent)
-        pool = (
-            ipc_ranks.export_ranks(engine, ipc) if ipc is not None
-            else export_ranks(engine, nixl) if nixl is not None else None
-        )  # fmt: skip
+        receiver = ipc if ipc is not None else nixl
+        pool = export_ranks(engine, receiver) if receiver is not None else None
         pin = engine.cache.device.type == "cuda"  # inline batches upload to it without a host wait
         router = _prefill_router(cfg, layout, pool, pin)
     scheduler = DecodeScheduler(engine, SchedulerConfig(max_queue=cfg.max_queue), ipc, nixl)

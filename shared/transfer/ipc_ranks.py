@@ -1,12 +1,13 @@
 """The cuda_ipc backend over tensor-parallel ranks: each prefill rank writes its KV heads straight into
 the decode ranks that hold them, on its own GPU's stream, so no byte goes through rank 0.
 
-Decode (`export_ranks`): every rank exports its own pool (its IPC handles and GPU), naming its KV
-heads; rank 0's export carries the other ranks' (`PoolExport.other_ranks`) and rides on the handshake
-and on every request as a pool always has. The mirrored engines reserve the same pages and window
-slot on every rank, so one target's pages and slot hold for each rank's pool. A target goes out only
-once every rank's emptying of the reservation has run on its GPU (decode_service/scheduler.py
-`_Settled`, as for nixl): a prefill rank's writes into rank j then need no event of rank j's.
+Decode (`shared/transfer/ranks.py` `export_ranks`): every rank exports its own pool (its IPC handles
+and GPU), naming its KV heads; rank 0's export carries the other ranks' (`PoolExport.other_ranks`) and
+rides on the handshake and on every request as a pool always has. The mirrored engines reserve the same
+pages and window slot on every rank, so one target's pages and slot hold for each rank's pool. A target
+goes out only once every rank's emptying of the reservation has run on its GPU
+(decode_service/scheduler.py `_Settled`, as for nixl): a prefill rank's writes into rank j then need no
+event of rank j's.
 
 Prefill (`write_all`): `shared/transfer/heads.py` `routes` says which prefill rank writes which heads
 into which decode rank: each head once (a replicated head from the first rank holding it), and the
@@ -28,13 +29,9 @@ from shared.engine.engine import Engine
 from shared.transfer.cuda_ipc import HeadRun, IpcReceiver, IpcTarget, IpcWriter, PoolExport
 from shared.transfer.heads import routes
 from shared.transfer.ipc_memory import IpcUnavailable
-from shared.transfer.ranks import rank_heads
+from shared.transfer.ranks import rank_half, rank_heads
 
-__all__ = ["export_ranks", "map_own", "mapped_own", "rank_writes", "wait_all", "write_all"]
-
-# A process's own halves: one receiver (decode) or writer (prefill) per rank's engine, as long as it lives.
-_RECEIVERS: dict[int, IpcReceiver] = {}
-_WRITERS: dict[int, IpcWriter] = {}
+__all__ = ["map_own", "mapped_own", "rank_writes", "wait_all", "write_all"]
 
 
 def _tp(engine: Engine) -> bool:
@@ -42,23 +39,6 @@ def _tp(engine: Engine) -> bool:
 
 
 # ---- decode ----
-
-
-def export_ranks(engine: Engine, receiver: IpcReceiver) -> PoolExport:
-    """Rank 0's export (`receiver`'s) for the handshake: with ranks, every rank's, each naming its
-    heads, made once per process."""
-    if not _tp(engine):
-        return receiver.export
-    _RECEIVERS[id(engine)] = receiver
-    exports = engine.on_ranks(_export_rank)
-    return dataclasses.replace(exports[0], other_ranks=tuple(exports[1:]))
-
-
-def _export_rank(engine: Engine) -> PoolExport:
-    receiver = _RECEIVERS.get(id(engine))
-    if receiver is None:
-        receiver = _RECEIVERS[id(engine)] = IpcReceiver(engine.cache)
-    return dataclasses.replace(receiver.export, heads=engine.runner.model.kv_heads)
 
 
 def wait_all(engine: Engine, receiver: IpcReceiver, events: Sequence[bytes]) -> None:
@@ -76,8 +56,8 @@ def wait_all(engine: Engine, receiver: IpcReceiver, events: Sequence[bytes]) -> 
 def _wait_rank(engine: Engine, events: tuple[bytes, ...]) -> str:
     try:
         for handle in events:
-            _RECEIVERS[id(engine)].wait(handle)
-    except (RuntimeError, KeyError) as e:
+            rank_half(engine, IpcReceiver).wait(handle)
+    except RuntimeError as e:
         tp = engine.runner.model.tp
         return f"rank {tp.rank if tp is not None else 0}: {e}"
     return ""
@@ -123,13 +103,6 @@ def mapped_own(engine: Engine, writer: IpcWriter, export: PoolExport) -> bool:
     return all(writer.mapped(pool.pool_id) for pool, _ in _writes(engine, 0, export))
 
 
-def _writer(engine: Engine) -> IpcWriter:
-    writer = _WRITERS.get(id(engine))
-    if writer is None:
-        writer = _WRITERS[id(engine)] = IpcWriter(engine.cache)
-    return writer
-
-
 def write_all(
     engine: Engine, writer: IpcWriter, req: Any, target: IpcTarget, *, window: bool, full_from: int
 ) -> tuple[int, int, bytes, tuple[bytes, ...]]:  # fmt: skip
@@ -161,7 +134,7 @@ def _write_rank(engine: Engine, req: Any, target: IpcTarget, window: bool, full_
     if tp is None or tp.rank == 0:
         return None
     try:
-        return _writer(engine).write(
+        return rank_half(engine, IpcWriter).write(
             req.pages, req.slot, len(req.prompt), target, window=window, full_from=full_from,
             writes=_writes(engine, tp.rank, target.pool),
         )  # fmt: skip

@@ -1,10 +1,10 @@
 """The nixl backend over tensor-parallel ranks: each prefill rank WRITEs its KV heads straight into the
 decode ranks that hold them, each rank through its own agent, so no byte goes through rank 0.
 
-Decode (`export_ranks`): every rank registers its own pool with its own agent. Rank 0's `NixlPool`
-names its KV heads and carries the other ranks' pools (`other_ranks`); it rides on the handshake and
-on every request as a pool always has. The mirrored engines reserve the same pages and window slot on
-every rank, so one target's pages and slot hold for each rank's pool.
+Decode (`shared/transfer/ranks.py` `export_ranks`): every rank registers its own pool with its own
+agent. Rank 0's `NixlPool` names its KV heads and carries the other ranks' pools (`other_ranks`); it
+rides on the handshake and on every request as a pool always has. The mirrored engines reserve the same
+pages and window slot on every rank, so one target's pages and slot hold for each rank's pool.
 
 Prefill (`start`): `shared/transfer/heads.py` `routes` says which prefill rank writes which heads
 into which decode rank: each head once (a replicated head from the first rank holding it), and the
@@ -23,15 +23,11 @@ from typing import Any
 
 from shared.engine.engine import Engine, Later, Pending
 from shared.transfer.heads import routes
-from shared.transfer.nixl import ABANDON_AFTER_LEASE_S, NixlPool, NixlReceiver, NixlTarget
+from shared.transfer.nixl import ABANDON_AFTER_LEASE_S, NixlPool, NixlTarget
 from shared.transfer.nixl_writer import Heads, NixlTransfer, NixlWriter
-from shared.transfer.ranks import own_heads, rank_heads
+from shared.transfer.ranks import own_heads, rank_half, rank_heads
 
-__all__ = ["Send", "export_ranks", "pools_of", "start"]
-
-# A process's own agents: one receiver (decode) or writer (prefill) per process, as long as it lives.
-_RECEIVERS: dict[int, NixlReceiver] = {}
-_WRITERS: dict[int, NixlWriter] = {}
+__all__ = ["Send", "pools_of", "start"]
 
 
 def pools_of(pool: NixlPool) -> list[NixlPool]:
@@ -44,23 +40,6 @@ def _heads_of(pool: NixlPool, num_kv_heads: int) -> range:
 
 
 # ---- decode ----
-
-
-def export_ranks(engine: Engine, receiver: NixlReceiver) -> NixlPool:
-    """Rank 0's pool (`receiver`'s) for the handshake: with ranks, every rank's registered pool, each
-    naming its heads, made once per process."""
-    if engine.runner.model.tp is None:
-        return receiver.export
-    _RECEIVERS[id(engine)] = receiver
-    pools = engine.on_ranks(_export_rank)
-    return dataclasses.replace(pools[0], other_ranks=tuple(pools[1:]))
-
-
-def _export_rank(engine: Engine) -> NixlPool:
-    receiver = _RECEIVERS.get(id(engine))
-    if receiver is None:
-        receiver = _RECEIVERS[id(engine)] = NixlReceiver(engine.cache)
-    return dataclasses.replace(receiver.export, heads=engine.runner.model.kv_heads)
 
 
 # ---- prefill ----
@@ -109,9 +88,7 @@ def _start_rank(engine: Engine, req: Any, target: NixlTarget, history: bool, ful
     tp = engine.runner.model.tp
     if tp is None or tp.rank == 0:
         return None
-    writer = _WRITERS.get(id(engine))
-    if writer is None:
-        writer = _WRITERS[id(engine)] = NixlWriter(engine.cache, heads=own_heads(engine))
+    writer = rank_half(engine, NixlWriter, heads=own_heads(engine))
     writes = _writes(engine, tp.rank, target)
     try:
         for t, _ in writes:

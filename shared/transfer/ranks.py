@@ -13,6 +13,7 @@ An engine that is not tensor parallel takes the plain functions of `shared/trans
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,8 +24,8 @@ from shared.transfer.base import KVLayout
 from shared.transfer.inline import KVBatch, StagedKV, apply_batch, begin_receive, stage
 
 __all__ = [
-    "apply_batch_all", "begin_receive_all", "own_heads", "rank_heads", "stage_all", "wire_kv_heads",
-    "wire_layout",
+    "apply_batch_all", "begin_receive_all", "export_ranks", "own_heads", "rank_half", "rank_heads",
+    "stage_all", "wire_kv_heads", "wire_layout",
 ]  # fmt: skip
 
 
@@ -55,6 +56,37 @@ def rank_heads(engine: Engine) -> list[range]:
         return [range(engine.model_cfg.num_kv_heads)]
     world, heads = model.tp.world, engine.model_cfg.num_heads * model.tp.world
     return [kv_heads_of(heads, model.whole_kv_heads, r, world) for r in range(world)]
+
+
+T = TypeVar("T")
+
+# A zero-copy backend's halves of this process (a decode's receiver, a prefill's writer), one of each kind
+# a rank's engine, as long as the process lives: rank 0 registers the service's own, a follower makes
+# its own when the first op that needs it reaches it.
+_HALVES: dict[tuple[type, int], Any] = {}
+
+
+def rank_half(engine: Engine, kind: type[T], **kwargs: Any) -> T:
+    """This process's `kind` for `engine`: the one registered or made before, else
+    `kind(engine.cache, **kwargs)`."""
+    half = _HALVES.get((kind, id(engine)))
+    if half is None:
+        half = _HALVES[(kind, id(engine))] = kind(engine.cache, **kwargs)
+    return half  # type: ignore[no-any-return]
+
+
+def export_ranks(engine: Engine, receiver: Any) -> Any:
+    """Rank 0's pool export (`receiver.export`) for the handshake: with ranks, every rank's, each
+    naming its KV heads, in its `other_ranks` (one receiver of `receiver`'s kind a process)."""
+    if not _tensor_parallel(engine):
+        return receiver.export
+    _HALVES[(type(receiver), id(engine))] = receiver
+    exports = engine.on_ranks(_export_rank, type(receiver))
+    return dataclasses.replace(exports[0], other_ranks=tuple(exports[1:]))
+
+
+def _export_rank(engine: Engine, kind: type) -> Any:
+    return dataclasses.replace(rank_half(engine, kind).export, heads=engine.runner.model.kv_heads)
 
 
 def _tensor_parallel(engine: Engine) -> bool:
