@@ -114,13 +114,13 @@ def test_push_regroups_heads_between_degrees_as_inline_would():
     equal its share of what the inline backend would have written."""
     prompt = random_tokens(11, seed=5)
     cfg = tiny_config("SF", heads=2, kv_heads=2)
-    model = tiny_model(cfg)
-    src = Engine(model, KVConfig(page_size=4, num_pages=8, max_requests=2), EngineConfig())
+    model = tiny_model(cfg).to(DEV)
+    src = Engine(model, KVConfig(page_size=4, num_pages=8, max_requests=2, device=DEV), EngineConfig())
     req = src.add_request(prompt, SamplingParams(max_tokens=1), hold_kv=True)
     while not req.finished:
         src.step()
     ranks = [KVCache(dataclasses.replace(cfg, num_kv_heads=1), KVConfig(page_size=4, num_pages=6,
-                                                                               max_requests=2))
+                                                                               max_requests=2, device=DEV))
              for _ in range(2)]  # fmt: skip
     dst_pages, slot = [4, 1, 3], 1
     total = (0, 0)
@@ -165,20 +165,22 @@ def test_a_pool_export_survives_the_wire():
 PAGES, SLOT = [9, 2, 14, 5, 11, 0, 7, 3], 2  # decode's reservation: scattered on purpose
 
 
-def _kv(device: str) -> KVCache:
-    return KVCache(tiny_config("SSFS"), KVConfig(page_size=4, num_pages=16, max_requests=4, device=device))
+def _kv(device: str, kv_heads: int = 2) -> KVCache:
+    cfg = dataclasses.replace(tiny_config("SSFS"), num_kv_heads=kv_heads)
+    return KVCache(cfg, KVConfig(page_size=4, num_pages=16, max_requests=4, device=device))
 
 
-def _decode_side(device: str, conn) -> None:  # type: ignore[no-untyped-def]
-    """Child process, one per device pair: for each prompt prefill sends, reserve (stale bytes, an
-    emptied ring), wait for prefill's event, compare with the reference. "stop" ends it."""
+def _decode_side(device: str, conn, kv_heads: int = 2) -> None:  # type: ignore[no-untyped-def]
+    """Child process, one per device pair (or per tensor-parallel rank, holding `kv_heads` of the
+    model's 2): for each prompt prefill sends, reserve (stale bytes, an emptied ring), wait for
+    prefill's event, compare with the reference. "stop" ends it."""
     from invariants.testing import no_host_sync
     from shared.transfer.cuda_ipc import EventRing, OpenedEvents, export_pool
 
     faulthandler.dump_traceback_later(150, exit=True, file=sys.stderr)  # a hang shows where, then ends
     try:
         torch.cuda.set_device(device)
-        cache = _kv(device)
+        cache = _kv(device, kv_heads)
         ring, export = EventRing(cache.device, size=4), export_pool(cache)
         opened = OpenedEvents(cache.device)
         conn.send(export.to_pb().SerializeToString())
@@ -211,15 +213,18 @@ def _decode_side(device: str, conn) -> None:  # type: ignore[no-untyped-def]
         conn.send(traceback.format_exc())
 
 
-def _reference(prefill, p, n: int, device: str) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    """What the inline backend writes into the same reservation."""
+def _reference(prefill, p, n: int, device: str, heads: range | None = None) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """What the inline backend writes into the same reservation; `heads`: of those KV heads only."""
     from shared.transfer.inline import apply_chunk, begin_receive, extract_chunks
 
     ref = _kv(device)
     begin_receive(ref, SLOT)
     for chunk in extract_chunks(prefill.cache, p.pages, p.slot, n):
         apply_chunk(ref, PAGES, SLOT, chunk)
-    return {name: getattr(ref, name).cpu() for name in ("k_pages", "v_pages", "k_ring", "v_ring", "ring_pos")}
+    out = {name: getattr(ref, name).cpu() for name in ("k_pages", "v_pages", "k_ring", "v_ring", "ring_pos")}
+    if heads is not None:  # pages [L, pages, page, H, D], rings [L, slots, W, H, D]
+        out.update({name: out[name][:, :, :, heads.start : heads.stop].clone() for name in POOL_TENSORS[:4]})
+    return out
 
 
 def _recv(conn, proc, timeout: float = 120.0):  # type: ignore[no-untyped-def]
@@ -290,3 +295,115 @@ def test_prefill_writes_into_another_processes_pages_what_inline_would(prefill_d
         proc.join(timeout=60)
         if proc.is_alive():
             proc.kill()
+
+
+def _rank_caches(prefill: KVCache, ranks: int) -> list[KVCache]:
+    """Prefill's KV as `ranks` tensor-parallel ranks would hold it: each rank its run of KV heads."""
+    if ranks == 1:
+        return [prefill]
+    share = prefill.k_pages.shape[3] // ranks
+    cfg = dataclasses.replace(prefill.model, num_kv_heads=share)
+    return [KVCache(cfg, prefill.cfg) for _ in range(ranks)]
+
+
+def _push_ranks(caches, writes, p, n: int) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """Every prefill rank's writes (its cache, its pools and head runs); their bytes summed."""
+    total = (0, 0)
+    for cache, rank in zip(caches, writes, strict=True):
+        for pool, run in rank:
+            f, w = push(cache, p.pages, p.slot, n, pool, PAGES, SLOT, window=True, heads=run)
+            total = (total[0] + f, total[1] + w)
+    return total
+
+
+@gpu
+@pytest.mark.parametrize(("src", "dst"), [(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
+def test_each_prefill_rank_writes_its_heads_into_the_decode_processes_that_hold_them(src, dst):
+    """Tensor parallelism through real IPC mappings on one GPU: each decode rank is its own process
+    exporting a pool of its share of the 2 KV heads (rank 0's export names the others'), and each
+    prefill rank's writes (`rank_writes`) put its heads into the ranks holding them. Every decode
+    rank then holds its heads of what the inline backend writes; the byte counts add up to one
+    whole-row transfer's; the writes and the waits do not sync the host."""
+    from invariants.testing import no_host_sync
+    from shared.transfer.cuda_ipc import EventRing, OpenedEvents, PeerPools
+
+    dev = "cuda:0"
+    torch.cuda.set_device(dev)
+    ctx = mp.get_context("spawn")
+    kv_heads = 2
+    dst_heads = [range(r * kv_heads // dst, (r + 1) * kv_heads // dst) for r in range(dst)]
+    src_heads = [range(r * kv_heads // src, (r + 1) * kv_heads // src) for r in range(src)]
+    conns, procs, peers = [], [], []
+    try:
+        for heads in dst_heads:  # one process per decode rank: each pool its own allocations
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_decode_side, args=(dev, child, len(heads)), daemon=True)
+            proc.start()
+            conns.append(parent)
+            procs.append(proc)
+        wire = type(PoolExport("", "", ()).to_pb())
+        exports = [
+            PoolExport.from_pb(wire.FromString(_recv(c, p))) for c, p in zip(conns, procs, strict=True)
+        ]
+        if dst == 1:
+            export = exports[0]
+        else:  # as decode's rank 0 sends it (shared/transfer/ranks.py export_ranks)
+            named = [dataclasses.replace(e, heads=h) for e, h in zip(exports, dst_heads, strict=True)]
+            export = dataclasses.replace(named[0], other_ranks=tuple(named[1:]))
+        export = PoolExport.from_pb(wire.FromString(export.to_pb().SerializeToString()))
+        cfg = tiny_config("SSFS")
+        kv = KVConfig(page_size=4, num_pages=32, max_requests=4, device=dev)
+        prefill = Engine(tiny_model(cfg).to(dev), kv, EngineConfig(max_batch_tokens=16))
+        caches = _rank_caches(prefill.cache, src)
+        pools = PeerPools(prefill.cache.device, caches[0])  # one process here: each pool mapped once
+        opened, ring = OpenedEvents(prefill.cache.device), EventRing(prefill.cache.device, size=4)
+        writes = [
+            [(pools.get(pool), run) for pool, run in rank_writes(src_heads, r, export, kv_heads)]
+            for r in range(src)
+        ]
+        peers = list({id(pool): pool for rank in writes for pool, _ in rank}.values())
+        assert len(peers) == dst and sum(len(rank) for rank in writes) == max(src, dst)
+        for n in (3, W + 1, 3 * W + 5):
+            p = prefill.add_request(
+                random_tokens(n), SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True
+            )
+            while not p.finished:
+                prefill.step()
+            prefill.flush()
+            for cache, heads in zip(caches, src_heads, strict=True):
+                if cache is not prefill.cache:  # a rank's share of the heads, as its own pool holds it
+                    for name in POOL_TENSORS[:4]:
+                        getattr(cache, name).copy_(
+                            getattr(prefill.cache, name)[:, :, :, heads.start : heads.stop]
+                        )
+                    cache.ring_pos.copy_(prefill.cache.ring_pos)
+
+            _push_ranks(caches, writes, p, n)  # warm: compile, pin
+            torch.cuda.synchronize(dev)  # landed: decode's stale bytes below come after it
+            for c in conns:
+                c.send("reserve")
+            ready = [_recv(c, proc) for c, proc in zip(conns, procs, strict=True)]
+            with no_host_sync():
+                for event in ready:
+                    opened.wait(event)
+                written = _push_ranks(caches, writes, p, n)
+                done = ring.record()
+            refs = [_reference(prefill, p, n, dev, heads if dst > 1 else None) for heads in dst_heads]
+            prefill.release(p)
+            row = 2 * kv_heads * cfg.head_dim * 4  # K and V of one token of one layer, fp32
+            assert written == (-(-n // 4) * 4 * row, 3 * min(n, W) * row), (
+                "the ranks' bytes add up to one rank's"
+            )
+            for c, proc, ref in zip(conns, procs, refs, strict=True):
+                c.send((done, n, ref))
+                assert _recv(c, proc) == "ok"
+    finally:
+        torch.cuda.synchronize(dev)
+        for peer in peers:  # the exporters outlive the mappings: unmap before the children exit
+            peer.close()
+        for c, proc in zip(conns, procs, strict=True):
+            if proc.is_alive():
+                c.send("stop")
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
