@@ -32,7 +32,6 @@ from shared.kernels.argmax import argmax_rows
 from shared.kernels.attention import AttentionOps, ops_for
 from shared.kernels.attention.fused_rope import RopeInKernel
 from shared.kernels.decode_advance import DecodeRows, advance_rows
-from shared.kernels.fp8_act import Fp8Act
 from shared.kernels.token_table import take_tokens
 from shared.model import gemm_tuning
 from shared.model.layers import RopeArgs
@@ -83,9 +82,6 @@ class BatchAttention:
 
     An FP8 cache's layer scales (`KVCache.quant`, None for a cache in the model's dtype) go with every
     store and every attention call: whichever kernel stores quantizes, attention dequantizes.
-
-    `quantize_out` (FP8 projections) goes to the attention kernels, except in a mixed step, whose
-    decode rows and prompt chunks are attended apart and joined as they are.
     """
 
     def __init__(
@@ -120,13 +116,11 @@ class BatchAttention:
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None,
-        sinks: torch.Tensor | None = None, quantize_out: bool = False,
-    ) -> torch.Tensor | Fp8Act:  # fmt: skip
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         c, b, i = self.cache, self.batch, self.cache.kind_index[layer]
         quant = c.quant[layer]  # an FP8 cache's scales (None: the model's dtype)
-        extra: dict = {} if sinks is None else {"sinks": sinks}  # gpt-oss's per-head sink logits
-        if quantize_out and not 0 < b.decode_rows < b.num_seqs:  # a mixed step's parts join unquantized
-            extra["quantize_out"] = True
+        extra = {} if sinks is None else {"sinks": sinks}  # gpt-oss's per-head sink logits
         inside = None
         if rope is not None:  # takes_rope: RoPE, the K/V store and attention in one call
             target = self._target(layer)
@@ -156,9 +150,7 @@ class BatchAttention:
             self.ops.store_kv(k, v, c.k_ring_flat[i], c.v_ring_flat[i], b.ring_store, quant)
         return out
 
-    def _by_part(
-        self, attend: Callable[[slice, slice, torch.Tensor, int], torch.Tensor | Fp8Act]
-    ) -> torch.Tensor | Fp8Act:  # fmt: skip
+    def _by_part(self, attend: Callable[[slice, slice, torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
         """`attend(rows, tokens, cu_q, max_q)` over the whole batch, or, in a mixed step, over its
         decode rows (one token each, as a decode) and its prompt chunks apart, joined in token order."""
         b, nd = self.batch, self.batch.decode_rows
@@ -169,7 +161,7 @@ class BatchAttention:
             self._rest_cu = b.cu_q[nd:] - nd
         decodes = attend(slice(0, nd), slice(0, nd), b.cu_q[: nd + 1], 1)
         chunks = attend(slice(nd, None), slice(nd, None), self._rest_cu, b.max_q)
-        return torch.cat([decodes, chunks])  # type: ignore[list-item]  # neither quantized (__call__)
+        return torch.cat([decodes, chunks])
 
     def store_ring_positions(self) -> None:
         """Every sliding layer's ring now holds the chunk's positions, in one kernel for all layers

@@ -99,15 +99,6 @@ class ModelKernels(ABC):
         (`before`) takes its input: here 16-bit rows (FP8 kernels: quantized ones)."""
         return self.gelu_tanh_mul(gate_up) if gelu else self.silu_mul(gate_up)
 
-    def o_quant_group(self, rows: int, o_proj: nn.Module, span: int) -> int | None:
-        """The columns a scale in which the o projection `o_proj` takes attention's output of `rows`
-        rows quantized, or None: the output as it is (here always; FP8 kernels: quantized).
-
-        `span` is one kv head's query heads' columns: decode attention quantizes its own output in
-        those groups as it writes it (`quantize_out`), and the o projection's input gets no
-        quantizer kernel of its own."""
-        return None
-
     @abstractmethod
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """gate_up [T, 2I] -> silu(gate) * up [T, I]."""

@@ -29,7 +29,6 @@ registers or address arithmetic from the warps, so a deeper pipeline keeps more 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,7 @@ from shared.kernels._norm_checks import check_triton_device, fail
 from shared.kernels._round import round_to
 from shared.kernels._tickets import tickets
 
-__all__ = ["GemmConfig", "Scales", "choose_config", "k_tile", "skinny_gemm", "tma_capable"]
+__all__ = ["GemmConfig", "Scales", "choose_config", "skinny_gemm", "tma_capable"]
 
 
 # M (the batch's rows) changes every step: only masks and the activation scales' stride read it, and
@@ -54,8 +53,7 @@ def _skinny_gemm_kernel(
     as_ptr, ws_ptr, bias_ptr, stride_asm, stride_asg, stride_wsn, stride_wsg,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr, ADD: tl.constexpr, SCALED: tl.constexpr, A_GROUPED: tl.constexpr,
-    W_GROUPED: tl.constexpr, A_GROUP: tl.constexpr, W_GROUP: tl.constexpr, W_ROWS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
+    W_GROUPED: tl.constexpr, W_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -69,9 +67,9 @@ def _skinny_gemm_kernel(
     # the tail; descriptor loads at the end, where its registers do not stand between the pipeline's.
     if ADD and not TMA:
         addend = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
-    # FP8 operands' scales (SCALED): a row's (x) and a column's (w), either one per group of A_GROUP
-    # (W_GROUP) columns of K (GROUPED: a K step lies inside one group, and its partial product is
-    # scaled before it joins the sum) or one for all of K (the sum is scaled once, at the end).
+    # FP8 operands' scales (SCALED): a row's (x) and a column's (w), either one per K step (GROUPED:
+    # the step is one scale group, and its partial product is scaled before it joins the sum) or one
+    # for all of K (the sum is scaled once, at the end).
     as_rows = as_ptr + rm * stride_asm
     ws_cols = ws_ptr + (rn // W_ROWS) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -95,9 +93,9 @@ def _skinny_gemm_kernel(
         else:
             part = tl.dot(x, tl.trans(w))
         if A_GROUPED:
-            part = part * tl.load(as_rows + (k0 // A_GROUP) * stride_asg, mask=m_ok, other=0.0)[:, None]
+            part = part * tl.load(as_rows + (k0 // BLOCK_K) * stride_asg, mask=m_ok, other=0.0)[:, None]
         if W_GROUPED:
-            part = part * tl.load(ws_cols + (k0 // W_GROUP) * stride_wsg, mask=n_ok, other=0.0)[None, :]
+            part = part * tl.load(ws_cols + (k0 // BLOCK_K) * stride_wsg, mask=n_ok, other=0.0)[None, :]
         acc += part
     if ADD and TMA:
         addend = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
@@ -154,10 +152,9 @@ def choose_config(
     sweep at 16 and 1 rows, 32-column blocks only, agreed but for o): outputs too narrow for 32-column
     blocks to fill the SMs take 16-column blocks, or split K four ways when K is deep (the down
     projection); wide outputs stream 128-deep K tiles (1-byte operands: twice as deep, the same
-    bytes). FP8 operands scaled per K group take a K tile that divides the group (`k_tile`). The K
-    tile, then the pipeline, shrink until the stages' operand tiles fit in shared memory. With
-    `tma`, batches of more than 16 rows take the tiles for descriptor loads on `sms` SMs
-    (`_tma_config`)."""
+    bytes). FP8 operands scaled per K group take that group as their K tile. The K tile, then the
+    pipeline, shrink until the stages' operand tiles fit in shared memory. With `tma`, batches of
+    more than 16 rows take the tiles for descriptor loads on `sms` SMs (`_tma_config`)."""
     narrow = triton.cdiv(n, 32) < 96
     split = 4 if narrow and k >= 4096 else 1
     block_n = 16 if narrow and split == 1 else 32
@@ -169,7 +166,8 @@ def choose_config(
         # FP8 gate/up (the best of `bench/gemm_fp8.py --model 8b`'s sweep): wider column blocks re-read
         # the activations fewer times, over a shorter K tile and pipeline.
         block_n, block_k, stages = 64, 128, 3
-    block_k = k_tile(block_k, group)
+    if group is not None:
+        block_k = group
     a_rows = max(16, next_pow2(m))
     while stages * block_k * itemsize * (a_rows + block_n) > _SMEM_BUDGET and stages > 2:
         if block_k > 64 and group is None:
@@ -190,7 +188,7 @@ def _tma_config(
     8 warps over 128-deep tiles, four deep."""
     if not narrow and n > 8192:
         return GemmConfig(128, 128, split_k=split, num_warps=8, num_stages=4, tma=True)
-    block_k = k_tile(256 // itemsize, group)
+    block_k = group or 256 // itemsize
     stages = 6 if triton.cdiv(n, block_n) * split <= sms else 4
     if block_k * itemsize < 256:
         stages = min(8, stages * 256 // (block_k * itemsize))
@@ -200,25 +198,12 @@ def _tma_config(
     return GemmConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=stages, tma=True)
 
 
-def k_tile(natural: int, group: int | None) -> int:
-    """The K tile of a GEMM whose operands are scaled per `group` columns of K (None: not grouped):
-    `natural`, halved until it divides the group (each K step must lie inside one group), or the
-    group itself where no power of two from 16 up does."""
-    if group is None:
-        return natural
-    tile = natural
-    while tile > 16 and group % tile:
-        tile //= 2
-    return tile if group % tile == 0 else group
-
-
 @dataclass(frozen=True)
 class Scales:
     """FP8 operands' float32 dequantizing scales (value = e4m3 * scale), as `shared/kernels/fp8`
     holds them: x's [M, ceil(K / x_group)] (any strides) and w's [ceil(N / w_block[0]),
-    ceil(K / w_block[1])]; the output's dtype and an optional bias [N] in it. Scales per K group need
-    a K tile that divides every group (`choose_config(..., group=)`): x's groups may be finer or
-    coarser than w's blocks."""
+    ceil(K / w_block[1])]; the output's dtype and an optional bias [N] in it. A scale per K group
+    needs the K tile to be that group (`choose_config(..., group=)`)."""
 
     x: torch.Tensor
     x_group: int
@@ -248,15 +233,13 @@ def skinny_gemm(
     check_triton_device(op, x.device)
     dtype = x.dtype if scales is None else scales.out_dtype
     a_grouped, w_grouped = _grouping(op, m, n, k, x, scales)
-    # the K tile must divide both operands' groups
-    grouped = [g for g, on in ((_x_group(scales), a_grouped), (_w_group(scales), w_grouped)) if on]
-    group = math.gcd(*grouped) if grouped else None
+    group = scales.x_group if a_grouped else scales.w_block[1] if w_grouped else None  # type: ignore[union-attr]
     if cfg is None:
         tma = scales is not None and _tma_default(x.device) and tma_capable(x, w)
         sms = _sms(x.device) if x.device.type == "cuda" else 132
         cfg = choose_config(m, n, k, itemsize=x.element_size(), group=group, tma=tma, sms=sms)
-    if group is not None and group % cfg.block_k:
-        fail(op, f"scales per {group}-column group need a block_k that divides {group}, got {cfg.block_k}")
+    if group is not None and cfg.block_k != group:
+        fail(op, f"scales per {group}-column group need block_k = {group}, got {cfg.block_k}")
     if cfg.tma and not tma_capable(x, w):
         strides = f"row strides {x.stride(0)} and {w.stride(0)}"
         fail(op, f"tma needs 1- or 2-byte operands on 16-byte aligned rows, got {x.dtype}, {strides}")
@@ -292,7 +275,6 @@ def skinny_gemm(
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         F32_DOT=f32_dot(x.dtype) or (scales is not None and interpreting()), ADD=add is not None,
         SCALED=scales is not None, A_GROUPED=a_grouped, W_GROUPED=w_grouped,
-        A_GROUP=_x_group(scales) if a_grouped else 1, W_GROUP=_w_group(scales) if w_grouped else 1,
         W_ROWS=1 if scales is None else scales.w_block[0], HAS_BIAS=bias is not None, TMA=cfg.tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -322,14 +304,6 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _x_group(scales: Scales | None) -> int:
-    return 1 if scales is None else scales.x_group
-
-
-def _w_group(scales: Scales | None) -> int:
-    return 1 if scales is None else scales.w_block[1]
-
-
 def _grouping(op: str, m: int, n: int, k: int, x: torch.Tensor, scales: Scales | None) -> tuple[bool, bool]:
     """Whether x's and w's scales are per K group; shapes and dtypes checked (never values)."""
     if scales is None:
@@ -348,6 +322,8 @@ def _grouping(op: str, m: int, n: int, k: int, x: torch.Tensor, scales: Scales |
             got = f"{t.dtype} {list(t.shape)} on {t.device}"
             fail(op, f"{name} must be float32 {list(want)} on {x.device}, got {got}")
     a_grouped, w_grouped = g < k, bk < k
+    if a_grouped and w_grouped and g != bk:
+        fail(op, f"x's groups ({g} columns) and w's blocks ({bk} columns) must match")
     b = scales.bias
     if b is not None and (tuple(b.shape) != (n,) or b.dtype != scales.out_dtype or b.stride(0) != 1):
         fail(op, f"scales.bias must be a contiguous [{n}] tensor of {scales.out_dtype}")

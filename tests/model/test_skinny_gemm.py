@@ -115,16 +115,8 @@ def test_fp8_descriptor_loads_take_the_sweeps_best_above_16_rows() -> None:
     assert tma(64, 4096, 14336) == GemmConfig(32, 256, 1, 4, 6, tma=True)  # down
     assert tma(64, 28672, 4096) == GemmConfig(128, 128, 1, 8, 4, tma=True)  # gate/up
     assert tma(64, 6144, 4096, 128) == GemmConfig(32, 128, 1, 4, 8, tma=True)  # half-deep tiles
-    # o, its input quantized by attention per (token, kv head): 256-deep tiles, two to a group
-    assert tma(64, 4096, 4096, 512) == GemmConfig(32, 256, 1, 4, 6, tma=True)
     assert tma(64, 28672, 4096, 128) == choose_config(64, 28672, 4096, itemsize=1, group=128)  # pointers
     assert tma(16, 4096, 14336) == choose_config(16, 4096, 14336, itemsize=1)  # pointer loads
-
-
-def test_a_grouped_k_tile_divides_the_group() -> None:
-    assert sg.k_tile(256, None) == 256
-    assert [sg.k_tile(256, g) for g in (128, 512, 192, 64)] == [128, 256, 64, 64]
-    assert sg.k_tile(256, 200) == 200  # no power of two from 16 divides it: the group itself
 
 
 def test_the_default_config_fits_its_operand_tiles_in_shared_memory() -> None:

@@ -10,15 +10,11 @@ merge counts the sink once.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from shared.kernels._fp8_tile import quantize_tile
 from shared.kernels.attention.merge_splits import merge_splits
-from shared.kernels.fp8_act import E4M3, Fp8Act, scale_buffer
 
 
 @triton.jit
@@ -38,29 +34,16 @@ def split_range(lo, hi, split, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def store_result(
     acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
-    stride_ot, stride_oh, num_splits, kvh, q8_ptr, qs_ptr, stride_q8t, stride_qsg, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, QUANT_OUT: tl.constexpr,
+    stride_ot, stride_oh, num_splits, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    """Normalize the running softmax and store it: the output itself, or this split's partial row.
-
-    QUANT_OUT (an unsplit decode call, one token a tile): the output as the FP8 o projection takes
-    it instead, rounded to the output's dtype as it would be stored, then quantized to e4m3 with one
-    scale for the tile, its token's query heads of kv head `kvh`: rows of q8 [T, Hq * D], the scale
-    at qs [token, kvh] (column-major, stride_qsg = T)."""
+    """Normalize the running softmax and store it: the output itself, or this split's partial row."""
     d = tl.arange(0, BLOCK_D)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     if num_splits == 1:
-        if QUANT_OUT:
-            o = tl.where(mask, o.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)
-            q8, scale = quantize_tile(o)
-            q8_rows = q8_ptr + tok[:, None] * stride_q8t + head[:, None] * HEAD_DIM
-            tl.store(q8_rows + d[None, :], q8, mask=mask)
-            tl.store(qs_ptr + tok + kvh * stride_qsg, tl.where(row_ok, scale, 0.0), mask=row_ok)
-        else:
-            out = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-            tl.store(out, o.to(out_ptr.dtype.element_ty), mask=mask)
+        out = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         # Partials are [num_splits, T, Hq, (D)]; a split that saw no key has lse = -inf and weighs nothing.
         row = (split * num_tokens + tok) * num_q_heads + head
@@ -94,34 +77,3 @@ def merge(out: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, num_s
     if num_splits > 1:
         merge_splits(part_o, part_lse, out)
     return out
-
-
-class QuantOut(NamedTuple):
-    """Where a decode call writes its output quantized for the FP8 o projection (`store_result`'s
-    QUANT_OUT): e4m3 rows [T, Hq * D] and one float32 scale a token and kv head, [T, Hkv] column-major
-    as the FP8 quantizers write theirs; fp32 stand-ins when the call stores its output as it is."""
-
-    fused: bool
-    data: torch.Tensor
-    scale: torch.Tensor
-
-    def args(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """The kernel's q8_ptr, qs_ptr, stride_q8t and stride_qsg."""
-        return self.data, self.scale, self.data.stride(0), self.scale.stride(1)
-
-    def result(self, out: torch.Tensor, num_kv_heads: int) -> torch.Tensor | Fp8Act:
-        """The call's result: `out`, or the quantized rows, a scale every Hq / Hkv * D columns."""
-        if not self.fused:
-            return out
-        return Fp8Act(self.data, self.scale, self.data.shape[1] // num_kv_heads, out.dtype)
-
-
-def quant_out(q: torch.Tensor, num_kv_heads: int, wanted: bool, num_splits: int, block_q: int) -> QuantOut:
-    """A call's `QuantOut`: fused where the output was `wanted` quantized and the call can (one kernel
-    writes it: no split; one token a tile, whose heads of one kv head are one scale group)."""
-    if not (wanted and num_splits == 1 and block_q == 1):
-        _, unused, _ = outputs(q, 1)
-        return QuantOut(False, unused.view(1, 1), unused.view(1, 1))
-    tokens = q.shape[0]
-    data = torch.empty((tokens, q.shape[1] * q.shape[2]), dtype=E4M3, device=q.device)
-    return QuantOut(True, data, scale_buffer(tokens, num_kv_heads, q.device))

@@ -11,11 +11,6 @@ only host-side sizes as Python ints, so neither ever syncs.
 dequantizes, and a sliding layer's chunk keys are attended as the ring will hold them
 (`shared/kernels/kv_quant.py`). None (the default): the cache holds q's dtype, as always.
 
-`quantize_out` (an FP8 o projection after attention): the output may come back as an `Fp8Act`, e4m3
-rows [T, Hq * D] with one scale a token and kv head, which the Triton kernels write instead of the
-output where one kernel writes it (an unsplit decode call); the torch implementation, and every other
-call, returns the output as it is, for the caller to quantize.
-
 `sinks` (gpt-oss's learned attention sinks, float32 [Hq] on q's device): query head h's softmax also
 runs over the logit sinks[h], whose probability is dropped (it has no value), on sliding and full
 layers alike (`reference.py` has the formula). None (the default): no sink, results as always.
@@ -30,7 +25,6 @@ import torch
 
 from shared.kernels.attention import reference
 from shared.kernels.attention.fused_rope import RopeInKernel, check_rope_in_kernel
-from shared.kernels.fp8_act import Fp8Act
 from shared.kernels.kv_quant import KVQuant
 
 Tensor = torch.Tensor
@@ -54,8 +48,7 @@ class AttentionOps(ABC):
         cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
         k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
         rope: RopeInKernel | None = None, quant: KVQuant | None = None, sinks: torch.Tensor | None = None,
-        quantize_out: bool = False,
-    ) -> torch.Tensor | Fp8Act:  # fmt: skip
+    ) -> torch.Tensor:  # fmt: skip
         """Causal (optionally windowed) attention over a paged cache that already holds the chunk.
 
         With `rope` (decode-shaped calls: max_q == 1) the cache does not hold the chunk yet: q and
@@ -67,8 +60,8 @@ class AttentionOps(ABC):
         self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor,
         v_ring: torch.Tensor, slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int,
         scale: float, window: int, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
-        sinks: torch.Tensor | None = None, quantize_out: bool = False,
-    ) -> torch.Tensor | Fp8Act:  # fmt: skip
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Sliding-window attention over a ring of the history before the chunk plus the chunk itself.
 
         With `rope` (decode-shaped calls) q and k_new arrive before RoPE; RoPE is applied and the
@@ -92,8 +85,8 @@ class TorchOps(AttentionOps):
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_q: Tensor, q_start: Tensor,
         *, max_q: int, scale: float, window: int | None, k_new: Tensor | None = None,
         v_new: Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
-        sinks: Tensor | None = None, quantize_out: bool = False,
-    ) -> Tensor | Fp8Act:  # fmt: skip
+        sinks: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
         reference.check_sinks("paged_attention", sinks, q)  # before RoPE's store
         if rope is not None:
             q, _, _ = _rope_and_store("paged_attention", rope, q, k_new, v_new, max_q, quant)
@@ -106,8 +99,7 @@ class TorchOps(AttentionOps):
         self, q: Tensor, k_new: Tensor, v_new: Tensor, k_ring: Tensor, v_ring: Tensor, slots: Tensor,
         cu_q: Tensor, q_start: Tensor, *, max_q: int, scale: float, window: int,
         rope: RopeInKernel | None = None, quant: KVQuant | None = None, sinks: Tensor | None = None,
-        quantize_out: bool = False,
-    ) -> Tensor | Fp8Act:  # fmt: skip
+    ) -> Tensor:  # fmt: skip
         reference.check_sinks("ring_attention", sinks, q)  # before RoPE's store
         if rope is not None:
             q, k_new, v_new = _rope_and_store("ring_attention", rope, q, k_new, v_new, max_q, quant)
@@ -163,22 +155,21 @@ class TritonOps(AttentionOps):
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_q: Tensor, q_start: Tensor,
         *, max_q: int, scale: float, window: int | None, k_new: Tensor | None = None,
         v_new: Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
-        sinks: Tensor | None = None, quantize_out: bool = False,
-    ) -> Tensor | Fp8Act:  # fmt: skip
+        sinks: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
         return self._paged(
             q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window,
-            k_new=k_new, v_new=v_new, rope=rope, quant=quant, sinks=sinks, quantize_out=quantize_out,
+            k_new=k_new, v_new=v_new, rope=rope, quant=quant, sinks=sinks,
         )  # fmt: skip
 
     def ring_attention(
         self, q: Tensor, k_new: Tensor, v_new: Tensor, k_ring: Tensor, v_ring: Tensor, slots: Tensor,
         cu_q: Tensor, q_start: Tensor, *, max_q: int, scale: float, window: int,
         rope: RopeInKernel | None = None, quant: KVQuant | None = None, sinks: Tensor | None = None,
-        quantize_out: bool = False,
-    ) -> Tensor | Fp8Act:  # fmt: skip
+    ) -> Tensor:  # fmt: skip
         return self._ring(
             q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window,
-            rope=rope, quant=quant, sinks=sinks, quantize_out=quantize_out,
+            rope=rope, quant=quant, sinks=sinks,
         )  # fmt: skip
 
 

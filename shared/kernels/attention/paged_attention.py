@@ -41,7 +41,7 @@ from shared.kernels.attention._online_softmax import (
     softmax_start,
     tile_queries,
 )
-from shared.kernels.attention._split_k import merge, outputs, quant_out, split_range, store_result
+from shared.kernels.attention._split_k import merge, outputs, split_range, store_result
 from shared.kernels.attention.fused_rope import (
     RopeInKernel,
     check_rope_in_kernel,
@@ -49,17 +49,16 @@ from shared.kernels.attention.fused_rope import (
     rms_constexprs,
 )
 from shared.kernels.attention.reference import check_sinks
-from shared.kernels.fp8_act import Fp8Act
 from shared.kernels.kv_quant import KVQuant
 
 
-# num_tokens, the block table's width and (stride_qsg) the quantized output's scale stride change every
-# step, num_splits every batch shape: specializing on them (== 1, % 16) would compile a new kernel
-# mid-traffic. So would the alignment of the block table and the per-sequence int32 fields, views
-# into one packed buffer at offsets that move with the batch (read a few values at a time), or of the
-# sinks (a slice of a layer's heads, read once). One compiled kernel per query tile.
+# num_tokens and the block table's width change every step, num_splits every batch shape: specializing
+# on them (== 1, % 16) would compile a new kernel mid-traffic. So would the alignment of the block
+# table and the per-sequence int32 fields, views into one packed buffer at offsets that move with the
+# batch (read a few values at a time), or of the sinks (a slice of a layer's heads, read once). One
+# compiled kernel per query tile.
 @triton.jit(
-    do_not_specialize=["stride_bt", "num_tokens", "num_splits", "stride_qsg"],
+    do_not_specialize=["stride_bt", "num_tokens", "num_splits"],
     do_not_specialize_on_alignment=["bt_ptr", "cu_q_ptr", "q_start_ptr", "sinks_ptr"],
 )
 def _paged_attention_kernel(
@@ -69,12 +68,10 @@ def _paged_attention_kernel(
     kn_ptr, vn_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
     stride_vdh, num_positions, eps, rms_ptr, stride_rms, rms_size, rms_eps, v_scale, inv_k, inv_v, sinks_ptr,
-    q8_ptr, qs_ptr, stride_q8t, stride_qsg,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
     RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
-    QUANT_OUT: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -137,8 +134,7 @@ def _paged_attention_kernel(
 
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
-        stride_ot, stride_oh, num_splits, kvh, q8_ptr, qs_ptr, stride_q8t, stride_qsg, BLOCK_D, HEAD_DIM,
-        QUANT_OUT,
+        stride_ot, stride_oh, num_splits, BLOCK_D, HEAD_DIM,
     )  # fmt: skip
 
 
@@ -147,8 +143,8 @@ def paged_attention(
     cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
     num_splits: int | None = None, tiles: Tiles | None = None, k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
-    sinks: torch.Tensor | None = None, quantize_out: bool = False,
-) -> torch.Tensor | Fp8Act:  # fmt: skip
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.paged_attention` (same arguments, same contracts).
 
     With `rope` (decode-shaped calls), the pages do not hold the chunk yet: q and k_new [T, Hkv, D]
@@ -157,11 +153,6 @@ def paged_attention(
 
     `sinks` (float32 [Hq]; None: none): gpt-oss's attention sinks (`reference.py`), started from by
     split 0's online softmax (`_online_softmax.softmax_start`).
-
-    `quantize_out`: the output may come back quantized for an FP8 o projection instead, an `Fp8Act`
-    of e4m3 rows [T, Hq * D] with one scale a token and kv head (`fp8/reference.py` `quantize` of the
-    output rows, groups of Hq / Hkv * D columns, bit for bit): written by this kernel where one
-    kernel writes the output (an unsplit decode call); otherwise the output comes back as it is.
 
     `num_splits` forces the split-K factor (any positive int; None picks one from host sizes). `tiles`
     forces block_n, num_warps and num_stages (`_launch.resolve_tiles` checks it; None is `choose_tiles`):
@@ -186,7 +177,6 @@ def paged_attention(
         span = min(span, window + tiles.block_q - 1)
     num_splits = choose_splits(op, q.device, num_splits, tiles, max_q, vl.batch * vl.num_kv_heads, span)
     out, part_o, part_lse = outputs(q, num_splits)
-    q8 = quant_out(q, vl.num_kv_heads, quantize_out, num_splits, tiles.block_q)
     grid = (tiles.q_blocks(max_q) * num_splits, vl.batch, vl.num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_table, cu_q, q_start, out, part_o, part_lse,
@@ -196,12 +186,11 @@ def paged_attention(
         window if window is not None else 0, num_splits,
         kn, vn, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), *kernel_args(rope, q, kn),
         *quant_args(quant), q if sinks is None else sinks,  # q: unread without sinks
-        *q8.args(),
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim, PAGE_SIZE=page_size,
         HAS_WINDOW=window is not None, F32_DOT=f32_dot(q.dtype), ROPE=rope is not None,
         NORM=rope is not None and rope.norm, **rms_constexprs(rope), KV_FP8=quant is not None,
-        SINKS=sinks is not None, QUANT_OUT=q8.fused, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        SINKS=sinks is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **rounding_options(q.dtype),
     )  # fmt: skip
-    return q8.result(merge(out, part_o, part_lse, num_splits), vl.num_kv_heads)
+    return merge(out, part_o, part_lse, num_splits)

@@ -43,7 +43,7 @@ from shared.kernels.attention._online_softmax import (
     softmax_start,
     tile_queries,
 )
-from shared.kernels.attention._split_k import merge, outputs, quant_out, split_range, store_result
+from shared.kernels.attention._split_k import merge, outputs, split_range, store_result
 from shared.kernels.attention.fused_rope import (
     RopeInKernel,
     check_rope_in_kernel,
@@ -51,17 +51,16 @@ from shared.kernels.attention.fused_rope import (
     rms_constexprs,
 )
 from shared.kernels.attention.reference import check_sinks
-from shared.kernels.fp8_act import Fp8Act
 from shared.kernels.kv_quant import KVQuant
 
 
-# num_tokens (and stride_qsg, the quantized output's scale stride) changes every step and num_splits
-# every batch shape: specializing on either (== 1, % 16) would compile a new kernel mid-traffic. So
-# would the alignment of the per-sequence int32 fields, views into one packed buffer at offsets that
-# move with the batch (read a value at a time, they gain nothing from it), nor would the sinks' (a
-# slice of a layer's heads). One compiled kernel per query tile.
+# num_tokens changes every step and num_splits every batch shape: specializing on either (== 1, % 16)
+# would compile a new kernel mid-traffic. So would the alignment of the per-sequence int32 fields,
+# views into one packed buffer at offsets that move with the batch (read a value at a time, they
+# gain nothing from it), nor would the sinks' (a slice of a layer's heads). One compiled kernel per
+# query tile.
 @triton.jit(
-    do_not_specialize=["num_tokens", "num_splits", "stride_qsg"],
+    do_not_specialize=["num_tokens", "num_splits"],
     do_not_specialize_on_alignment=["slots_ptr", "cu_q_ptr", "q_start_ptr", "sinks_ptr"],
 )
 def _ring_attention_kernel(
@@ -71,12 +70,10 @@ def _ring_attention_kernel(
     stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
     stride_vdh, num_positions, eps, rms_ptr, stride_rms, rms_size, rms_eps, v_scale, inv_k, inv_v, sinks_ptr,
-    q8_ptr, qs_ptr, stride_q8t, stride_qsg,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
     ROPE: tl.constexpr, NORM: tl.constexpr,
     RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
-    QUANT_OUT: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -168,8 +165,7 @@ def _ring_attention_kernel(
 
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
-        stride_ot, stride_oh, num_splits, kvh, q8_ptr, qs_ptr, stride_q8t, stride_qsg, BLOCK_D, HEAD_DIM,
-        QUANT_OUT,
+        stride_ot, stride_oh, num_splits, BLOCK_D, HEAD_DIM,
     )  # fmt: skip
 
 
@@ -177,8 +173,8 @@ def ring_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
     slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int,
     num_splits: int | None = None, tiles: Tiles | None = None, rope: RopeInKernel | None = None,
-    quant: KVQuant | None = None, sinks: torch.Tensor | None = None, quantize_out: bool = False,
-) -> torch.Tensor | Fp8Act:  # fmt: skip
+    quant: KVQuant | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.ring_attention` (same arguments, same contracts).
 
     With `rope` (decode-shaped calls), q, k_new arrive before RoPE: the kernel rotates them and stores
@@ -186,11 +182,6 @@ def ring_attention(
 
     `sinks` (float32 [Hq]; None: none): gpt-oss's attention sinks (`reference.py`), started from by
     split 0's online softmax (`_online_softmax.softmax_start`).
-
-    `quantize_out`: the output may come back quantized for an FP8 o projection instead, an `Fp8Act`
-    of e4m3 rows [T, Hq * D] with one scale a token and kv head (`fp8/reference.py` `quantize` of the
-    output rows, groups of Hq / Hkv * D columns, bit for bit): written by this kernel where one
-    kernel writes the output (an unsplit decode call); otherwise the output comes back as it is.
 
     `num_splits` forces the split-K factor over the ring (any positive int; None picks one from host
     sizes: more than one only for decode-shaped calls on CUDA). `tiles` forces block_n, num_warps and
@@ -208,7 +199,6 @@ def ring_attention(
     # The ring's W entries are what gets split (the chunk's keys all go to the last split).
     num_splits = choose_splits(op, q.device, num_splits, tiles, max_q, vl.batch * vl.num_kv_heads, window)
     out, part_o, part_lse = outputs(q, num_splits)
-    q8 = quant_out(q, vl.num_kv_heads, quantize_out, num_splits, tiles.block_q)
     grid = (tiles.q_blocks(max_q) * num_splits, vl.batch, vl.num_kv_heads)
     _ring_attention_kernel[grid](
         q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, out, part_o, part_lse,
@@ -217,11 +207,10 @@ def ring_attention(
         v_ring.stride(2), out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads,
         softmax_scale(scale, quant), window, num_splits, *kernel_args(rope, q, k_new), *quant_args(quant),
         q if sinks is None else sinks,  # q: unread without sinks
-        *q8.args(),
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim,
         F32_DOT=f32_dot(q.dtype), ROPE=rope is not None, NORM=rope is not None and rope.norm,
-        **rms_constexprs(rope), KV_FP8=quant is not None, SINKS=sinks is not None, QUANT_OUT=q8.fused,
+        **rms_constexprs(rope), KV_FP8=quant is not None, SINKS=sinks is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **rounding_options(q.dtype),
     )  # fmt: skip
-    return q8.result(merge(out, part_o, part_lse, num_splits), vl.num_kv_heads)
+    return merge(out, part_o, part_lse, num_splits)

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.kernels._fp8_tile import group_offsets, quantize_groups
 from shared.kernels._norm_checks import check_activation, check_triton_device, fail
+from shared.kernels.fp8._tile import group_offsets, quantize_groups
 from shared.kernels.fp8.quant import group_launch
 from shared.kernels.fp8.reference import Fp8Act
 from shared.kernels.silu_mul import glu

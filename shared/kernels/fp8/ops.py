@@ -5,10 +5,7 @@ kernels, and its forward, are the plain ones.
 
 An FP8 layer is anything that is not an `nn.Linear` and has `weight` [N, K] e4m3, `weight_scale_inv`
 float32 block scales, `block` (bn, bk) and `bias`; its activations are quantized per token in bk-column
-groups (`reference.quantize`), by the norm before it (`rms_norm_quant`), by the SwiGLU kernel
-(`glu_quant`) or by `quantize` here. The o projection of a decode-sized batch takes them in groups of
-one kv head's query heads instead, which decode attention writes as it stores its output
-(`o_quant_group`).
+groups (`reference.quantize`), by the norm before it (`rms_norm_quant`) or by `quantize` here.
 """
 
 from __future__ import annotations
@@ -79,15 +76,6 @@ class Fp8Kernels(ModelKernels):
             return super().glu(gate_up, gelu, before)
         return self.glu_quant(gate_up, before.block[1], gelu)  # type: ignore[union-attr]
 
-    def o_quant_group(self, rows: int, o_proj: nn.Module, span: int) -> int | None:
-        """`span` where the skinny GEMM takes the FP8 o projection (decode-sized batches): its K steps
-        scale each partial product by its group's scale, so attention's per-kv-head groups suit it
-        whatever the weight's blocks. Larger batches go to GEMMs that take the weight's own groups
-        (cuBLAS's 1x128 or per-row scaling) and keep `quantize` in `o_proj.block[1]` columns."""
-        if isinstance(o_proj, nn.Linear) or rows > _SKINNY_ROWS:
-            return None
-        return span
-
     def glu_quant(self, gate_up: Tensor, group: int, gelu: bool) -> Fp8Act:
         """`glu`'s activation quantized as `quantize` would, for the FP8 down projection."""
         return reference.glu_quant(gate_up, group, gelu)
@@ -127,9 +115,6 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
 
     def glu_quant(self, gate_up: Tensor, group: int, gelu: bool) -> Fp8Act:
         return self._glu_quant(gate_up, group, gelu)
-
-    def o_quant_group(self, rows: int, o_proj: nn.Module, span: int) -> int | None:
-        return None if self.gemm == "cublas" else super().o_quant_group(rows, o_proj, span)
 
     def _on_cublas(self, layer: Fp8Layer) -> bool:
         """Whether cuBLASLt runs this layer's GEMMs: decided once a layer, by its shapes and (once a

@@ -15,12 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.kernels._fp8_tile import group_offsets, quantize_groups
 from shared.kernels._launch import next_pow2
 from shared.kernels._norm_checks import check_activation, check_triton_device, fail
-from shared.kernels.fp8_act import E4M3, Fp8Act, scale_buffer
+from shared.kernels.fp8._tile import group_offsets, quantize_groups
+from shared.kernels.fp8.reference import E4M3, Fp8Act
 
-__all__ = ["group_launch", "group_tiles", "quantize", "warps"]
+__all__ = ["group_launch", "group_tiles", "quantize", "scale_buffer", "warps"]
 
 
 # The scales' row stride is T, which changes every step: specializing on it would compile mid-traffic.
@@ -35,6 +35,11 @@ def _quant_kernel(
     q, scale = quantize_groups(y)
     tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
     tl.store(s_ptr + row + g * stride_sg, scale, mask=g < tl.cdiv(size, group))
+
+
+def scale_buffer(rows: int, groups: int, device: torch.device) -> torch.Tensor:
+    """[rows, groups] float32, column-major (each group's scales of every row contiguous)."""
+    return torch.empty((groups, rows), dtype=torch.float32, device=device).t()
 
 
 def group_tiles(size: int, group: int) -> tuple[int, int, int]:

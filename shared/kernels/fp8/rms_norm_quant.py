@@ -13,11 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.kernels._fp8_tile import group_offsets, quantize_groups
 from shared.kernels._norm_checks import check_rms_norm, fail
 from shared.kernels._round import round_to
-from shared.kernels.fp8.quant import group_tiles, warps
-from shared.kernels.fp8_act import E4M3, Fp8Act, scale_buffer
+from shared.kernels.fp8._tile import group_offsets, quantize_groups
+from shared.kernels.fp8.quant import group_tiles, scale_buffer, warps
+from shared.kernels.fp8.reference import E4M3, Fp8Act
 
 __all__ = ["rms_norm_quant"]
 
