@@ -20,7 +20,7 @@ from shared.client.credentials import (
     add_credential_flags,
     credentials_from_args,
 )
-from shared.client.up import Services
+from shared.client.up import Services, place, placed, visible_gpus
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -34,7 +34,11 @@ decode_service --help`): decode's own flags (--prefill-timeout, --kv-transfer,
 yours win. Flags after `--` are passed on without being read here.
 
   pdserve up --model /models/Qwen3-0.6B --device cuda --max-running 64 --prefill-timeout 60
+  pdserve up --model /models/Qwen3-8B --device cuda --tp 2 --decode-tp 4
   pdserve up --port 6000 --prefill-port 0 -- --no-metrics
+
+On GPUs each service gets its own: prefill's ranks from --device's GPU on, decode's on the GPUs after
+them, on a host that shows enough GPUs; else both run on the same ones.
 
 Each line the services print is shown prefixed by its role ([prefill] ..., [decode] ...). Ctrl-C or
 SIGTERM drains decode, then prefill (a second one kills both); the exit code is the worst service's.
@@ -73,6 +77,7 @@ def _bounded(
 
 _positive_int, _non_negative_int, _port = _bounded(int, 1), _bounded(int, 0), _bounded(int, 0, 65536)
 _non_negative_float, _positive_float = _bounded(float, 0), _bounded(float, 0, above=True)
+_tp = _bounded(int, 1, 9)  # the services' own bound (shared/serving/config.py)
 
 
 def _device(text: str) -> str:
@@ -107,10 +112,23 @@ def stream(
 
 
 def run_up(args: argparse.Namespace, passthrough: Sequence[str]) -> int:
-    service_args = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, *passthrough]
-    services = Services(service_args, host=args.host, port=args.port, prefill_port=args.prefill_port)
+    prefill_tp, decode_tp = args.tp, args.decode_tp or args.tp
+    gpus = visible_gpus() if args.device != "cpu" else None
+    where = place(args.device, prefill_tp, decode_tp, gpus)
+    decode_device = args.decode_device or where.decode
+    roles = (
+        ["--device", where.prefill, "--tp", str(prefill_tp)],
+        ["--device", decode_device, "--tp", str(decode_tp)],
+    )
+    service_args = ["--model", args.model, "--dtype", args.dtype, *passthrough]
+    services = Services(
+        service_args, host=args.host, port=args.port, prefill_port=args.prefill_port, roles=roles
+    )  # fmt: skip
+    if where.note and not args.decode_device:
+        services.say(where.note)
     model = args.model or "the embedded default model"
-    return services.run(f"prefill and decode on {model} (device {args.device}, dtype {args.dtype})")
+    on = f"prefill on {placed(where.prefill, prefill_tp)}, decode on {placed(decode_device, decode_tp)}"
+    return services.run(f"prefill and decode on {model} ({on}, dtype {args.dtype})")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -197,6 +215,29 @@ def build_parser() -> argparse.ArgumentParser:
         type=_device,
         default="auto",
         help="auto, cpu, cuda or cuda:N; auto = cuda when a GPU is visible (default: auto)",
+    )
+    up.add_argument(
+        "--decode-device",
+        type=_device,
+        default=None,
+        metavar="DEVICE",
+        help="decode's device, where it is not the GPUs after prefill's (default: those, on a host that "
+        "shows enough GPUs for both services' ranks; else --device)",
+    )
+    up.add_argument(
+        "--tp",
+        type=_tp,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks (one process and one GPU each) of both services (default: 1)",
+    )
+    up.add_argument(
+        "--decode-tp",
+        type=_tp,
+        default=0,
+        metavar="N",
+        help="decode's tensor-parallel ranks, where they differ from --tp (the KV cache's heads are "
+        "regrouped on the way; default: --tp)",
     )
     up.add_argument(
         "--dtype",

@@ -14,6 +14,8 @@
 - Each child gets half the host's cores for its torch threads (OMP_NUM_THREADS, unless set): two
   processes that each spin a thread per core fight over every core, and on a 2-core CPU the
   README's bench took 20-30 s to a first token that way instead of about 1 s.
+- On GPUs each role gets its own (`place`): prefill's ranks on the first GPUs from `--device`'s,
+  decode's on the ones after them, where the host shows enough of them; else both share.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import IO
+from typing import IO, NamedTuple
 
-__all__ = ["DECODE_FLAGS", "Service", "Services", "child_env", "free_port", "split_service_args"]
+__all__ = [
+    "DECODE_FLAGS", "Placement", "Service", "Services", "child_env", "free_port", "place", "placed",
+    "split_service_args", "visible_gpus",
+]  # fmt: skip
 
 # decode_service's own flags (decode_service/config.py), each with whether it takes a value: they go to
 # decode alone, every other flag to both services. tests/services/test_cli_up.py keeps this in step.
@@ -64,6 +69,69 @@ def split_service_args(args: Sequence[str]) -> tuple[list[str], list[str]]:
             dest = decode if arg.split("=", 1)[0] in DECODE_FLAGS else both
         dest.append(arg)
     return both, decode
+
+
+class Placement(NamedTuple):
+    """Each service's --device, and a note for the user when they share GPUs."""
+
+    prefill: str
+    decode: str
+    note: str = ""
+
+
+def place(device: str, prefill_tp: int, decode_tp: int, gpus: int | None) -> Placement:
+    """Where the two services run, from `pdserve up`'s --device (auto, cpu, cuda or cuda:N), each
+    service's tensor-parallel degree and the GPUs the host shows (None: unknown).
+
+    A service's rank r runs on its --device's GPU + r. Decode's ranks go on the GPUs after prefill's,
+    when the host shows every GPU both need from --device's on: one GPU a rank, as disaggregation
+    means. A host with fewer (one GPU, say) runs both on the same GPUs, as a single-GPU box must.
+    CPU, or GPUs unknown (no `nvidia-smi`, `auto` on a host without one), leave both on --device."""
+    if device == "cpu" or gpus is None or (device == "auto" and gpus == 0):
+        return Placement(device, device)
+    first = int(device.partition(":")[2] or 0) if device.startswith("cuda") else 0
+    if first + prefill_tp + decode_tp <= gpus:
+        return Placement(f"cuda:{first}", f"cuda:{first + prefill_tp}")
+    shown = f"{gpus} GPU{'s' if gpus != 1 else ''}"
+    note = (
+        f"prefill and decode share {_gpus(first, max(prefill_tp, decode_tp))}: the host shows {shown}, and "
+        f"a GPU each for prefill's {prefill_tp} and decode's {decode_tp} rank(s) from cuda:{first} needs "
+        f"{first + prefill_tp + decode_tp}"
+    )
+    return Placement(f"cuda:{first}", f"cuda:{first}", note)
+
+
+def _gpus(first: int, count: int) -> str:
+    return f"cuda:{first}" if count == 1 else f"cuda:{first}-{first + count - 1}"
+
+
+def placed(device: str, tp: int) -> str:
+    """A service's GPUs (or device) as the user reads them: cuda:2, cuda:0-1, cpu."""
+    if not device.startswith("cuda"):
+        return device
+    return _gpus(int(device.partition(":")[2] or 0), tp)
+
+
+def visible_gpus() -> int | None:
+    """How many GPUs the services will see: CUDA_VISIBLE_DEVICES's entries where it is set (CUDA
+    ignores the entries after an invalid one; so does this count), else the lines of `nvidia-smi -L`;
+    None where neither says (no NVIDIA driver tools)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = 0
+        for entry in visible.split(","):
+            entry = entry.strip()
+            if not entry or entry.startswith("-"):
+                break
+            count += 1
+        return count
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
 
 
 def child_env() -> dict[str, str]:
@@ -188,12 +256,14 @@ class Service:
 class Services:
     """Prefill and decode on `host`, started together; decode paired with this prefill.
 
-    `args` go to both services, except decode's own flags (`DECODE_FLAGS`), which go to decode alone;
-    they come after the flags set here, so they win (argparse keeps the last)."""
+    `roles` (prefill's flags, decode's: the device and tensor-parallel degree `pdserve up` placed each
+    on) come first; then `args`, to both services except decode's own flags (`DECODE_FLAGS`), which go
+    to decode alone. Later flags win (argparse keeps the last), so `args` override `roles`."""
 
     def __init__(
         self, args: Sequence[str] = (), *, host: str = "127.0.0.1", port: int = 50051,
         prefill_port: int = 50052, local_prefill_max_tokens: int = 16, echo: bool = True,
+        roles: tuple[Sequence[str], Sequence[str]] = ((), ()),
     ) -> None:  # fmt: skip
         self._lock = threading.Lock()
         self.stopping = threading.Event()
@@ -203,11 +273,11 @@ class Services:
         reach = "127.0.0.1" if host.strip("[]") in ("", "::", "0.0.0.0") else host
         remote = ["--prefill-target", f"{reach}:{prefill_port}"]
         remote += ["--local-prefill-max-tokens", str(local_prefill_max_tokens)]
-        self.prefill = Service("prefill", host, prefill_port, both, echo=echo, lock=self._lock)
+        prefill_args = [*roles[0], *both]
+        self.prefill = Service("prefill", host, prefill_port, prefill_args, echo=echo, lock=self._lock)
         try:
-            self.decode = Service(
-                "decode", host, port, [*remote, *both, *decode_only], echo=echo, lock=self._lock
-            )
+            decode_args = [*remote, *roles[1], *both, *decode_only]
+            self.decode = Service("decode", host, port, decode_args, echo=echo, lock=self._lock)
         except BaseException:
             self.prefill.signal(signal.SIGKILL)
             raise

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from shared.client.client import Client
+from shared.client.up import Placement, place, placed, visible_gpus
 from tests.services.service_testutil import ROOT, random_spec
 
 # A prompt longer than the 16 tokens `pdserve up` prefills locally: it goes to the prefill service.
@@ -194,6 +195,62 @@ def test_up_serves_a_hugging_face_checkpoint_and_its_chat_template(tmp_path: Pat
         rendered = Tokenizer.from_hf_dir(ckpt).encode_chat(messages)
         assert reply.usage.prompt_tokens == len(rendered) > 16  # > 16: prefilled by the prefill service
         assert reply.finish_reason in ("stop", "length")
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+    finally:
+        up.close()
+
+
+def test_each_service_gets_gpus_of_its_own_where_the_host_shows_enough() -> None:
+    """A rank a GPU: decode's ranks on the GPUs after prefill's, from --device's on; a host with too
+    few shares them (a single-GPU box runs both on its one GPU), and says so."""
+    assert place("cuda", 1, 1, gpus=2) == Placement("cuda:0", "cuda:1")
+    assert place("auto", 2, 4, gpus=8) == Placement("cuda:0", "cuda:2")
+    assert place("cuda:4", 2, 2, gpus=8) == Placement("cuda:4", "cuda:6")
+    shared = place("cuda", 1, 1, gpus=1)
+    assert (shared.prefill, shared.decode) == ("cuda:0", "cuda:0")
+    assert shared.note == (
+        "prefill and decode share cuda:0: the host shows 1 GPU, and a GPU each for prefill's 1 and "
+        "decode's 1 rank(s) from cuda:0 needs 2"
+    )
+    assert place("cuda:1", 2, 2, gpus=4).note.startswith(
+        "prefill and decode share cuda:1-2: the host shows 4 GPUs"
+    )
+    # CPU ranks, no GPU, or GPUs nobody can count: the services' own --device
+    assert place("cpu", 2, 1, gpus=8) == Placement("cpu", "cpu")
+    assert place("auto", 1, 1, gpus=0) == Placement("auto", "auto")
+    assert place("cuda", 2, 2, gpus=None) == Placement("cuda", "cuda")
+    assert placed("cuda:2", 1) == "cuda:2" and placed("cuda:0", 4) == "cuda:0-3" and placed("cpu", 2) == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("visible", "count"), [("0,1,2", 3), ("3", 1), ("", 0), ("0,1,-1,2", 2), ("GPU-5d2e,GPU-77aa", 2)]
+)
+def test_the_gpus_counted_are_the_ones_cuda_visible_devices_shows(
+    visible: str, count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert visible_gpus() == count
+
+
+def test_up_runs_prefill_and_decode_at_different_tensor_parallel_degrees() -> None:
+    """`--tp 2 --decode-tp 1`: prefill runs two ranks (gloo on CPU), decode one, and a prompt prefilled
+    remotely is decoded from the KV its two ranks handed over, regrouped."""
+    up = Up("--model", random_spec(), "--device", "cpu", "--tp", "2", "--decode-tp", "1", "--no-metrics",
+            "--max-running", "2")  # fmt: skip
+    try:
+        assert "(prefill on cpu, decode on cpu, dtype auto)" in up.expect(
+            "pdserve: starting prefill and decode"
+        )
+        ready = up.expect("pdserve: ready: decode (the public API) on ")
+        target = ready.split(" on ")[1].split(",")[0]
+        assert any(
+            line.startswith("[prefill] ") and "tensor parallel: rank 0 of 2" in line for line in up.seen
+        )
+        assert not any(line.startswith("[decode] ") and "tensor parallel" in line for line in up.seen)
+        with Client(target) as client:
+            done = client.complete(LONG_PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True)
+            assert done.usage.completion_tokens == 4 and done.usage.prompt_tokens == len(LONG_PROMPT)
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(60) == 0
     finally:
