@@ -236,8 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_tp,
         default=0,
         metavar="N",
-        help="decode's tensor-parallel ranks, where they differ from --tp (the KV cache's heads are "
-        "regrouped on the way; default: --tp)",
+        help="decode's tensor-parallel ranks, where they differ from --tp; the KV cache's heads are "
+        "regrouped on the way (default: --tp)",
     )
     up.add_argument(
         "--dtype",
