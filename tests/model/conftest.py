@@ -20,7 +20,7 @@ def prompts() -> dict[str, list[int]]:
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF), loaded once for the session."""
+    """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF), loaded once per test run."""
     from shared.model import load_model
 
     return load_model()
@@ -38,7 +38,7 @@ def hf_gguf_dir(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def hf_reads_smollm() -> Callable[[], contextlib.AbstractContextManager[None]]:
-    """A context in which transformers reads the embedded GGUF through one parse of it for the test session
+    """A context in which transformers reads the embedded GGUF through one parse of it per test run
     (`transformers_reads_gguf`): its model (test_model_embedded_default.py) opens the file twice, for
     the config and the weights, and its tokenizer (test_model_tokenizer.py) once, each open a parse of
     ~3 s on a 2-core host otherwise."""

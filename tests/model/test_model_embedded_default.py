@@ -18,7 +18,7 @@ NEW_TOKENS = 32
 def hf_model(hf_gguf_dir, hf_reads_smollm):
     from transformers import AutoModelForCausalLM
 
-    with hf_reads_smollm():  # its config and its weights, both from the test session's parse
+    with hf_reads_smollm():  # its config and its weights, both from the test run's one parse
         model = AutoModelForCausalLM.from_pretrained(
             hf_gguf_dir, gguf_file="model.gguf", dtype=torch.float32, attn_implementation="eager"
         )

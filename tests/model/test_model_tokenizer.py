@@ -35,7 +35,7 @@ def tok(smollm) -> Tokenizer:
 def hf_tok(hf_gguf_dir, hf_reads_smollm):
     from transformers import AutoTokenizer
 
-    with hf_reads_smollm():  # transformers' own reading of the vocabulary, from the test session's parse
+    with hf_reads_smollm():  # transformers' own reading of the vocabulary, from the test run's one parse
         return AutoTokenizer.from_pretrained(hf_gguf_dir, gguf_file="model.gguf")
 
 

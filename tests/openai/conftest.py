@@ -1,5 +1,5 @@
 """One decode service on the embedded default model (SmolLM2-135M-Instruct: a tokenizer and a chat
-template) for the whole session, writing its spans to a file, and the OpenAI-compatible front before it."""
+template) once per test run, writing its spans to a file, and the OpenAI-compatible front before it."""
 
 from __future__ import annotations
 
