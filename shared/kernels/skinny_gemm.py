@@ -17,10 +17,6 @@ the add kernel after it (`bench/gemm_fp8.py`). A SwiGLU prologue (the activation
 the tiles load) is much slower than the SwiGLU kernel plus cuBLAS: every column block would recompute
 the whole input's activation.
 
-In its GLU mode (`shared/kernels/fp8/glu_gemm.py`) a program streams its rows of both halves of a
-gate/up weight, gate's and up's, and computes the activation in its epilogue, quantized for the down
-projection there too.
-
 With `add=` the result is added to a tensor and written into it (a residual add inside the GEMM,
 `ModelKernels.linear_add`): the addend is loaded before the K loop, so its latency is not at the tail.
 
