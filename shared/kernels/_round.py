@@ -83,15 +83,3 @@ def to_e4m3(x, inv_scale, dtype: tl.constexpr):
     else:
         q = y.to(dtype)
     return q
-
-
-E4M3_MAX = tl.constexpr(448.0)
-AMAX_FLOOR = tl.constexpr(1e-12)  # shared/kernels/fp8/reference.py's AMAX_FLOOR
-
-
-@triton.jit
-def e4m3_scales(amax):
-    """(scale, 1 / scale) of activation groups whose absolute maxima are `amax`: each maximum lands on
-    448 (a group of zeros takes the floor's tiny scale). IEEE divisions, as `fp8/reference.py`'s."""
-    scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), E4M3_MAX)
-    return scale, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)

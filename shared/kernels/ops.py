@@ -94,10 +94,6 @@ class ModelKernels(ABC):
             alpha=alpha, limit=limit,
         )  # fmt: skip
 
-    def glu_linear(self, x: Tensor, gate_up: nn.Module, gelu: bool, before: nn.Module) -> Tensor:
-        """The MLP's gate/up projection and its activation (`glu`), for the projection `before`."""
-        return self.glu(self.linear(x, gate_up), gelu, before)  # type: ignore[arg-type]
-
     def glu(self, gate_up: Tensor, gelu: bool, before: nn.Module) -> Tensor:
         """The MLP's activation, silu(gate) * up (gelu: `gelu_tanh_mul`), as the projection after it
         (`before`) takes its input: here 16-bit rows (FP8 kernels: quantized ones)."""

@@ -38,28 +38,22 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from shared.kernels._launch import f32_dot, interpreting, next_pow2
 from shared.kernels._norm_checks import check_triton_device, fail
-from shared.kernels._round import e4m3_scales, round_to, to_e4m3
+from shared.kernels._round import round_to
 from shared.kernels._tickets import tickets
-from shared.kernels.silu_mul import glu
 
-__all__ = [
-    "GemmConfig", "Scales", "check_operands", "choose_config", "config_for", "launch", "skinny_gemm",
-    "tma_capable",
-]  # fmt: skip
+__all__ = ["GemmConfig", "Scales", "choose_config", "skinny_gemm", "tma_capable"]
 
 
 # M (the batch's rows) changes every step: only masks and the activation scales' stride read it, and
 # specializing on it would compile mid-traffic. BLOCK_M takes three values (16, 32, 64), which the
 # engine's warm-up launches.
-@triton.jit(do_not_specialize=["M", "stride_asg", "stride_qsg"])
+@triton.jit(do_not_specialize=["M", "stride_asg"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     as_ptr, ws_ptr, bias_ptr, stride_asm, stride_asg, stride_wsn, stride_wsg,
-    half, q_ptr, qs_ptr, amax_ptr, stride_qsg,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr, ADD: tl.constexpr, SCALED: tl.constexpr, A_GROUPED: tl.constexpr,
     W_GROUPED: tl.constexpr, W_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
-    GLU: tl.constexpr, GELU: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -78,37 +72,40 @@ def _skinny_gemm_kernel(
     # for all of K (the sum is scaled once, at the end).
     as_rows = as_ptr + rm * stride_asm
     ws_cols = ws_ptr + (rn // W_ROWS) * stride_wsn
-    # GLU: the program's columns of the gate half (w's rows rn) and of the up half (rows half + rn)
-    ws_up = ws_ptr + ((half + rn) // W_ROWS) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_first = pid_k * k_chunk
     for k0 in range(k_first, k_first + k_chunk, BLOCK_K):  # k_chunk is a multiple of BLOCK_K
-        x = _x_tile(x_ptr, rm, k0, m_ok, K, stride_xm, BLOCK_K, TMA)
-        w = _w_tile(w_ptr, rn, pid_n * BLOCK_N, k0, n_ok, K, stride_wn, BLOCK_K, TMA)
-        xs = 0.0
+        if TMA:  # x_ptr and w_ptr are tensor descriptors; what lies past M, N or K reads as zeros
+            x = x_ptr.load([0, k0])
+            w = w_ptr.load([pid_n * BLOCK_N, k0])
+        else:
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            x_at = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+            x = tl.load(x_at, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+            w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        # Each step's product starts from zero and joins the sum in fp32 outside the tensor cores:
+        # Hopper's FP8 MMA accumulates in fewer bits than fp32, and summing a whole K inside it (the
+        # accumulator passed to the dot) changes greedy tokens (tests/model/test_fp8_gpu.py).
+        if F32_DOT:  # fp32 operands, or bf16 in the interpreter (whose dot cannot take bf16)
+            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(x, tl.trans(w))
         if A_GROUPED:
-            xs = tl.load(as_rows + (k0 // BLOCK_K) * stride_asg, mask=m_ok, other=0.0)
-        step = k0 // BLOCK_K * stride_wsg
-        acc += _step(x, w, ws_cols + step, xs, n_ok, F32_DOT, A_GROUPED, W_GROUPED)
-        if GLU:
-            w = _w_tile(w_ptr, half + rn, half + pid_n * BLOCK_N, k0, n_ok, K, stride_wn, BLOCK_K, TMA)
-            acc_up += _step(x, w, ws_up + step, xs, n_ok, F32_DOT, A_GROUPED, W_GROUPED)
+            part = part * tl.load(as_rows + (k0 // BLOCK_K) * stride_asg, mask=m_ok, other=0.0)[:, None]
+        if W_GROUPED:
+            part = part * tl.load(ws_cols + (k0 // BLOCK_K) * stride_wsg, mask=n_ok, other=0.0)[None, :]
+        acc += part
     if ADD and TMA:
         addend = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
     if SCALED:  # a split's partial scaled on its own: the scaling is linear
-        acc = _scale_sum(acc, as_rows, ws_cols, m_ok, n_ok, A_GROUPED, W_GROUPED)
-        if GLU:
-            acc_up = _scale_sum(acc_up, as_rows, ws_up, m_ok, n_ok, A_GROUPED, W_GROUPED)
+        if not A_GROUPED:
+            acc = acc * tl.load(as_rows, mask=m_ok, other=0.0)[:, None]
+        if not W_GROUPED:
+            acc = acc * tl.load(ws_cols, mask=n_ok, other=0.0)[None, :]
     dtype = out_ptr.dtype.element_ty
-    if GLU:  # act(gate) * up as `glu_quant` computes it from the GEMM's rounded output (no bias, no split)
-        h = glu(round_to(acc, dtype), round_to(acc_up, dtype), dtype, GELU)
-        if QUANT:
-            _quantize_pairs(h, out, q_ptr + rm[:, None] * half + rn[None, :], qs_ptr, amax_ptr, ticket_ptr,
-                            rm, pid_n, out_mask, m_ok, stride_qsg, BLOCK_M, BLOCK_N)  # fmt: skip
-        else:
-            tl.store(out, h.to(dtype), mask=out_mask)
-    elif SPLIT_K == 1:
+    if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ADD:
@@ -131,85 +128,6 @@ def _skinny_gemm_kernel(
                 total += addend
             tl.store(out, round_to(total, dtype).to(dtype), mask=out_mask)
             tl.atomic_xchg(ticket_ptr + pid_n, 0)  # ready for the next launch
-
-
-@triton.jit
-def _x_tile(x_ptr, rm, k0, m_ok, K, stride_xm, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
-    if TMA:  # x_ptr is a tensor descriptor; what lies past M or K reads as zeros
-        x = x_ptr.load([0, k0])
-    else:
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0
-        )
-    return x
-
-
-@triton.jit
-def _w_tile(w_ptr, rows, row0, k0, rows_ok, K, stride_wn, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
-    """w's rows `rows` (the first: row0) at K offset k0."""
-    if TMA:
-        w = w_ptr.load([row0, k0])
-    else:
-        rk = k0 + tl.arange(0, BLOCK_K)
-        w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
-        w = tl.load(w_rows + rk[None, :], mask=rows_ok[:, None] & (rk < K)[None, :], other=0.0)
-    return w
-
-
-@triton.jit
-def _step(
-    x, w, ws_at, xs, n_ok, F32_DOT: tl.constexpr, A_GROUPED: tl.constexpr, W_GROUPED: tl.constexpr
-):  # fmt: skip
-    """One K step's product, scaled by its groups' scales (x's `xs`, w's at `ws_at`) where per group."""
-    # Each step's product starts from zero and joins the sum in fp32 outside the tensor cores:
-    # Hopper's FP8 MMA accumulates in fewer bits than fp32, and summing a whole K inside it (the
-    # accumulator passed to the dot) changes greedy tokens (tests/model/test_fp8_gpu.py).
-    if F32_DOT:  # fp32 operands, or bf16 in the interpreter (whose dot cannot take bf16)
-        part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-    else:
-        part = tl.dot(x, tl.trans(w))
-    if A_GROUPED:
-        part = part * xs[:, None]
-    if W_GROUPED:
-        part = part * tl.load(ws_at, mask=n_ok, other=0.0)[None, :]
-    return part
-
-
-@triton.jit
-def _scale_sum(acc, as_rows, ws_cols, m_ok, n_ok, A_GROUPED: tl.constexpr, W_GROUPED: tl.constexpr):
-    """The sum scaled by the scales that hold for all of K."""
-    if not A_GROUPED:
-        acc = acc * tl.load(as_rows, mask=m_ok, other=0.0)[:, None]
-    if not W_GROUPED:
-        acc = acc * tl.load(ws_cols, mask=n_ok, other=0.0)[None, :]
-    return acc
-
-
-@triton.jit
-def _quantize_pairs(
-    h, h_at, q_at, qs_ptr, amax_ptr, ticket_ptr, rm, pid_n, mask, m_ok, stride_qsg,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """`skinny_glu`'s quantized output: programs 2j and 2j + 1 hold the two halves of scale group j.
-    Each writes its activation (16-bit) and its rows' maxima; the second to finish takes the group's
-    maxima, scales both halves as `quantize_groups` does and writes them as e4m3."""
-    tl.store(h_at, h.to(h_at.dtype.element_ty), mask=mask)
-    amax = tl.max(tl.where(mask, tl.abs(h), 0.0), axis=1)
-    tl.store(amax_ptr + pid_n * BLOCK_M + rm, amax)
-    tl.debug_barrier()  # every thread's values are written before the ticket releases them
-    pair = pid_n // 2
-    if tl.atomic_add(ticket_ptr + pair, 1) == 1:
-        other = pid_n ^ 1
-        amax = tl.maximum(amax, tl.load(amax_ptr + other * BLOCK_M + rm, cache_modifier=".cg"))
-        scale, inv = e4m3_scales(amax)
-        inv = inv[:, None]
-        shift = (other - pid_n) * BLOCK_N
-        h_other = tl.load(h_at + shift, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(q_at, to_e4m3(h, inv, tl.float8e4nv), mask=mask)
-        tl.store(q_at + shift, to_e4m3(h_other, inv, tl.float8e4nv), mask=mask)
-        tl.store(qs_ptr + rm + pair * stride_qsg, scale, mask=m_ok)
-        tl.atomic_xchg(ticket_ptr + pair, 0)  # ready for the next launch
 
 
 @dataclass(frozen=True)
@@ -303,8 +221,30 @@ def skinny_gemm(
     x's dtype, rows contiguous): add + x @ w^T, rounded once, written into `add` and returned. With
     `scales`, x and w are e4m3 and the product is dequantized (+ the bias) in `scales.out_dtype`."""
     op = "skinny_gemm"
-    m, n, k, dtype, grouping = check_operands(op, x, w, scales)
-    cfg = config_for(op, x, w, cfg, scales, grouping)
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        fail(op, f"x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != w.dtype or x.device != w.device:
+        fail(op, f"x and w must share dtype and device, got {x.dtype}/{x.device} and {w.dtype}/{w.device}")
+    m, (n, k) = x.shape[0], w.shape
+    if m > 64:
+        fail(op, f"is for at most 64 rows, got {m}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        fail(op, "x and w must be contiguous along K")
+    check_triton_device(op, x.device)
+    dtype = x.dtype if scales is None else scales.out_dtype
+    a_grouped, w_grouped = _grouping(op, m, n, k, x, scales)
+    group = scales.x_group if a_grouped else scales.w_block[1] if w_grouped else None  # type: ignore[union-attr]
+    if cfg is None:
+        tma = scales is not None and _tma_default(x.device) and tma_capable(x, w)
+        sms = _sms(x.device) if x.device.type == "cuda" else 132
+        cfg = choose_config(m, n, k, itemsize=x.element_size(), group=group, tma=tma, sms=sms)
+    if group is not None and cfg.block_k != group:
+        fail(op, f"scales per {group}-column group need block_k = {group}, got {cfg.block_k}")
+    if cfg.tma and not tma_capable(x, w):
+        strides = f"row strides {x.stride(0)} and {w.stride(0)}"
+        fail(op, f"tma needs 1- or 2-byte operands on 16-byte aligned rows, got {x.dtype}, {strides}")
+    if cfg.tma and not (cfg.block_k * x.element_size() >= 16 and cfg.block_k <= 256 and cfg.block_n <= 256):
+        fail(op, f"tma tiles must span 16 bytes to 256 columns of K and at most 256 of N, got {cfg}")
     if add is not None:
         if add.shape != (m, n) or add.dtype != dtype or add.device != x.device or add.stride(1) != 1:
             fail(op, f"add must be [{m}, {n}] {dtype} on {x.device}, rows contiguous, got "
@@ -318,60 +258,6 @@ def skinny_gemm(
     if k == 0:  # an empty sum
         out = out if add is not None else out.zero_()
         return out if bias is None else out.add_(bias)
-    launch(x, w, out, cfg, scales, grouping, n, add=add is not None)
-    return out
-
-
-def check_operands(
-    op: str, x: torch.Tensor, w: torch.Tensor, scales: Scales | None
-) -> tuple[int, int, int, torch.dtype, tuple[bool, bool]]:
-    """M, N, K, the output's dtype and whether x's and w's scales are per K group (ValueError naming
-    `op` for operands the kernel cannot take)."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        fail(op, f"x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    if x.dtype != w.dtype or x.device != w.device:
-        fail(op, f"x and w must share dtype and device, got {x.dtype}/{x.device} and {w.dtype}/{w.device}")
-    m, (n, k) = x.shape[0], w.shape
-    if m > 64:
-        fail(op, f"is for at most 64 rows, got {m}")
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        fail(op, "x and w must be contiguous along K")
-    check_triton_device(op, x.device)
-    dtype = x.dtype if scales is None else scales.out_dtype
-    return m, n, k, dtype, _grouping(op, m, n, k, x, scales)
-
-
-def config_for(
-    op: str, x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None, scales: Scales | None,
-    grouping: tuple[bool, bool],
-) -> GemmConfig:  # fmt: skip
-    """`cfg`, or `choose_config`'s for these operands; checked against them."""
-    (m, k), n = x.shape, w.shape[0]
-    a_grouped, w_grouped = grouping
-    group = scales.x_group if a_grouped else scales.w_block[1] if w_grouped else None  # type: ignore[union-attr]
-    if cfg is None:
-        tma = scales is not None and _tma_default(x.device) and tma_capable(x, w)
-        sms = _sms(x.device) if x.device.type == "cuda" else 132
-        cfg = choose_config(m, n, k, itemsize=x.element_size(), group=group, tma=tma, sms=sms)
-    if group is not None and cfg.block_k != group:
-        fail(op, f"scales per {group}-column group need block_k = {group}, got {cfg.block_k}")
-    if cfg.tma and not tma_capable(x, w):
-        strides = f"row strides {x.stride(0)} and {w.stride(0)}"
-        fail(op, f"tma needs 1- or 2-byte operands on 16-byte aligned rows, got {x.dtype}, {strides}")
-    if cfg.tma and not (cfg.block_k * x.element_size() >= 16 and cfg.block_k <= 256 and cfg.block_n <= 256):
-        fail(op, f"tma tiles must span 16 bytes to 256 columns of K and at most 256 of N, got {cfg}")
-    return cfg
-
-
-def launch(
-    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, scales: Scales | None,
-    grouping: tuple[bool, bool], n: int, *, add: bool = False,
-    glu: tuple[bool, tuple[torch.Tensor, torch.Tensor] | None] | None = None,
-) -> None:  # fmt: skip
-    """The kernel over out's n columns, checked operands (`check_operands`, `config_for`). With `glu`,
-    (gelu, None or the quantized output's e4m3 data and scales): out is the activation [M, n], n a
-    half of w's rows (`shared/kernels/fp8/glu_gemm.py`)."""
-    m, k = x.shape
     block_m = max(16, next_pow2(m))  # the smallest tile a tensor-core dot takes
     blocks = triton.cdiv(n, cfg.block_n)
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -379,10 +265,6 @@ def launch(
     part = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     ticket = tickets(x.device, blocks, 4096)
     sx, sw = (out, out) if scales is None else (scales.x, scales.w)
-    bias = None if scales is None else scales.bias
-    gelu, q = glu if glu is not None else (False, None)
-    # the second program of a pair reads the first's row maxima: [programs, block_m] fp32
-    amax = torch.empty((blocks, block_m), dtype=torch.float32, device=x.device) if q is not None else out
     xa, wa = (x, w)
     if cfg.tma:
         xa = TensorDescriptor.from_tensor(x, [block_m, cfg.block_k])
@@ -390,15 +272,13 @@ def launch(
     _skinny_gemm_kernel[(blocks, split)](
         xa, wa, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
         sx, sw, bias if bias is not None else out, sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1),
-        n, q[0] if q is not None else out, q[1] if q is not None else out, amax,
-        q[1].stride(1) if q is not None else 0,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        F32_DOT=f32_dot(x.dtype) or (scales is not None and interpreting()), ADD=add,
-        SCALED=scales is not None, A_GROUPED=grouping[0], W_GROUPED=grouping[1],
+        F32_DOT=f32_dot(x.dtype) or (scales is not None and interpreting()), ADD=add is not None,
+        SCALED=scales is not None, A_GROUPED=a_grouped, W_GROUPED=w_grouped,
         W_ROWS=1 if scales is None else scales.w_block[0], HAS_BIAS=bias is not None, TMA=cfg.tma,
-        GLU=glu is not None, GELU=gelu, QUANT=q is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    return out
 
 
 def tma_capable(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -199,67 +199,6 @@ def test_glu_quant_kernel_is_the_reference(gelu: bool, size: int, group: int) ->
     assert got.group == min(group, size) and got.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu-tanh"])
-@pytest.mark.parametrize(
-    ("m", "block", "group", "tma"),
-    [(5, (1, 256), 256, False), (3, (128, 128), 128, False), (16, (1, 256), 256, True),
-     (9, (1, 256), 128, True)],
-    ids=["per-channel", "blocks", "per-channel-descriptors", "row-groups-descriptors"],
-)  # fmt: skip
-def test_skinny_glu_is_the_gemm_then_glu_quant(
-    gelu: bool, m: int, block: tuple[int, int], group: int, tma: bool
-) -> None:  # fmt: skip
-    """The decode MLP's gate/up GEMM with its activation and quantization inside: each program holds its
-    columns of gate and of up, and two programs make one 128-column scale group. Its bits are those of
-    the GEMM's rounded output through `glu_quant` in 128-column groups; unquantized, glu's output."""
-    from shared.kernels.fp8.glu_gemm import skinny_glu
-    from shared.kernels.fp8.glu_quant import glu_quant
-    from shared.kernels.silu_mul import gelu_tanh_mul, silu_mul
-    from shared.kernels.skinny_gemm import GemmConfig, Scales, skinny_gemm
-
-    k, half = 256, 384
-    wq, ws = ref.quantize_weight(_weight(2 * half, k, seed=4) * 0.1, block)
-    a = ref.quantize(torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16), group)
-    scales = Scales(a.scale, a.group, ws, block, torch.bfloat16)
-    cfg = GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=2, tma=tma)
-    gate_up = skinny_gemm(
-        a.data, wq, GemmConfig(block_n=64, block_k=128, num_stages=2, tma=tma), scales=scales
-    )
-    got = skinny_glu(a.data, wq, scales, gelu=gelu, quantize=True, cfg=cfg)
-    want = glu_quant(gate_up, 128, gelu)
-    assert got.group == 128 and got.dtype == torch.bfloat16 and tuple(got.scale.shape) == (m, 3)
-    assert torch.equal(got.scale, want.scale)
-    assert torch.equal(_bits(got.data), _bits(want.data))
-    assert torch.equal(
-        skinny_glu(a.data, wq, scales, gelu=gelu, cfg=cfg), (gelu_tanh_mul if gelu else silu_mul)(gate_up)
-    )
-    again = skinny_glu(a.data, wq, scales, gelu=gelu, quantize=True, cfg=cfg)  # the tickets were reset
-    assert torch.equal(_bits(again.data), _bits(want.data))
-
-
-def test_skinny_glu_refuses_what_it_cannot_pair() -> None:
-    from shared.kernels.fp8.glu_gemm import skinny_glu
-    from shared.kernels.skinny_gemm import GemmConfig, Scales
-
-    a = ref.quantize(torch.randn(2, 256), 256)
-    for rows, match in ((2 * 96, "halves of a multiple of 64 rows"), (2 * 64 + 1, "halves of a multiple")):
-        wq, ws = ref.quantize_weight(torch.randn(rows, 256), (1, 256))
-        with pytest.raises(ValueError, match=match):
-            skinny_glu(a.data, wq, Scales(a.scale, 256, ws, (1, 256), torch.bfloat16))
-    wq, ws = ref.quantize_weight(torch.randn(2 * 64, 256), (1, 256))
-    with pytest.raises(ValueError, match="whole groups of 128"):
-        skinny_glu(a.data, wq, Scales(a.scale, 256, ws, (1, 256), torch.bfloat16), quantize=True)
-    with pytest.raises(ValueError, match="split_k 1"):
-        cfg = GemmConfig(block_n=64, block_k=128, split_k=2)
-        skinny_glu(a.data, wq, Scales(a.scale, 256, ws, (1, 256), torch.bfloat16), cfg=cfg)
-    with pytest.raises(ValueError, match="takes no bias"):
-        skinny_glu(
-            a.data,
-            wq,
-            Scales(a.scale, 256, ws, (1, 256), torch.bfloat16, torch.zeros(128, dtype=torch.bfloat16)),
-        )
-
-
 def test_gemm_refuses_mismatched_groups() -> None:
     from shared.kernels.fp8.gemm import gemm
 
@@ -298,30 +237,3 @@ def test_fp8_kernels_route_by_layer(backend: str) -> None:
     )  # fmt: skip
     assert not kernels.takes_cublas(64, layer)
     assert fp8_kernels_for("cpu", backend) is kernels  # shared, like kernels_for's
-
-
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("block", [(1, 256), (128, 128)], ids=["per-channel", "blocks"])
-def test_decode_mlp_quantizes_the_down_input_in_128_column_groups(
-    backend: str, block: tuple[int, int]
-) -> None:
-    """At decode (64 rows or fewer) the gate/up projection, its activation and the down projection's
-    quantization are one step, in 128-column groups whatever the down projection's blocks; a larger
-    batch quantizes as the down projection's blocks say (per token for per-channel weights). Both
-    backends give the reference's values."""
-    kernels = fp8_kernels_for("cpu", backend)
-    gate_up, down = (
-        _Layer(_weight(2 * 256, 256, seed=6) * 0.1, block),
-        _Layer(_weight(256, 256, seed=7), block),
-    )
-    for rows, group in ((8, 128), (80, block[1])):
-        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-        a = ref.quantize(x, block[1])
-        act = kernels.glu_linear(a, gate_up, False, down)
-        want = ref.glu_quant(ref.gemm(a, gate_up.weight, gate_up.weight_scale_inv, block), group)
-        assert isinstance(act, Fp8Act) and act.group == group
-        torch.testing.assert_close(ref.dequantize_act(act), ref.dequantize_act(want), rtol=0.07, atol=1e-3)
-        out = kernels.linear(act, down)  # the down projection takes either grouping
-        torch.testing.assert_close(
-            out, ref.gemm(want, down.weight, down.weight_scale_inv, block), rtol=0.05, atol=0.05
-        )

@@ -19,13 +19,12 @@ from torch import nn
 from shared.kernels.fp8 import reference
 from shared.kernels.fp8.reference import Fp8Act
 from shared.kernels.ops import Backend, Gemm, ModelKernels, TorchKernels, TritonKernels, kernels_for
+from shared.kernels.skinny_gemm import Scales, skinny_gemm
 
 # Decode-sized batches go to the skinny GEMM, FP8 operands and all (`--gemm cublas`: to cuBLAS's scaled
 # GEMM instead, where it takes the layer): it reads the weights in one kernel with the residual add
 # and the bias inside, where cuBLAS's FP8 GEMM at these rows needs an add kernel after it.
 _SKINNY_ROWS = 64
-# The down projection's activation groups at decode (`Fp8Kernels.glu_linear`).
-DOWN_GROUP = 128
 
 __all__ = ["Fp8Kernels", "Fp8Layer", "Fp8TorchKernels", "Fp8TritonKernels", "check_device", "fp8_kernels_for"]
 
@@ -72,41 +71,6 @@ class Fp8Kernels(ModelKernels):
         """`rms_norm(x, weight, eps)` quantized as `quantize` would, for the FP8 GEMM after the norm."""
         return reference.rms_norm_quant(x, weight, eps, group)
 
-    def glu_linear(  # type: ignore[override]
-        self, x: Tensor | Fp8Act, gate_up: nn.Module, gelu: bool, before: nn.Module
-    ) -> Tensor | Fp8Act:
-        """At decode (the skinny GEMM's rows), an FP8 MLP's activation is quantized in 128-column groups
-        (`DOWN_GROUP`) whatever the down projection's blocks: the group is two of the fused gate/up
-        kernel's programs (`skinny_glu`), so no kernel between the two GEMMs computes a whole row's
-        maximum. Larger batches, and layers that do not fit it, quantize as `glu` does."""
-        if isinstance(gate_up, nn.Linear) or isinstance(before, nn.Linear):
-            return super().glu_linear(x, gate_up, gelu, before)  # type: ignore[arg-type]
-        a = self._quantized(x, gate_up)  # type: ignore[arg-type]
-        if not self._glu_fused(a, gate_up, before):  # type: ignore[arg-type]
-            return self.glu(self.fp8_gemm(a, gate_up), gelu, before)  # type: ignore[arg-type]
-        return self.fp8_glu(a, gate_up, gelu)  # type: ignore[arg-type]
-
-    def _glu_fused(self, a: Fp8Act, gate_up: Fp8Layer, down: Fp8Layer) -> bool:
-        """Whether the decode path's fused gate/up, activation and 128-column quantization takes the
-        layer: a batch of decode rows, gate and up halves of whole groups, no bias, and blocks of K that
-        are the whole row or the group (the GEMMs' K tiles)."""
-        half = gate_up.weight.shape[0] // 2
-        return (
-            a.shape[0] <= _SKINNY_ROWS
-            and gate_up.bias is None
-            and half % DOWN_GROUP == 0
-            and gate_up.block[0] in (1, DOWN_GROUP)
-            and a.group in (a.shape[1], DOWN_GROUP)
-            and gate_up.block[1] in (a.shape[1], DOWN_GROUP)
-            and down.block[1] in (half, DOWN_GROUP)
-        )
-
-    def fp8_glu(self, a: Fp8Act, gate_up: Fp8Layer, gelu: bool) -> Fp8Act:
-        """`glu_quant` of the gate/up projection in `DOWN_GROUP`-column groups: `reference.gemm` then
-        `reference.glu_quant`."""
-        out = reference.gemm(a, gate_up.weight, gate_up.weight_scale_inv, gate_up.block)
-        return reference.glu_quant(out, DOWN_GROUP, gelu)
-
     def glu(self, gate_up: Tensor, gelu: bool, before: nn.Module) -> Tensor | Fp8Act:  # type: ignore[override]
         if isinstance(before, nn.Linear):
             return super().glu(gate_up, gelu, before)
@@ -136,13 +100,12 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
 
     def __init__(self, gemm: Gemm = "auto") -> None:
         super().__init__(gemm)
-        from shared.kernels import skinny_gemm
         from shared.kernels.fp8 import gemm as fp8_gemm
-        from shared.kernels.fp8 import glu_gemm, glu_quant, quant, rms_norm_quant, scaled_mm
+        from shared.kernels.fp8 import glu_quant, quant, rms_norm_quant, scaled_mm
 
         self._quantize, self._rms_norm_quant = quant.quantize, rms_norm_quant.rms_norm_quant
-        self._glu_quant, self._glu_gemm = glu_quant.glu_quant, glu_gemm
-        self._triton_gemm, self._scaled_mm, self._skinny_kernels = fp8_gemm.gemm, scaled_mm, skinny_gemm
+        self._glu_quant = glu_quant.glu_quant
+        self._triton_gemm, self._scaled_mm, self._skinny_gemm = fp8_gemm.gemm, scaled_mm, skinny_gemm
 
     def quantize(self, x: Tensor, group: int) -> Fp8Act:
         return self._quantize(x, group)
@@ -152,15 +115,6 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
 
     def glu_quant(self, gate_up: Tensor, group: int, gelu: bool) -> Fp8Act:
         return self._glu_quant(gate_up, group, gelu)
-
-    def _glu_fused(self, a: Fp8Act, gate_up: Fp8Layer, down: Fp8Layer) -> bool:
-        return self.gemm != "cublas" and super()._glu_fused(a, gate_up, down)
-
-    def fp8_glu(self, a: Fp8Act, gate_up: Fp8Layer, gelu: bool) -> Fp8Act:
-        scales = self._skinny_kernels.Scales(
-            a.scale, a.group, gate_up.weight_scale_inv, gate_up.block, a.dtype
-        )
-        return self._glu_gemm.skinny_glu(a.data, gate_up.weight, scales, gelu=gelu, quantize=True)  # type: ignore[return-value]
 
     def _on_cublas(self, layer: Fp8Layer) -> bool:
         """Whether cuBLASLt runs this layer's GEMMs: decided once a layer, by its shapes and (once a
@@ -174,10 +128,8 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
 
     def fp8_gemm(self, a: Fp8Act, layer: Fp8Layer, residual: Tensor | None = None) -> Tensor:
         if a.shape[0] <= _SKINNY_ROWS and self.gemm != "cublas":
-            scales = self._skinny_kernels.Scales(
-                a.scale, a.group, layer.weight_scale_inv, layer.block, a.dtype, layer.bias
-            )
-            return self._skinny_kernels.skinny_gemm(a.data, layer.weight, add=residual, scales=scales)
+            scales = Scales(a.scale, a.group, layer.weight_scale_inv, layer.block, a.dtype, layer.bias)
+            return self._skinny_gemm(a.data, layer.weight, add=residual, scales=scales)
         # cuBLAS for 16-bit activations (what `scaled_mm.supported` probes); a float32 model's, Triton
         if a.dtype != torch.float32 and self._on_cublas(layer):
             out = self._scaled_mm.scaled_mm(a, layer.weight, layer.weight_scale_inv, layer.block, layer.bias)
