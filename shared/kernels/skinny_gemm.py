@@ -154,12 +154,13 @@ def choose_config(
     projection); wide outputs stream 128-deep K tiles (1-byte operands: twice as deep, the same
     bytes). FP8 operands scaled per K group take that group as their K tile. The K tile, then the
     pipeline, shrink until the stages' operand tiles fit in shared memory. With `tma`, batches of
-    more than 16 rows take the tiles for descriptor loads on `sms` SMs (`_tma_config`)."""
+    more than 32 rows take the tiles for descriptor loads on `sms` SMs (`_tma_config`)."""
     narrow = triton.cdiv(n, 32) < 96
     split = 4 if narrow and k >= 4096 else 1
     block_n = 16 if narrow and split == 1 else 32
-    # A 16-row tile streams faster by pointer loads; so do the widest outputs scaled per K group.
-    if tma and max(16, next_pow2(m)) > 16 and not (group is not None and not narrow and n > 8192):
+    # Tiles of 16 or 32 rows stream faster by pointer loads (the 8B's decode step at batch 24 and 32,
+    # docs/performance.md); so do the widest outputs scaled per K group.
+    if tma and max(16, next_pow2(m)) > 32 and not (group is not None and not narrow and n > 8192):
         return _tma_config(m, n, k, itemsize, group, sms, narrow=narrow, split=split, block_n=block_n)
     block_k, stages = (256 if split == 1 and n <= 4096 else 128) * max(1, 2 // itemsize), 4
     if itemsize == 1 and n > 8192:

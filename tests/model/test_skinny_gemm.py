@@ -103,9 +103,9 @@ def test_the_default_config_is_the_sweeps_best_at_the_decode_shapes() -> None:
     assert choose_config(64, 12288, 2048) == GemmConfig(block_n=32, block_k=128, split_k=1)  # gate/up
 
 
-def test_fp8_descriptor_loads_take_the_sweeps_best_above_16_rows() -> None:
+def test_fp8_descriptor_loads_take_the_sweeps_best_above_32_rows() -> None:
     """`bench/gemm_fp8.py --model 8b` on an H200 at M = 64, per-channel scales and 128-column groups;
-    16 rows or fewer keep the pointer loads (faster there)."""
+    32 rows or fewer keep the pointer loads (faster there: the 8B's decode step at batch 24 and 32)."""
 
     def tma(m: int, n: int, k: int, group: int | None = None) -> GemmConfig:
         return choose_config(m, n, k, itemsize=1, group=group, tma=True, sms=132)
@@ -117,6 +117,8 @@ def test_fp8_descriptor_loads_take_the_sweeps_best_above_16_rows() -> None:
     assert tma(64, 6144, 4096, 128) == GemmConfig(32, 128, 1, 4, 8, tma=True)  # half-deep tiles
     assert tma(64, 28672, 4096, 128) == choose_config(64, 28672, 4096, itemsize=1, group=128)  # pointers
     assert tma(16, 4096, 14336) == choose_config(16, 4096, 14336, itemsize=1)  # pointer loads
+    assert tma(32, 6144, 4096) == choose_config(32, 6144, 4096, itemsize=1)
+    assert tma(33, 6144, 4096) == GemmConfig(32, 256, 1, 4, 4, tma=True)
 
 
 def test_the_default_config_fits_its_operand_tiles_in_shared_memory() -> None:
