@@ -40,7 +40,7 @@ POINTERS = {
     "sinks_ptr": "*fp32",
 }  # fmt: skip
 DECODE = {"GROUP": 2, "GROUP_P2": 2, "BLOCK_Q": 1, "BLOCK_M": 16, "BLOCK_D": 128, "HEAD_DIM": 128,
-          "F32_DOT": False, "BLOCK_H": 2048, "SINKS": False}  # fmt: skip
+          "F32_DOT": False, "BLOCK_H": 2048, "SINKS": False, "PDL": False}  # fmt: skip
 # An FP8 cache's tensors (`--kv-cache-dtype fp8_e4m3`): pages or rings, and RoPE's store into them.
 FP8_POINTERS = ("k_ptr", "v_ptr", "kr_ptr", "vr_ptr", "kd_ptr", "vd_ptr")
 FLOATS = ("qk_scale", "eps", "rms_eps", "v_scale", "inv_k", "inv_v")

@@ -38,6 +38,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from shared.kernels._launch import f32_dot, interpreting, next_pow2
 from shared.kernels._norm_checks import check_triton_device, fail
+from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
 from shared.kernels._round import round_to
 from shared.kernels._tickets import tickets
 
@@ -54,7 +55,9 @@ def _skinny_gemm_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr, ADD: tl.constexpr, SCALED: tl.constexpr, A_GROUPED: tl.constexpr,
     W_GROUPED: tl.constexpr, W_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -97,6 +100,7 @@ def _skinny_gemm_kernel(
         if W_GROUPED:
             part = part * tl.load(ws_cols + (k0 // BLOCK_K) * stride_wsg, mask=n_ok, other=0.0)[None, :]
         acc += part
+    release_next(PDL)  # the next kernel fills this one's tail
     if ADD and TMA:
         addend = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
     if SCALED:  # a split's partial scaled on its own: the scaling is linear
@@ -277,7 +281,7 @@ def skinny_gemm(
         F32_DOT=f32_dot(x.dtype) or (scales is not None and interpreting()), ADD=add is not None,
         SCALED=scales is not None, A_GROUPED=a_grouped, W_GROUPED=w_grouped,
         W_ROWS=1 if scales is None else scales.w_block[0], HAS_BIAS=bias is not None, TMA=cfg.tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device, m, scales is not None),
     )  # fmt: skip
     return out
 

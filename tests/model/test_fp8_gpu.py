@@ -1,7 +1,8 @@
 """FP8 weights on a GPU (compute capability 8.9+): the Triton quantizers give the reference's bits,
 cuBLASLt's scaled GEMMs (`torch._scaled_mm`) and the Triton FP8 GEMM agree with the reference, the
 FP8 forward makes no host sync and replays from a CUDA graph, the Engine serves an FP8 model, and the
-embedded SmolLM2's perplexity with FP8 weights stays within 2% of bf16 on the GPU kernels."""
+embedded SmolLM2's perplexity with FP8 weights stays within 2% of bf16 on the GPU kernels; the decode
+kernels launched as programmatic dependents give the plain launches' bits and tokens."""
 
 from __future__ import annotations
 
@@ -201,3 +202,75 @@ def test_engine_serves_fp8_weights_with_graphs(smollm_fp8: LoadedModel, lm_head:
     for _ in range(8):  # the dense forward of the same FP8 model, recomputed each token
         ours.append(int(reference_logits(model, [prompt + ours])[0][-1].argmax()))
     assert outs[0].output[:8] == ours
+
+
+def _decode_layer_chain(x: torch.Tensor, layers: list[_Layer], residual: torch.Tensor) -> torch.Tensor:
+    """A decode layer's FP8 MLP and more, as the engine chains its kernels: the norm that quantizes,
+    the gate/up GEMM, the SwiGLU that quantizes, the down GEMM adding into the residual, the o
+    projection's quantizer and GEMM over that."""
+    from shared.kernels.fp8.glu_quant import glu_quant
+    from shared.kernels.fp8.quant import quantize
+    from shared.kernels.fp8.rms_norm_quant import rms_norm_quant
+    from shared.kernels.skinny_gemm import Scales, skinny_gemm
+
+    def gemm(a: ref.Fp8Act, layer: _Layer, add: torch.Tensor | None = None) -> torch.Tensor:
+        scales = Scales(a.scale, a.group, layer.weight_scale_inv, layer.block, torch.bfloat16)
+        return skinny_gemm(a.data, layer.weight, add=add, scales=scales)
+
+    gate_up, down, o = layers
+    norm = torch.ones(x.shape[1], device="cuda", dtype=torch.bfloat16)
+    h = gemm(
+        glu_quant(gemm(rms_norm_quant(x, norm, 1e-6, x.shape[1]), gate_up), down.block[1]), down, residual
+    )
+    return gemm(quantize(h, o.block[1]), o, h.clone())
+
+
+@pytest.mark.parametrize("rows", [1, 40, 64])
+def test_programmatic_dependent_launch_gives_the_plain_launches_bits(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Hopper the FP8 decode kernels launch as programmatic dependents (`shared/kernels/_pdl.py`),
+    each placed while the kernel before it drains and waiting inside for its writes: replayed from a
+    CUDA graph, the chain's bits are those of plain launches (`PDSERVE_PDL=0`), at the pointer loads'
+    rows and the descriptor loads'."""
+    _fp8_gpu()
+    shapes = [(2 * 1024, 512), (512, 1024), (512, 512)]  # gate/up, down, o
+    layers = [_Layer(n, k, (1, k)) for n, k in shapes]
+    x = torch.randn(rows, 512, device="cuda").to(torch.bfloat16)
+    residual = torch.randn(rows, 512, device="cuda").to(torch.bfloat16)
+    outs = []
+    for plain in ("0", "1"):
+        monkeypatch.setenv("PDSERVE_PDL", plain)
+        res = residual.clone()
+        _decode_layer_chain(x, layers, res.clone())  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _decode_layer_chain(x, layers, res)
+        for _ in range(3):  # each replay adds into the same residual: replays are chained, as steps are
+            graph.replay()
+        outs.append(out.clone())
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_an_fp8_engine_decodes_the_same_tokens_with_and_without_dependent_launches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine's captured decode steps of a random FP8 model with sliding and full layers (ring and
+    paged attention among the programmatic dependents), 40 requests: the same greedy tokens either
+    way."""
+    _fp8_gpu()
+    from tests.engine.engine_testutil import random_tokens, tiny_config, tiny_model
+
+    cfg = tiny_config("SSFS", hidden=128, intermediate=256, vocab=256)
+    prompts = [random_tokens(5 + i % 13, vocab=256, seed=i) for i in range(40)]
+    outputs = []
+    for plain in ("0", "1"):
+        monkeypatch.setenv("PDSERVE_PDL", plain)
+        model = quantize_model(tiny_model(cfg).to("cuda", torch.bfloat16), "fp8")
+        kv = KVConfig(page_size=16, num_pages=256, max_requests=40, device="cuda", dtype=torch.bfloat16)
+        engine = Engine(model, kv, EngineConfig())
+        engine.warm_up()
+        outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        outputs.append([o.output for o in outs])
+    assert outputs[0] == outputs[1]

@@ -35,6 +35,7 @@ from shared.kernels._launch import (
     resolve_tiles,
     softmax_scale,
 )
+from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
 from shared.kernels._round import rounding_options, to_e4m3
 from shared.kernels.attention._online_softmax import (
     attend_block,
@@ -74,7 +75,10 @@ def _ring_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
     ROPE: tl.constexpr, NORM: tl.constexpr,
     RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    release_next(PDL)
+    wait_for_inputs(PDL)
     qb = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     b = tl.program_id(1)
@@ -212,5 +216,6 @@ def ring_attention(
         F32_DOT=f32_dot(q.dtype), ROPE=rope is not None, NORM=rope is not None and rope.norm,
         **rms_constexprs(rope), KV_FP8=quant is not None, SINKS=sinks is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **rounding_options(q.dtype),
+        **pdl_launch(q.device, vl.num_tokens, max_q == 1),  # decode: the FP8 chain's (shared/kernels/_pdl.py)
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

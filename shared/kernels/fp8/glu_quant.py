@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from shared.kernels._norm_checks import check_activation, check_triton_device, fail
+from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
 from shared.kernels.fp8._tile import group_offsets, quantize_groups
 from shared.kernels.fp8.quant import group_launch
 from shared.kernels.fp8.reference import Fp8Act
@@ -26,8 +27,10 @@ __all__ = ["glu_quant"]
 @triton.jit(do_not_specialize=["stride_sg"])
 def _glu_quant_kernel(
     x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_sg, size, group,
-    BLOCK_G: tl.constexpr, GROUP_P2: tl.constexpr, GELU: tl.constexpr,
+    BLOCK_G: tl.constexpr, GROUP_P2: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    release_next(PDL)
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     g, cols, mask = group_offsets(group, BLOCK_G, GROUP_P2, tl.program_id(1) * BLOCK_G, size)
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -51,6 +54,6 @@ def glu_quant(gate_up: torch.Tensor, group: int, gelu: bool = False) -> Fp8Act:
     if rows:
         _glu_quant_kernel[grid](
             gate_up, out.data, out.scale, gate_up.stride(0), out.data.stride(0), out.scale.stride(1), size,
-            out.group, GELU=gelu, **consts,
+            out.group, GELU=gelu, **consts, **pdl_launch(gate_up.device, rows),
         )  # fmt: skip
     return out

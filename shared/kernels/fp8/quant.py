@@ -17,6 +17,7 @@ import triton.language as tl
 
 from shared.kernels._launch import next_pow2
 from shared.kernels._norm_checks import check_activation, check_triton_device, fail
+from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
 from shared.kernels.fp8._tile import group_offsets, quantize_groups
 from shared.kernels.fp8.reference import E4M3, Fp8Act
 
@@ -27,8 +28,10 @@ __all__ = ["group_launch", "group_tiles", "quantize", "scale_buffer", "warps"]
 @triton.jit(do_not_specialize=["stride_sg"])
 def _quant_kernel(
     x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_sg, size, group,
-    BLOCK_G: tl.constexpr, GROUP_P2: tl.constexpr,
+    BLOCK_G: tl.constexpr, GROUP_P2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    release_next(PDL)
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     g, cols, mask = group_offsets(group, BLOCK_G, GROUP_P2, tl.program_id(1) * BLOCK_G, size)
     y = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -67,7 +70,7 @@ def quantize(x: torch.Tensor, group: int) -> Fp8Act:
     if rows:
         _quant_kernel[grid](
             x, out.data, out.scale, x.stride(0), out.data.stride(0), out.scale.stride(1), size, out.group,
-            **consts,
+            **consts, **pdl_launch(x.device, rows),
         )  # fmt: skip
     return out
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from shared.kernels._norm_checks import check_rms_norm, fail
+from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
 from shared.kernels._round import round_to
 from shared.kernels.fp8._tile import group_offsets, quantize_groups
 from shared.kernels.fp8.quant import group_tiles, scale_buffer, warps
@@ -25,8 +26,10 @@ __all__ = ["rms_norm_quant"]
 @triton.jit(do_not_specialize=["stride_sg"])
 def _rms_norm_quant_kernel(
     x_ptr, w_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_sg, size, group, eps,
-    BLOCK_G: tl.constexpr, GROUP_P2: tl.constexpr,
+    BLOCK_G: tl.constexpr, GROUP_P2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    release_next(PDL)
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     dtype = x_ptr.dtype.element_ty
     g, cols, mask = group_offsets(group, BLOCK_G, GROUP_P2, 0, size)
@@ -56,5 +59,6 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int
         _rms_norm_quant_kernel[(rows,)](
             x, weight, q, scale, x.stride(0), q.stride(0), scale.stride(1), size, group, float(eps),
             BLOCK_G=block_g, GROUP_P2=width, num_warps=warps(block_g * width),
+            **pdl_launch(x.device, rows),
         )  # fmt: skip
     return Fp8Act(q, scale, group, x.dtype)
