@@ -43,6 +43,14 @@ OTHER_VARIABLES: tuple[tuple[str, str, str, str], ...] = (
         "wins; a malformed value stops the process at import (`invariants/levels.py`, docs/invariants.md)",
     ),
     (
+        "PDSERVE_PDL",
+        "both services on a Hopper (or later) GPU, any process that launches the FP8 decode kernels",
+        "on",
+        "`0` launches the FP8 decode step's Triton kernels plainly instead of as programmatic dependents "
+        "(which they are at decode batches of 1-2 and 33-64 rows, where that measured faster): an A/B "
+        "switch, and a way out should a driver misbehave (`shared/kernels/_pdl.py`, docs/quantization.md)",
+    ),
+    (
         "PDSERVE_AUTH_TOKENS",
         "the decode service",
         "empty",
