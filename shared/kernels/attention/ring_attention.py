@@ -216,6 +216,6 @@ def ring_attention(
         F32_DOT=f32_dot(q.dtype), ROPE=rope is not None, NORM=rope is not None and rope.norm,
         **rms_constexprs(rope), KV_FP8=quant is not None, SINKS=sinks is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **rounding_options(q.dtype),
-        **pdl_launch(q.device, vl.num_tokens, max_q == 1),  # decode: the FP8 chain's (shared/kernels/_pdl.py)
+        **pdl_launch(q.device, vl.num_tokens, max_q == 1),  # decode calls (shared/kernels/_pdl.py)
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)
