@@ -1,14 +1,14 @@
 """Programmatic dependent launch (PDL; Hopper, compute capability 9.0, and later) for the FP8 decode
 step's Triton kernels.
 
-A decode step of an FP8 model is a chain of some 230 short kernels (per layer: two norms that
-quantize, the q/k/v, o, gate/up and down GEMMs, attention, the SwiGLU and attention-output
-quantizers), and each boundary leaves SMs idle while the next kernel launches and ramps up. A kernel
-launched with PDL (`launch_pdl`) may be placed on the GPU once every program of the kernel before it
-has released it (`release_next`), and it waits inside (`wait_for_inputs`: the kernel before it
-complete, its writes visible) before it reads or writes anything of the step, so results are bit for
-bit those of plain launches. A kernel launched without it, or after one that never releases (cuBLAS),
-runs as always; a release with no PDL launch after it does nothing.
+A decode step of an FP8 model is a chain of short kernels, nine a layer (two norms that quantize, the
+q/k/v, o, gate/up and down GEMMs, attention, the SwiGLU and attention-output quantizers), and each
+boundary leaves SMs idle while the next kernel launches and ramps up. A kernel launched with PDL
+(`launch_pdl`) may be placed on the GPU once every program of the kernel before it has released it
+(`release_next`), and it waits inside (`wait_for_inputs`: the kernel before it complete, its writes
+visible) before it reads or writes anything of the step, so results are bit for bit those of plain
+launches. A kernel launched without it, or after one that never releases (cuBLAS), runs as always; a
+release with no PDL launch after it does nothing.
 
 Where each kernel releases its successor, and at which batches PDL is on at all (`_faster`), is what
 the measurements chose (docs/performance.md): the quantizers and attention release as they start,
