@@ -40,7 +40,7 @@ POINTERS = {
     "sinks_ptr": "*fp32",
 }  # fmt: skip
 DECODE = {"GROUP": 2, "GROUP_P2": 2, "BLOCK_Q": 1, "BLOCK_M": 16, "BLOCK_D": 128, "HEAD_DIM": 128,
-          "F32_DOT": False, "BLOCK_H": 2048, "SINKS": False, "PDL": False}  # fmt: skip
+          "F32_DOT": False, "BLOCK_H": 2048, "SINKS": False, "PDL": False, "WHOLE_TILES": False}  # fmt: skip
 # An FP8 cache's tensors (`--kv-cache-dtype fp8_e4m3`): pages or rings, and RoPE's store into them.
 FP8_POINTERS = ("k_ptr", "v_ptr", "kr_ptr", "vr_ptr", "kd_ptr", "vd_ptr")
 FLOATS = ("qk_scale", "eps", "rms_eps", "v_scale", "inv_k", "inv_v")
@@ -134,6 +134,7 @@ def main() -> None:
         }
         for label, (rope, norm, rms, fp8) in variants.items():
             consts = {**DECODE, **extra, "ROPE": rope, "NORM": norm, "RMS": rms, "KV_FP8": fp8}
+            consts["WHOLE_TILES"] = rope and fp8  # the engine's unsplit decode (`_launch.whole_tiles`)
             print(f"{name:6s} {label:26s} {resources(fn, consts, warps, stages)}")
 
 

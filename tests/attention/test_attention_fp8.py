@@ -242,6 +242,62 @@ def test_rope_inside_attention_stores_fp8_like_the_reference(kind: str, dtype, n
         assert same_fp8(stored[1][0], stored[0][0])
 
 
+@pytest.mark.parametrize(("kind", "window"), [("ring", 64), ("paged", None), ("paged", 24)])
+def test_an_unsplit_fp8_decode_reads_its_whole_tiles_unmasked_as_the_reference(kind, window) -> None:
+    """An unsplit decode over an FP8 cache with RoPE inside reads its whole key tiles without masks
+    (`_launch.whole_tiles`) and only its last, partial tile masked: contexts over several tiles, on
+    tile edges and between them, rings wrapped at several points and not yet full, sliding pages. It
+    attends what the torch path attends; a padding row (no key of its own) stays finite and stores
+    nothing."""
+    from shared.kernels._launch import whole_tiles
+
+    assert whole_tiles(True, True, 1)
+    assert (
+        not whole_tiles(True, True, 2) and not whole_tiles(True, False, 1) and not whole_tiles(False, True, 1)
+    )
+    q, page, d = QUANTS["calibrated"], 4, 16
+    specs = [(70, 1), (100, 1), (127, 1), (40, 1), (63, 1), (5, 1), (16, 1), (64, 1)]
+    w = window or 64
+    b = make_batch(
+        specs, hq=4, hkv=2, d=d, page_size=page, window=w, dtype=torch.bfloat16, device=DEVICE, seed=11
+    )
+    freqs = torch.arange(160, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
+    if kind == "ring":
+        dst = (b.slots.long() * w + b.q_start.long() % w).to(DEVICE)
+        caches = (quantize(b.k_ring, q.inv_k), quantize(b.v_ring, q.inv_v))
+    else:
+        dst = torch.tensor([int(b.block_table[i, l0 // page]) * page + l0 % page for i, (l0, _) in
+                            enumerate(specs)], device=DEVICE)  # fmt: skip
+        caches = (quantize(b.k_cache, q.inv_k), quantize(b.v_cache, q.inv_v))
+    outs = []
+    for backend, store in (
+        ("torch", dst),
+        ("triton", dst),
+        ("triton", torch.cat([dst[:-1], dst.new_full((1,), -1)])),
+    ):
+        kc, vc = (c.clone() for c in caches)
+        rope = RopeInKernel(b.q_start.long(), cos_sin, kc.view(-1, 2, d), vc.view(-1, 2, d), store)
+        ops = ops_for(DEVICE, backend=backend)
+        split = {"num_splits": 1} if backend == "triton" else {}
+        if kind == "ring":
+            call = ops._ring if backend == "triton" else ops.ring_attention
+            out = call(b.q, b.k_new, b.v_new, kc, vc, b.slots, b.cu_q, b.q_start, max_q=1, scale=b.scale,
+                       window=w, rope=rope, quant=q, **split)  # fmt: skip
+        else:
+            call = ops._paged if backend == "triton" else ops.paged_attention
+            out = call(b.q, kc, vc, b.block_table, b.cu_q, b.q_start, max_q=1, scale=b.scale, window=window,
+                       k_new=b.k_new, v_new=b.v_new, rope=rope, quant=q, **split)  # fmt: skip
+        outs.append((out.cpu(), kc.cpu(), vc.cpu()))
+    (want, k_want, v_want), (got, k_got, v_got), (padded, k_padded, _) = outs
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.bfloat16])
+    assert same_fp8(k_got, k_want) and same_fp8(v_got, v_want)
+    torch.testing.assert_close(padded[:-1], want[:-1], **TOLERANCE[torch.bfloat16])
+    assert torch.isfinite(padded[-1].float()).all()
+    last = int(dst[-1])
+    assert same_fp8(k_padded.view(-1, 2, d)[last], caches[0].cpu().view(-1, 2, d)[last])  # untouched
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 1024])
 def test_fp8_kernels_at_serving_shapes_match_the_reference(window: int | None) -> None:

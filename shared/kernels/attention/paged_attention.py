@@ -32,6 +32,7 @@ from shared.kernels._launch import (
     quant_args,
     resolve_tiles,
     softmax_scale,
+    whole_tiles,
 )
 from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
 from shared.kernels._round import rounding_options
@@ -73,7 +74,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
     RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, WHOLE_TILES: tl.constexpr,
 ):  # fmt: skip
     release_next(PDL)
     wait_for_inputs(PDL)
@@ -111,28 +112,34 @@ def _paged_attention_kernel(
     hi = tl.where(live, hi, lo)
     k_lo, k_hi = split_range(lo, hi, split, num_splits, BLOCK_N)
 
-    d = tl.arange(0, BLOCK_D)
-    d_ok = (d < HEAD_DIM)[None, :]
     # A sink is counted once per row: by split 0, whatever keys it gets (`merge_splits` adds the rest).
     acc, m_i, l_i = softmax_start(sinks_ptr, head, row_ok, split == 0, BLOCK_M, BLOCK_D, SINKS)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for n0 in range(k_lo, k_hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < k_hi
-        page = tl.load(bt_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = n % PAGE_SIZE
-        kv_mask = n_ok[:, None] & d_ok
-        k_row = page * stride_kp + slot * stride_ks + kvh * stride_kh
-        k = tl.load(k_ptr + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v_row = page * stride_vp + slot * stride_vs + kvh * stride_vh
-        v = tl.load(v_ptr + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:  # exact; the scales are applied outside the loop
-            k = k.to(kv_ty)
-            v = v.to(kv_ty)
-        visible = n_ok[None, :] & (n[None, :] <= qpos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (n[None, :] > qpos[:, None] - window)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT, F16)
+    # A decode (ROPE) query is the newest position, and its range holds only keys it sees. WHOLE_TILES
+    # (an unsplit decode over FP8 pages, `_launch.whole_tiles`): its whole tiles go unmasked, only the
+    # last, partial one is masked. Other calls mask every tile.
+    if WHOLE_TILES:
+        tl.static_assert(ROPE)
+        k_whole = k_lo + (k_hi - k_lo) // BLOCK_N * BLOCK_N
+        for n0 in range(k_lo, k_whole, BLOCK_N):
+            acc, m_i, l_i = _paged_tile(
+                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kvh, n0, k_hi, qpos, window, qk_scale, stride_kp,
+                stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, kv_ty, False, BLOCK_N, BLOCK_D,
+                HEAD_DIM, PAGE_SIZE, F32_DOT, F16, KV_FP8, HAS_WINDOW,
+            )  # fmt: skip
+        if k_whole < k_hi:
+            acc, m_i, l_i = _paged_tile(
+                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kvh, k_whole, k_hi, qpos, window, qk_scale, stride_kp,
+                stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, kv_ty, True, BLOCK_N, BLOCK_D,
+                HEAD_DIM, PAGE_SIZE, F32_DOT, F16, KV_FP8, HAS_WINDOW,
+            )  # fmt: skip
+    else:
+        for n0 in range(k_lo, k_hi, BLOCK_N):
+            acc, m_i, l_i = _paged_tile(
+                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kvh, n0, k_hi, qpos, window, qk_scale, stride_kp,
+                stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, kv_ty, True, BLOCK_N, BLOCK_D,
+                HEAD_DIM, PAGE_SIZE, F32_DOT, F16, KV_FP8, HAS_WINDOW,
+            )  # fmt: skip
     if KV_FP8:
         acc = acc * v_scale
 
@@ -140,6 +147,45 @@ def _paged_attention_kernel(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
         stride_ot, stride_oh, num_splits, BLOCK_D, HEAD_DIM,
     )  # fmt: skip
+
+
+@triton.jit
+def _paged_tile(
+    acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kvh, n0, k_hi, qpos, window, qk_scale, stride_kp, stride_ks,
+    stride_kh, stride_vp, stride_vs, stride_vh, kv_ty: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    F32_DOT: tl.constexpr, F16: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """The step over keys n0 .. n0 + BLOCK_N - 1, read through the block table: those below k_hi and
+    visible to each row (causal, in the window) when MASKED, all of them otherwise (a decode's whole
+    tiles)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    n_ok = n < k_hi
+    if MASKED:
+        page = tl.load(bt_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_row + n // PAGE_SIZE).to(tl.int64)
+    slot = n % PAGE_SIZE
+    k_at = k_ptr + (page * stride_kp + slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
+    v_at = v_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
+    if MASKED or BLOCK_D != HEAD_DIM:
+        kv_mask = n_ok[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_at, mask=kv_mask, other=0.0)
+        v = tl.load(v_at, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_at)
+        v = tl.load(v_at)
+    if KV_FP8:  # exact; the scales are applied outside the loop
+        k = k.to(kv_ty)
+        v = v.to(kv_ty)
+    if MASKED:
+        visible = n_ok[None, :] & (n[None, :] <= qpos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > qpos[:, None] - window)
+    else:
+        visible = True
+    return attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT, F16)
 
 
 def paged_attention(
@@ -197,5 +243,6 @@ def paged_attention(
         SINKS=sinks is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **rounding_options(q.dtype),
         **pdl_launch(q.device, vl.num_tokens, max_q == 1),  # decode calls (shared/kernels/_pdl.py)
+        WHOLE_TILES=whole_tiles(rope is not None, quant is not None, num_splits),
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)

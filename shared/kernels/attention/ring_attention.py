@@ -34,6 +34,7 @@ from shared.kernels._launch import (
     quant_args,
     resolve_tiles,
     softmax_scale,
+    whole_tiles,
 )
 from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
 from shared.kernels._round import rounding_options, to_e4m3
@@ -75,7 +76,7 @@ def _ring_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
     ROPE: tl.constexpr, NORM: tl.constexpr,
     RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, WHOLE_TILES: tl.constexpr,
 ):  # fmt: skip
     release_next(PDL)
     wait_for_inputs(PDL)
@@ -99,7 +100,8 @@ def _ring_attention_kernel(
     if ROPE:
         stored = tl.load(idx_ptr + tok0.to(tl.int64), mask=live, other=-1) >= 0
         held = start + stored.to(tl.int32)
-        n = tl.where(live, tl.minimum(window, held), 0)
+        # Without its own key (a padding row) the oldest of W entries falls out of the window.
+        n = tl.where(live, tl.minimum(window - 1 + stored.to(tl.int32), held), 0)
     else:
         n = tl.where(live & (q_off < window - 1), tl.minimum(window, held), 0)
     oldest = (held - n) % window  # the entry of logical index 0
@@ -129,19 +131,28 @@ def _ring_attention_kernel(
     # A sink is counted once per row: by split 0, whatever keys it gets (`merge_splits` adds the rest).
     acc, m_i, l_i = softmax_start(sinks_ptr, head, row_ok, split == 0, BLOCK_M, BLOCK_D, SINKS)
     first = held - n  # the position at logical index 0
-    for t0 in range(t_lo, t_hi, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        t_ok = t < t_hi
-        i = oldest + t
-        i = tl.where(i >= window, i - window, i)
-        kv_mask = t_ok[:, None] & d_ok
-        k = tl.load(kr_base + i[:, None] * stride_kri + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(vr_base + i[:, None] * stride_vri + d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:  # exact; the scales are applied outside the loop
-            k = k.to(kv_ty)
-            v = v.to(kv_ty)
-        visible = t_ok[None, :] & ((first + t)[None, :] > qpos[:, None] - window)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT, F16)
+    # A decode (ROPE) sees every ring entry (at most W of them, the newest its own). WHOLE_TILES (an
+    # unsplit decode over an FP8 ring, `_launch.whole_tiles`): its whole tiles go unmasked, only the
+    # last, partial one is masked. Other calls mask every tile.
+    if WHOLE_TILES:
+        tl.static_assert(ROPE)
+        t_whole = t_lo + (t_hi - t_lo) // BLOCK_N * BLOCK_N
+        for t0 in range(t_lo, t_whole, BLOCK_N):
+            acc, m_i, l_i = _ring_tile(
+                acc, m_i, l_i, q, kr_base, vr_base, stride_kri, stride_vri, oldest, window, t0, t_hi, first,
+                qpos, qk_scale, kv_ty, False, BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, F16, KV_FP8,
+            )  # fmt: skip
+        if t_whole < t_hi:
+            acc, m_i, l_i = _ring_tile(
+                acc, m_i, l_i, q, kr_base, vr_base, stride_kri, stride_vri, oldest, window, t_whole, t_hi,
+                first, qpos, qk_scale, kv_ty, True, BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, F16, KV_FP8,
+            )  # fmt: skip
+    else:
+        for t0 in range(t_lo, t_hi, BLOCK_N):
+            acc, m_i, l_i = _ring_tile(
+                acc, m_i, l_i, q, kr_base, vr_base, stride_kri, stride_vri, oldest, window, t0, t_hi, first,
+                qpos, qk_scale, kv_ty, True, BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, F16, KV_FP8,
+            )  # fmt: skip
 
     # Pass 2, the chunk: key offsets j with qi - W < j <= qi for some row of the tile. Only the last
     # split reads them (a decode's one key, or a short chunk: not worth a split of their own). With
@@ -171,6 +182,35 @@ def _ring_attention_kernel(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
         stride_ot, stride_oh, num_splits, BLOCK_D, HEAD_DIM,
     )  # fmt: skip
+
+
+@triton.jit
+def _ring_tile(
+    acc, m_i, l_i, q, kr_base, vr_base, stride_kri, stride_vri, oldest, window, t0, t_hi, first, qpos,
+    qk_scale, kv_ty: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr, F16: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
+    """Pass 1's step over the ring entries at logical indices t0 .. t0 + BLOCK_N - 1: those below t_hi
+    and in the window when MASKED, all of them otherwise (a decode's whole tiles)."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    i = oldest + t
+    i = tl.where(i >= window, i - window, i)
+    d = tl.arange(0, BLOCK_D)
+    k_at = kr_base + i[:, None] * stride_kri + d[None, :]
+    v_at = vr_base + i[:, None] * stride_vri + d[None, :]
+    if MASKED or BLOCK_D != HEAD_DIM:
+        kv_mask = (t < t_hi)[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_at, mask=kv_mask, other=0.0)
+        v = tl.load(v_at, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_at)
+        v = tl.load(v_at)
+    if KV_FP8:  # exact; the scales are applied outside the loop
+        k = k.to(kv_ty)
+        v = v.to(kv_ty)
+    # A decode's whole tile (not MASKED): the query is the newest position and sees all n entries.
+    visible = (t < t_hi)[None, :] & ((first + t)[None, :] > qpos[:, None] - window) if MASKED else True
+    return attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT, F16)
 
 
 def ring_attention(
@@ -217,5 +257,6 @@ def ring_attention(
         **rms_constexprs(rope), KV_FP8=quant is not None, SINKS=sinks is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **rounding_options(q.dtype),
         **pdl_launch(q.device, vl.num_tokens, max_q == 1),  # decode calls (shared/kernels/_pdl.py)
+        WHOLE_TILES=whole_tiles(rope is not None, quant is not None, num_splits),
     )  # fmt: skip
     return merge(out, part_o, part_lse, num_splits)
