@@ -47,11 +47,13 @@ def test_the_decode_attention_kernels_compile_for_the_h200_without_one() -> None
     assert len(rows) == 12 and all("shared" in row and "prologue" in row for row in rows), out.stdout
     # The engine's decode path (RoPE inside, the folded norm's row scale), over a cache in the model's
     # dtype or FP8, keeps its prologue free of layout trips through shared memory: the row scale's
-    # reduction and the rotated query rows' store are its only barriers: each trip is a barrier in every
-    # program of a step at once.
+    # reduction and the rotated query rows' store are its only barriers (each trip is a barrier in
+    # every program of a step at once). Over an FP8 cache the query tile's one trip into the float16
+    # dots' layout comes before the unmasked key loop's first copy too, the third.
     engine_path = [row for row in rows if "row scale" in row or "FP8 cache + RoPE" in row]
-    barriers = [int(re.search(r"(\d+) barriers", row).group(1)) for row in engine_path]
-    assert len(barriers) == 4 and max(barriers) <= 2, engine_path
+    barriers = {row: int(re.search(r"(\d+) barriers", row).group(1)) for row in engine_path}
+    assert len(barriers) == 4, engine_path
+    assert all(n <= (3 if "FP8" in row else 2) for row, n in barriers.items()), engine_path
 
 
 def test_the_serving_bench_compares_colocated_and_disaggregated_on_cpu(tmp_path: Path) -> None:
