@@ -193,9 +193,9 @@ def choose_splits(
 def whole_tiles(rope_inside: bool, kv_fp8: bool, num_splits: int) -> bool:
     """Whether a decode attention call reads its whole key tiles unmasked (the kernels' WHOLE_TILES):
     with RoPE inside (a decode: the query is the newest position and sees every key of its range),
-    over an FP8 cache, unsplit. With a bf16 cache the unmasked loop took registers enough to cost the
-    8B's step more than its masks (1%), and a split's few tiles gain less than its extra masked tail
-    costs (batch 1, 1%; docs/performance.md)."""
+    over an FP8 cache, unsplit. Over a bf16 cache the unmasked loop needs registers enough to lower
+    occupancy, and a split's few tiles gain less than its extra masked tail costs
+    (docs/performance.md, "FP8")."""
     return rope_inside and kv_fp8 and num_splits == 1
 
 
