@@ -201,6 +201,51 @@ def test_split_k_over_fp8(num_splits: int) -> None:
 
 
 ROPE_SPECS = [(6, 1), (7, 1), (8, 1), (3, 1), (16, 1), (33, 1)]
+ROPE_QUANT, ROPE_PAGE, ROPE_D = QUANTS["calibrated"], 4, 16
+
+
+def rope_fp8_case(
+    kind: str, specs: list[tuple[int, int]], w: int, dtype: torch.dtype, seed: int
+) -> tuple[Batch, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """A decode batch with RoPE inside over an FP8 cache: the batch (rings of w entries, pages of
+    ROPE_PAGE), its cos/sin table, each row's store index in the ring or pages, and the quantized
+    K and V caches."""
+    d, page, q = ROPE_D, ROPE_PAGE, ROPE_QUANT
+    b = make_batch(specs, hq=4, hkv=2, d=d, page_size=page, window=w, dtype=dtype, device=DEVICE, seed=seed)
+    positions = max(l0 for l0, _ in specs) + 32
+    freqs = torch.arange(positions, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
+    if kind == "ring":
+        dst = (b.slots.long() * w + b.q_start.long() % w).to(DEVICE)
+        caches = (quantize(b.k_ring, q.inv_k), quantize(b.v_ring, q.inv_v))
+    else:
+        dst = torch.tensor([int(b.block_table[i, l0 // page]) * page + l0 % page for i, (l0, _) in
+                            enumerate(specs)], device=DEVICE)  # fmt: skip
+        caches = (quantize(b.k_cache, q.inv_k), quantize(b.v_cache, q.inv_v))
+    return b, cos_sin, dst, caches
+
+
+def rope_fp8_decode(
+    kind: str, b: Batch, cos_sin: torch.Tensor, store: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor], backend: str, window: int | None, num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One decode call with RoPE inside on fresh copies of `caches` (`store`: each row's store index;
+    `window`: the ring's W, or paged attention's window); returns the output and the K and V caches
+    after it, on the CPU. The torch path takes no split factor."""
+    d, q = ROPE_D, ROPE_QUANT
+    kc, vc = (c.clone() for c in caches)
+    rope = RopeInKernel(b.q_start.long(), cos_sin, kc.view(-1, 2, d), vc.view(-1, 2, d), store)
+    ops = ops_for(DEVICE, backend=backend)
+    split = {"num_splits": num_splits} if backend == "triton" else {}
+    if kind == "ring":
+        call = ops._ring if backend == "triton" else ops.ring_attention
+        out = call(b.q, b.k_new, b.v_new, kc, vc, b.slots, b.cu_q, b.q_start, max_q=1, scale=b.scale,
+                   window=window, rope=rope, quant=q, **split)  # fmt: skip
+    else:
+        call = ops._paged if backend == "triton" else ops.paged_attention
+        out = call(b.q, kc, vc, b.block_table, b.cu_q, b.q_start, max_q=1, scale=b.scale, window=window,
+                   k_new=b.k_new, v_new=b.v_new, rope=rope, quant=q, **split)  # fmt: skip
+    return out.cpu(), kc.cpu(), vc.cpu()
 
 
 @pytest.mark.parametrize("kind", ["ring", "paged"])
@@ -209,37 +254,16 @@ ROPE_SPECS = [(6, 1), (7, 1), (8, 1), (3, 1), (16, 1), (33, 1)]
 def test_rope_inside_attention_stores_fp8_like_the_reference(kind: str, dtype, num_splits: int) -> None:
     """Decode's RoPE inside attention: the Triton kernel's quantized K/V store is the torch path's,
     byte for byte, and so is what it attends (the token read back from its FP8 page or entry)."""
-    q, w, page, d = QUANTS["calibrated"], 8, 4, 16
-    b = make_batch(ROPE_SPECS, hq=4, hkv=2, d=d, page_size=page, window=w, dtype=dtype, device=DEVICE, seed=5)
-    freqs = torch.arange(64, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
-    if kind == "ring":
-        dst = (b.slots.long() * w + b.q_start.long() % w).to(DEVICE)
-        caches = (quantize(b.k_ring, q.inv_k), quantize(b.v_ring, q.inv_v))
-    else:
-        dst = torch.tensor([int(b.block_table[i, l0 // page]) * page + l0 % page for i, (l0, _) in
-                            enumerate(ROPE_SPECS)], device=DEVICE)  # fmt: skip
-        caches = (quantize(b.k_cache, q.inv_k), quantize(b.v_cache, q.inv_v))
-    outs, stored = [], []
-    for backend in BACKENDS:
-        kc, vc = (c.clone() for c in caches)
-        rope = RopeInKernel(b.q_start.long(), cos_sin, kc.view(-1, 2, d), vc.view(-1, 2, d), dst)
-        ops = ops_for(DEVICE, backend=backend)
-        split = {"num_splits": num_splits} if backend == "triton" else {}
-        if kind == "ring":
-            call = ops._ring if backend == "triton" else ops.ring_attention
-            out = call(b.q, b.k_new, b.v_new, kc, vc, b.slots, b.cu_q, b.q_start, max_q=1, scale=b.scale,
-                       window=w, rope=rope, quant=q, **split)  # fmt: skip
-        else:
-            call = ops._paged if backend == "triton" else ops.paged_attention
-            out = call(b.q, kc, vc, b.block_table, b.cu_q, b.q_start, max_q=1, scale=b.scale, window=None,
-                       k_new=b.k_new, v_new=b.v_new, rope=rope, quant=q, **split)  # fmt: skip
-        outs.append(out)
-        stored.append((kc.cpu(), vc.cpu()))
-    torch.testing.assert_close(outs[1].cpu(), outs[0].cpu(), **TOLERANCE[dtype])
-    assert same_fp8(stored[1][1], stored[0][1])
+    w = 8
+    b, cos_sin, dst, caches = rope_fp8_case(kind, ROPE_SPECS, w, dtype, seed=5)
+    window = w if kind == "ring" else None
+    (want, k_want, v_want), (got, k_got, v_got) = (
+        rope_fp8_decode(kind, b, cos_sin, dst, caches, backend, window, num_splits) for backend in BACKENDS
+    )
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+    assert same_fp8(v_got, v_want)
     if dtype != torch.float32 or DEVICE == "cpu":  # a GPU may fuse fp32 products and sums
-        assert same_fp8(stored[1][0], stored[0][0])
+        assert same_fp8(k_got, k_want)
 
 
 @pytest.mark.parametrize(("kind", "window"), [("ring", 64), ("paged", None), ("paged", 24)])
@@ -255,47 +279,22 @@ def test_an_unsplit_fp8_decode_reads_its_whole_tiles_unmasked_as_the_reference(k
     assert (
         not whole_tiles(True, True, 2) and not whole_tiles(True, False, 1) and not whole_tiles(False, True, 1)
     )
-    q, page, d = QUANTS["calibrated"], 4, 16
     specs = [(70, 1), (100, 1), (127, 1), (40, 1), (63, 1), (5, 1), (16, 1), (64, 1)]
     w = window or 64
-    b = make_batch(
-        specs, hq=4, hkv=2, d=d, page_size=page, window=w, dtype=torch.bfloat16, device=DEVICE, seed=11
-    )
-    freqs = torch.arange(160, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
-    if kind == "ring":
-        dst = (b.slots.long() * w + b.q_start.long() % w).to(DEVICE)
-        caches = (quantize(b.k_ring, q.inv_k), quantize(b.v_ring, q.inv_v))
-    else:
-        dst = torch.tensor([int(b.block_table[i, l0 // page]) * page + l0 % page for i, (l0, _) in
-                            enumerate(specs)], device=DEVICE)  # fmt: skip
-        caches = (quantize(b.k_cache, q.inv_k), quantize(b.v_cache, q.inv_v))
-    outs = []
-    for backend, store in (
-        ("torch", dst),
-        ("triton", dst),
-        ("triton", torch.cat([dst[:-1], dst.new_full((1,), -1)])),
-    ):
-        kc, vc = (c.clone() for c in caches)
-        rope = RopeInKernel(b.q_start.long(), cos_sin, kc.view(-1, 2, d), vc.view(-1, 2, d), store)
-        ops = ops_for(DEVICE, backend=backend)
-        split = {"num_splits": 1} if backend == "triton" else {}
-        if kind == "ring":
-            call = ops._ring if backend == "triton" else ops.ring_attention
-            out = call(b.q, b.k_new, b.v_new, kc, vc, b.slots, b.cu_q, b.q_start, max_q=1, scale=b.scale,
-                       window=w, rope=rope, quant=q, **split)  # fmt: skip
-        else:
-            call = ops._paged if backend == "triton" else ops.paged_attention
-            out = call(b.q, kc, vc, b.block_table, b.cu_q, b.q_start, max_q=1, scale=b.scale, window=window,
-                       k_new=b.k_new, v_new=b.v_new, rope=rope, quant=q, **split)  # fmt: skip
-        outs.append((out.cpu(), kc.cpu(), vc.cpu()))
-    (want, k_want, v_want), (got, k_got, v_got), (padded, k_padded, _) = outs
+    b, cos_sin, dst, caches = rope_fp8_case(kind, specs, w, torch.bfloat16, seed=11)
+    window = w if kind == "ring" else window
+    padded_dst = torch.cat([dst[:-1], dst.new_full((1,), -1)])
+    want, k_want, v_want = rope_fp8_decode(kind, b, cos_sin, dst, caches, "torch", window, 1)
+    got, k_got, v_got = rope_fp8_decode(kind, b, cos_sin, dst, caches, "triton", window, 1)
+    padded, k_padded, _ = rope_fp8_decode(kind, b, cos_sin, padded_dst, caches, "triton", window, 1)
     torch.testing.assert_close(got, want, **TOLERANCE[torch.bfloat16])
     assert same_fp8(k_got, k_want) and same_fp8(v_got, v_want)
     torch.testing.assert_close(padded[:-1], want[:-1], **TOLERANCE[torch.bfloat16])
     assert torch.isfinite(padded[-1].float()).all()
     last = int(dst[-1])
-    assert same_fp8(k_padded.view(-1, 2, d)[last], caches[0].cpu().view(-1, 2, d)[last])  # untouched
+    assert same_fp8(
+        k_padded.view(-1, 2, ROPE_D)[last], caches[0].cpu().view(-1, 2, ROPE_D)[last]
+    )  # untouched
 
 
 @pytest.mark.gpu
