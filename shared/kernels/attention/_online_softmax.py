@@ -69,6 +69,28 @@ def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT: tl.constexp
 
 
 @triton.jit
+def load_kv_tile(
+    k_at, v_at, rows_ok, kv_ty: tl.constexpr, MASKED: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
+    """One key block's K and V [N, BLOCK_D] at the pointer tiles k_at, v_at: rows past `rows_ok` and
+    columns past HEAD_DIM read as zeros when MASKED (or BLOCK_D pads the head), every element loaded
+    unmasked otherwise (a decode's whole tile). An FP8 cache's tiles convert to kv_ty, exactly: the
+    scales are applied outside the loop."""
+    if MASKED or BLOCK_D != HEAD_DIM:
+        kv_mask = rows_ok[:, None] & (tl.arange(0, BLOCK_D) < HEAD_DIM)[None, :]
+        k = tl.load(k_at, mask=kv_mask, other=0.0)
+        v = tl.load(v_at, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_at)
+        v = tl.load(v_at)
+    if KV_FP8:
+        k = k.to(kv_ty)
+        v = v.to(kv_ty)
+    return k, v
+
+
+@triton.jit
 def fp16_query(q, qk_scale):
     """The query tile of an FP8 cache's float16 dots, qk_scale folded in (~0.13 at head_dim 128, far
     from float16's 65504) so the scores need no scaling after (attend_block's SCALED_Q)."""

@@ -40,6 +40,7 @@ from shared.kernels.attention._online_softmax import (
     attend_block,
     chunk_of,
     fp16_query,
+    load_kv_tile,
     softmax_start,
     tile_queries,
 )
@@ -169,16 +170,7 @@ def _paged_tile(
     slot = n % PAGE_SIZE
     k_at = k_ptr + (page * stride_kp + slot * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
     v_at = v_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
-    if MASKED or BLOCK_D != HEAD_DIM:
-        kv_mask = n_ok[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_at, mask=kv_mask, other=0.0)
-        v = tl.load(v_at, mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(k_at)
-        v = tl.load(v_at)
-    if KV_FP8:  # exact; the scales are applied outside the loop
-        k = k.to(kv_ty)
-        v = v.to(kv_ty)
+    k, v = load_kv_tile(k_at, v_at, n_ok, kv_ty, MASKED, BLOCK_D, HEAD_DIM, KV_FP8)
     if MASKED:
         visible = n_ok[None, :] & (n[None, :] <= qpos[:, None])
         if HAS_WINDOW:

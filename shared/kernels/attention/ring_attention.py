@@ -42,6 +42,7 @@ from shared.kernels.attention._online_softmax import (
     attend_block,
     chunk_of,
     fp16_query,
+    load_kv_tile,
     softmax_start,
     tile_queries,
 )
@@ -198,16 +199,7 @@ def _ring_tile(
     d = tl.arange(0, BLOCK_D)
     k_at = kr_base + i[:, None] * stride_kri + d[None, :]
     v_at = vr_base + i[:, None] * stride_vri + d[None, :]
-    if MASKED or BLOCK_D != HEAD_DIM:
-        kv_mask = (t < t_hi)[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_at, mask=kv_mask, other=0.0)
-        v = tl.load(v_at, mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(k_at)
-        v = tl.load(v_at)
-    if KV_FP8:  # exact; the scales are applied outside the loop
-        k = k.to(kv_ty)
-        v = v.to(kv_ty)
+    k, v = load_kv_tile(k_at, v_at, t < t_hi, kv_ty, MASKED, BLOCK_D, HEAD_DIM, KV_FP8)
     # A decode's whole tile (not MASKED): the query is the newest position and sees all n entries.
     visible = (t < t_hi)[None, :] & ((first + t)[None, :] > qpos[:, None] - window) if MASKED else True
     return attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, F32_DOT, F16)
