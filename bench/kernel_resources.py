@@ -14,6 +14,12 @@ program of a batch-64 step runs at once: a decode call's fixed cost), the
 barriers among them, and the instructions of one pass of the key loop. The local Triton may not be
 the device's: compare variants within one run, not against the device's numbers.
 
+Then where the FP8 decode step's norm and skinny GEMM (descriptor loads, the 8B's q/k/v and o tiles at
+64 rows) read memory around programmatic dependent launch (`shared/kernels/_pdl.py`): the global
+loads before the wait for the kernel before (what no kernel of the step writes: the weights and their
+scales), and, for the GEMM, after its K loop releases its successor (what stands between the loop's
+end and the store: the o projection's residual addend only).
+
     python bench/kernel_resources.py
 """
 
@@ -33,6 +39,8 @@ from triton.compiler import ASTSource
 from shared.kernels._round import rounding_options
 from shared.kernels.attention.paged_attention import _paged_attention_kernel
 from shared.kernels.attention.ring_attention import _ring_attention_kernel
+from shared.kernels.fp8.rms_norm_quant import _rms_norm_quant_kernel
+from shared.kernels.skinny_gemm import _skinny_gemm_kernel
 
 POINTERS = {
     "pos_ptr": "*i64", "cs_ptr": "*fp32", "idx_ptr": "*i64", "slots_ptr": "*i32", "cu_q_ptr": "*i32",
@@ -114,6 +122,40 @@ def resources(fn, consts: dict, warps: int, stages: int) -> str:
     return f"{resources}  {sass_counts(kernel.asm['cubin'])}"
 
 
+def pdl_loads(fn, sig: dict[str, str], consts: dict, warps: int, stages: int) -> str:
+    """Global loads of the compiled PTX before `griddepcontrol.wait`, and after the kernel's
+    `griddepcontrol.launch_dependents` where it comes after the wait (the GEMM's, after its K loop)."""
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=launch_hints(fn, sig))
+    options = {"num_warps": warps, "num_stages": stages}
+    lines = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"].splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    release = next(i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line)
+    loads = [i for i, line in enumerate(lines) if re.search(r"\bld\.global", line)]
+    after = sum(i > release for i in loads) if release > wait else 0
+    return f"loads before the wait {sum(i < wait for i in loads):>3}  after the release {after:>3}"
+
+
+def fp8_decode_rows() -> list[str]:
+    """`pdl_loads` of the FP8 decode step's input norm (a 4096-wide row) and of its skinny GEMM at 64
+    rows with descriptor loads, per-channel scales, without and with the residual add."""
+    norm = {"BLOCK_G": 1, "GROUP_P2": 4096, "PDL": True}
+    names = _rms_norm_quant_kernel.arg_names
+    sig = {n: "constexpr" if n in norm else "fp32" if n == "eps" else "i32" for n in names}
+    sig.update(x_ptr="*bf16", w_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
+    rows = [f"fp8 rms_norm_quant         {pdl_loads(_rms_norm_quant_kernel, sig, norm, 8, 1)}"]
+    gemm = {"SPLIT_K": 1, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 256, "F32_DOT": False, "SCALED": True,
+            "A_GROUPED": False, "W_GROUPED": False, "W_ROWS": 1, "HAS_BIAS": False, "TMA": True,
+            "PDL": True}  # fmt: skip
+    sig = {n: "constexpr" if n in gemm or n == "ADD" else "i32" for n in _skinny_gemm_kernel.arg_names}
+    sig.update(x_ptr="tensordesc<fp8e4nv[64, 256]>", w_ptr="tensordesc<fp8e4nv[32, 256]>",
+               out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32", as_ptr="*fp32", ws_ptr="*fp32",
+               bias_ptr="*bf16")  # fmt: skip
+    for label, add in (("q/k/v", False), ("o + residual", True)):
+        loads = pdl_loads(_skinny_gemm_kernel, sig, {**gemm, "ADD": add}, 4, 4)
+        rows.append(f"fp8 skinny_gemm {label:<12s} {loads}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args()
@@ -136,6 +178,8 @@ def main() -> None:
             consts = {**DECODE, **extra, "ROPE": rope, "NORM": norm, "RMS": rms, "KV_FP8": fp8}
             consts["WHOLE_TILES"] = rope and fp8  # the engine's unsplit decode (`_launch.whole_tiles`)
             print(f"{name:6s} {label:26s} {resources(fn, consts, warps, stages)}")
+    for row in fp8_decode_rows():
+        print(row)
 
 
 if __name__ == "__main__":

@@ -57,24 +57,31 @@ def _skinny_gemm_kernel(
     W_GROUPED: tl.constexpr, W_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_for_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M
     n_ok = rn < N
+    # FP8 operands' scales (SCALED): a row's (x) and a column's (w), either one per K step (GROUPED:
+    # the step is one scale group, and its partial product is scaled before it joins the sum) or one
+    # for all of K (the sum is scaled once, at the end). With descriptor loads the weights' scales and
+    # the bias are read before the wait (no kernel of the step writes them) and x's before the loop, so
+    # that no load's latency sits between the loop's end and the store; pointer loads (few rows) read
+    # them after the loop, which measured faster there (docs/performance.md, "FP8").
+    as_rows = as_ptr + rm * stride_asm
+    ws_cols = ws_ptr + (rn // W_ROWS) * stride_wsn
+    if TMA:
+        w_scale, a_scale, bias = _scales_and_bias(as_rows, ws_cols, bias_ptr + rn, m_ok, n_ok, SCALED,
+                                                  A_GROUPED, W_GROUPED, HAS_BIAS, PDL)  # fmt: skip
+    else:
+        wait_for_inputs(PDL)
     out_mask = m_ok[:, None] & n_ok[None, :]
     out = out_ptr + rm[:, None] * stride_om + rn[None, :]
     # out holds the addend. Pointer loads take it first, its latency under the loop's rather than at
     # the tail; descriptor loads at the end, where its registers do not stand between the pipeline's.
     if ADD and not TMA:
         addend = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
-    # FP8 operands' scales (SCALED): a row's (x) and a column's (w), either one per K step (GROUPED:
-    # the step is one scale group, and its partial product is scaled before it joins the sum) or one
-    # for all of K (the sum is scaled once, at the end).
-    as_rows = as_ptr + rm * stride_asm
-    ws_cols = ws_ptr + (rn // W_ROWS) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_first = pid_k * k_chunk
     for k0 in range(k_first, k_first + k_chunk, BLOCK_K):  # k_chunk is a multiple of BLOCK_K
@@ -101,17 +108,20 @@ def _skinny_gemm_kernel(
             part = part * tl.load(ws_cols + (k0 // BLOCK_K) * stride_wsg, mask=n_ok, other=0.0)[None, :]
         acc += part
     release_next(PDL)  # the next kernel fills this one's tail
+    if not TMA:
+        w_scale, a_scale, bias = _scales_and_bias(as_rows, ws_cols, bias_ptr + rn, m_ok, n_ok, SCALED,
+                                                  A_GROUPED, W_GROUPED, HAS_BIAS, False)  # fmt: skip
     if ADD and TMA:
         addend = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
     if SCALED:  # a split's partial scaled on its own: the scaling is linear
         if not A_GROUPED:
-            acc = acc * tl.load(as_rows, mask=m_ok, other=0.0)[:, None]
+            acc = acc * a_scale[:, None]
         if not W_GROUPED:
-            acc = acc * tl.load(ws_cols, mask=n_ok, other=0.0)[None, :]
+            acc = acc * w_scale[None, :]
     dtype = out_ptr.dtype.element_ty
     if SPLIT_K == 1:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc += bias[None, :]
         if ADD:
             acc += addend
         tl.store(out, round_to(acc, dtype).to(dtype), mask=out_mask)
@@ -127,11 +137,31 @@ def _skinny_gemm_kernel(
                     part_ptr + s * BLOCK_M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg"
                 )
             if HAS_BIAS:
-                total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                total += bias[None, :]
             if ADD:
                 total += addend
             tl.store(out, round_to(total, dtype).to(dtype), mask=out_mask)
             tl.atomic_xchg(ticket_ptr + pid_n, 0)  # ready for the next launch
+
+
+@triton.jit
+def _scales_and_bias(
+    as_rows, ws_cols, bias_at, m_ok, n_ok, SCALED: tl.constexpr, A_GROUPED: tl.constexpr,
+    W_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The scales that apply once to the whole sum (x's per row, w's per column; 1.0 where grouped
+    or unscaled) and the bias (0.0 without), the weights' read before `wait_for_inputs(PDL)`."""
+    w_scale = tl.full(n_ok.shape, 1.0, tl.float32)
+    a_scale = tl.full(m_ok.shape, 1.0, tl.float32)
+    bias = tl.zeros(n_ok.shape, tl.float32)
+    if SCALED and not W_GROUPED:
+        w_scale = tl.load(ws_cols, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_at, mask=n_ok, other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)
+    if SCALED and not A_GROUPED:
+        a_scale = tl.load(as_rows, mask=m_ok, other=0.0)
+    return w_scale, a_scale, bias
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The benchmarks under bench/ stay runnable: device time is scarce, and a script that fails to start
 on the GPU machine wastes it. Every script parses `--help` without CUDA; the ones that also run on CPU
 (the serving bench's two modes with a tiny model, the engine's host-side bench, under the `perf`
-marker, the kernels' sm_90 resource check) run end to end."""
+marker, the kernels' sm_90 resource and load-placement checks) run end to end."""
 
 from __future__ import annotations
 
@@ -54,6 +54,26 @@ def test_the_decode_attention_kernels_compile_for_the_h200_without_one() -> None
     barriers = {row: int(re.search(r"(\d+) barriers", row).group(1)) for row in engine_path}
     assert len(barriers) == 4, engine_path
     assert all(n <= (3 if "FP8" in row else 2) for row, n in barriers.items()), engine_path
+
+
+@pytest.mark.perf
+def test_the_fp8_decode_kernels_read_their_weights_before_waiting_for_the_kernel_before() -> None:
+    # Under programmatic dependent launch a kernel runs its start while the kernel before still does:
+    # the norm's weight and the GEMM's weight scales, which no kernel of the step writes, are read
+    # there, and nothing but the residual addend is read between the GEMM's K loop and its store.
+    out = _run("bench/kernel_resources.py", timeout=600, compiled=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loads = {
+        line.split(" loads ")[0].strip(): tuple(int(n) for n in re.findall(r"(?:wait|release)\s+(\d+)", line))
+        for line in out.stdout.splitlines()
+        if line.startswith("fp8 ")
+    }
+    kernels = {"fp8 rms_norm_quant", "fp8 skinny_gemm q/k/v", "fp8 skinny_gemm o + residual"}
+    assert loads.keys() == kernels, out.stdout
+    assert loads["fp8 rms_norm_quant"][0] > 0, out.stdout
+    before, after = loads["fp8 skinny_gemm q/k/v"]
+    assert before > 0 and after == 0, out.stdout
+    assert loads["fp8 skinny_gemm o + residual"][0] == before, out.stdout
 
 
 def test_the_serving_bench_compares_colocated_and_disaggregated_on_cpu(tmp_path: Path) -> None:

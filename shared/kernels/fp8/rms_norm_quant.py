@@ -29,14 +29,14 @@ def _rms_norm_quant_kernel(
     BLOCK_G: tl.constexpr, GROUP_P2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     release_next(PDL)
+    g, cols, mask = group_offsets(group, BLOCK_G, GROUP_P2, 0, size)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     dtype = x_ptr.dtype.element_ty
-    g, cols, mask = group_offsets(group, BLOCK_G, GROUP_P2, 0, size)
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(tl.sum(h * h, axis=1), axis=0) / size + eps)
     h = round_to(h * rstd, dtype)  # Hugging Face rounds the normed row before the weight multiplies it
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     q, scale = quantize_groups(round_to(h * w, dtype))
     tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
     tl.store(s_ptr + row + g * stride_sg, scale, mask=g < tl.cdiv(size, group))
