@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
@@ -135,3 +136,20 @@ def test_the_engine_trace_bench_runs_two_passes_on_cpu() -> None:
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r["pass"] for r in rows] == [0, 1]
     assert all(r["requests"] == 6 and 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] for r in rows), rows
+
+
+def test_the_decode_ablation_skips_only_the_families_it_is_asked_to() -> None:
+    from bench.decode_ablation import Skipper
+    from shared.kernels.skinny_gemm import skinny_gemm
+
+    x, w_o, w_up = torch.randn(4, 16), torch.randn(8, 16), torch.randn(12, 16)
+    with Skipper({"o": (8, 16), "gate_up": (12, 16)}) as skipper:
+        with skipper.skipping(("o",)):
+            skipped = skinny_gemm(x, w_o, add=torch.zeros(4, 8))
+            kept = skinny_gemm(x, w_up, add=torch.zeros(4, 12))
+        after = skinny_gemm(x, w_o, add=torch.zeros(4, 8))
+    assert torch.equal(skipped, torch.zeros(4, 8))  # the o GEMM never ran: its addend is untouched
+    torch.testing.assert_close(kept, x @ w_up.T)
+    torch.testing.assert_close(after, x @ w_o.T)
+    restored = skinny_gemm(x, w_o, add=torch.zeros(4, 8))  # outside the context: the kernel as it was
+    torch.testing.assert_close(restored, x @ w_o.T)
