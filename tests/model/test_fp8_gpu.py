@@ -274,3 +274,53 @@ def test_an_fp8_engine_decodes_the_same_tokens_with_and_without_dependent_launch
         outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         outputs.append([o.output for o in outs])
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "block"), [(4096, 4096, (1, 4096)), (6144, 2048, (128, 128)), (100, 200, (1, 200))]
+)
+def test_16_bit_decode_activations_against_fp8_weights_match_the_reference(
+    n: int, k: int, block: tuple[int, int]
+) -> None:  # fmt: skip
+    """`activations16`: a decode batch's GEMMs take the 16-bit rows against the widened e4m3 weights, by
+    pointer loads and by descriptor loads (above 32 rows on Hopper), the bias and the residual inside;
+    more rows (prefill) still quantize them."""
+    _fp8_gpu()
+    kernels = fp8_kernels_for("cuda", activations16=True)
+    layer = _Layer(n, k, block, bias=True)
+    for rows in ROWS:
+        x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+        residual = torch.randn(rows, n, device="cuda").to(torch.bfloat16)
+        if rows <= 64:
+            want = ref.gemm_w16(x, layer.weight, layer.weight_scale_inv, block, layer.bias)
+            added = ref.gemm_w16(x, layer.weight, layer.weight_scale_inv, block, layer.bias, residual)
+        else:
+            a = kernels.quantize(x, block[1])
+            want = ref.gemm(a, layer.weight, layer.weight_scale_inv, block, layer.bias)
+            added = ref.gemm(a, layer.weight, layer.weight_scale_inv, block, layer.bias, residual)
+        _close(kernels.linear(x, layer), want)
+        _close(kernels.linear_add(x, layer, residual.clone()), added)
+
+
+@pytest.mark.parametrize("batch", [1, 40])
+def test_an_fp8_engine_with_16_bit_decode_activations_replays_its_eager_tokens(batch: int) -> None:
+    """An FP8 model whose decode batches keep 16-bit activations: the engine's captured decode steps
+    (programmatic dependents at 1 and 40 rows) give the greedy tokens of eager steps."""
+    _fp8_gpu()
+    import functools
+
+    from tests.engine.engine_testutil import random_tokens, tiny_config, tiny_model
+
+    cfg = tiny_config("SSFS", hidden=128, intermediate=256, vocab=256)
+    prompts = [random_tokens(5 + i % 13, vocab=256, seed=i) for i in range(batch)]
+    base = quantize_model(tiny_model(cfg).to("cuda", torch.bfloat16), "fp8")
+    base.kernel_factory = functools.partial(fp8_kernels_for, activations16=True)
+    outputs = []
+    for sizes in ((), None):  # eager steps, then the engine's default graphs
+        model = copy.deepcopy(base)
+        kv = KVConfig(page_size=16, num_pages=256, max_requests=40, device="cuda", dtype=torch.bfloat16)
+        engine = Engine(model, kv, EngineConfig() if sizes is None else EngineConfig(cuda_graph_sizes=sizes))
+        engine.warm_up()
+        outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        outputs.append([o.output for o in outs])
+    assert outputs[0] == outputs[1]
