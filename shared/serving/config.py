@@ -165,7 +165,7 @@ COMMON_HELP = {
     "dtype": "model dtype (the KV cache's too, unless --kv-cache-dtype): auto, bfloat16 (bf16), float16 "
     "(fp16, half) or float32 (fp32, float). "
     "auto: the checkpoint's dtype on CUDA (bfloat16 for a float32 or quantized checkpoint; float16 where "
-    "the GPU has no bfloat16), on CPU bfloat16 where the CPU has AMX, else float32",
+    "the GPU has no bfloat16), float32 on a CPU",
     "kv_cache_dtype": "what the KV cache holds: auto (the model's --dtype) or fp8_e4m3 (alias fp8): "
     "float8 e4m3 pages and sliding-window rings, half the memory and transfer bytes of bfloat16, with one "
     "K and one V scale per layer (the checkpoint's k_scale / v_scale, else 1.0); attention dequantizes "

@@ -27,7 +27,7 @@ from shared.model.moe_config import MoeConfig
 from shared.model.quant import quantize_model
 
 __all__ = [
-    "RANDOM_PREFIX", "auto_dtype", "cpu_bf16_fast", "load_served_model", "random_model_config",
+    "RANDOM_PREFIX", "auto_dtype", "load_served_model", "random_model_config",
     "random_transformer",
 ]  # fmt: skip
 
@@ -113,32 +113,21 @@ def _random_model(spec: str, device: torch.device | str, dtype: torch.dtype) -> 
     return LoadedModel(cfg, model, _char_tokenizer(cfg.vocab_size, cfg.eos_token_ids), "random")
 
 
-def cpu_bf16_fast() -> bool:
-    """Whether this CPU runs the model faster in bfloat16 than in float32: where it has AMX.
-
-    Decided by the instruction set, not by timing a matmul at start-up: prefill and decode on one host
-    must resolve `auto` alike (their KV dtypes must agree at the handshake), and a timing on a busy
-    host is noise. AMX (Intel Sapphire Rapids and later) multiplies bfloat16 tiles several times faster
-    than float32 FMAs, which pays for the casts around them. AVX512_BF16 alone does not: on an AMD EPYC
-    with it, a 512-token prefill of SmolLM2-135M through the Engine took as long in bfloat16 as in
-    float32 (the GEMMs got faster, the elementwise ops and casts around them slower), and
-    `torch.backends.cpu.get_cpu_capability()` says "AVX512" either way."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private, hence the guard
-    return bool(probe is not None and probe())
-
-
 def auto_dtype(device: torch.device | str, stored: torch.dtype | None) -> torch.dtype:
     """`--dtype auto` for a checkpoint stored in `stored` (None: quantized, or it does not say).
 
     CUDA: the checkpoint's dtype, but bfloat16 for a float32 or quantized one (half the memory and the
     tensor cores' rate; training ran in bf16 for most of them), and float16 on a GPU without bfloat16.
-    CPU: bfloat16 where it is faster (`cpu_bf16_fast`), else float32 (float16 is slow on CPUs)."""
+    CPU: float32 on every host. bfloat16 runs faster on a CPU with AMX, but torch's CPU ops round each
+    result to bfloat16, and there the embedded SmolLM2 answers the demo's question ("What is the
+    capital of France?") with a string of French words and no Paris; `--dtype bfloat16` asks for it.
+    One answer for every host also keeps a prefill and a decode resolving `auto` alike."""
     device = torch.device(device)
     if device.type == "cuda":
         if stored is torch.float16 or not torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.float16
         return torch.bfloat16
-    return torch.bfloat16 if cpu_bf16_fast() else torch.float32
+    return torch.float32
 
 
 def load_served_model(
