@@ -1,8 +1,9 @@
 """The decode step's FP8 GEMMs at M = 64 / 16 / 1: the skinny GEMM with FP8 operands (its default, its
 pointer loads' default, and a sweep of configs) and with 16-bit x against the e4m3 weights (`w16`:
-its default, `--sweep-w16` a sweep) against cuBLAS's scaled GEMM (`torch._scaled_mm`,
-per-token x per-channel scales, plus the residual add the o and down projections need), the Triton
-FP8 GEMM and bf16 cuBLAS, each against reading its weights at the copy rate.
+its default, `--sweep-w16` a sweep; gate/up also with SwiGLU after it and in its epilogue) against
+cuBLAS's scaled GEMM (`torch._scaled_mm`, per-token x per-channel scales, plus the residual add the
+o and down projections need), the Triton FP8 GEMM and bf16 cuBLAS, each against reading its weights
+at the copy rate.
 
 Shapes: `gemm_decode.py`'s (the engine bench's ~2B hybrid; `--model 8b` its ~8B), weights [N, K] e4m3
 with per-channel scales (`--block 128` for 128x128 blocks and 128-column activation groups). Every
@@ -23,9 +24,11 @@ import triton
 
 from bench.gemm_decode import SHAPES, copy_rate, graph_us
 from shared.kernels.fp8 import reference as ref
+from shared.kernels.fp8.gate_up_glu import gate_up_glu
 from shared.kernels.fp8.gemm import gemm as triton_fp8_gemm
 from shared.kernels.fp8.quant import quantize
 from shared.kernels.fp8.scaled_mm import scaled_mm
+from shared.kernels.silu_mul import silu_mul
 from shared.kernels.skinny_gemm import GemmConfig, Scales, choose_config, skinny_gemm
 
 RESIDUAL = ("o", "down")  # the projections whose output is added to the residual stream
@@ -128,6 +131,11 @@ def main() -> None:
                 want16 = x.float() @ ref.dequantize(*layers[0], block).t()
                 torch.testing.assert_close(got16, want16, rtol=3e-2, atol=3e-2 * want16.abs().max().item())
                 timed["skinny w16 default"] = graph_us(lambda: [w16(None, *lr) for lr in layers], copies)  # noqa: B023
+                if name == "gate_up":  # SwiGLU after it, and in its epilogue (fp8/gate_up_glu.py)
+                    then = [lambda lr=lr: silu_mul(w16(None, *lr)) for lr in layers]
+                    fused = [lambda lr=lr, x=x, block=block: gate_up_glu(x, *lr, block) for lr in layers]
+                    timed["w16 then silu_mul"] = graph_us(lambda fs=then: [f() for f in fs], copies)
+                    timed["w16 gate_up_glu"] = graph_us(lambda fs=fused: [f() for f in fs], copies)
                 best16 = None
                 for cfg in sweep(n, k, group, True, w16=True) if args.sweep_w16 else ():
                     try:
