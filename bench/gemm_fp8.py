@@ -55,6 +55,23 @@ def sweep(n: int, k: int, group: int | None, tma: bool, w16: bool = False):  # t
             yield GemmConfig(block_n=bn, block_k=bk, split_k=s, num_warps=warps, num_stages=st, tma=tma)
 
 
+def best_config(configs, gemm, layers, copies: int, floor: float, label: str, verbose: bool):  # type: ignore[no-untyped-def]
+    """(us, config) of the fastest of `configs` running `gemm(cfg, *layer)` over every layer, or None;
+    a config Triton cannot fit is reported and skipped."""
+    best = None
+    for cfg in configs:
+        try:
+            us = graph_us(lambda cfg=cfg: [gemm(cfg, *lr) for lr in layers], copies)
+        except Exception as exc:  # a config Triton cannot fit
+            print(f"  {label} {cfg}: {type(exc).__name__}")
+            continue
+        if verbose:
+            print(f"  {label} {us:7.2f} us x{us / floor:4.2f} {cfg}", flush=True)
+        if best is None or us < best[0]:
+            best = (us, cfg)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="64,16,1", help="M values")
@@ -136,34 +153,16 @@ def main() -> None:
                     fused = [lambda lr=lr, x=x, block=block: gate_up_glu(x, *lr, block) for lr in layers]
                     timed["w16 then silu_mul"] = graph_us(lambda fs=then: [f() for f in fs], copies)
                     timed["w16 gate_up_glu"] = graph_us(lambda fs=fused: [f() for f in fs], copies)
-                best16 = None
-                for cfg in sweep(n, k, group, True, w16=True) if args.sweep_w16 else ():
-                    try:
-                        us = graph_us(lambda: [w16(cfg, *lr) for lr in layers], copies)  # noqa: B023
-                    except Exception as exc:  # a config Triton cannot fit
-                        print(f"  w16 {cfg}: {type(exc).__name__}")
-                        continue
-                    if args.verbose:
-                        print(f"  w16 {us:7.2f} us x{us / floor:4.2f} {cfg}", flush=True)
-                    if best16 is None or us < best16[0]:
-                        best16 = (us, cfg)
-                if best16 is not None:
-                    timed["skinny w16 best"] = best16[0]
-                    print(f"  best w16 {best16[1]}", flush=True)
-                best = None
-                for cfg in () if args.no_sweep else sweep(n, k, group, args.sweep_loads == "tma"):
-                    try:
-                        us = graph_us(lambda: [skinny(cfg, *lr) for lr in layers], copies)  # noqa: B023
-                    except Exception as exc:  # a config Triton cannot fit
-                        print(f"  {cfg}: {type(exc).__name__}")
-                        continue
-                    if args.verbose:
-                        print(f"  {us:7.2f} us x{us / floor:4.2f} {cfg}", flush=True)
-                    if best is None or us < best[0]:
-                        best = (us, cfg)
-                if best is not None:
-                    timed["skinny best"] = best[0]
-                    print(f"  best {best[1]}", flush=True)
+                sweeps = [
+                    ("skinny", skinny, () if args.no_sweep else sweep(n, k, group, args.sweep_loads == "tma"))
+                ]
+                if args.sweep_w16:
+                    sweeps.insert(0, ("skinny w16", w16, sweep(n, k, group, True, w16=True)))
+                for label, gemm, configs in sweeps:
+                    found = best_config(configs, gemm, layers, copies, floor, label, args.verbose)
+                    if found is not None:
+                        timed[f"{label} best"] = found[0]
+                        print(f"  best {label} {found[1]}", flush=True)
             row = {"shape": name, "M": m, "N": n, "K": k, "block": block, "floor_us": round(floor, 2)}
             rows.append(row | {key: round(us, 2) for key, us in timed.items()})
             shown = "  ".join(f"{key} {us:6.2f} us x{us / floor:4.2f}" for key, us in timed.items())
