@@ -1,6 +1,7 @@
 """The decode step's FP8 GEMMs at M = 64 / 16 / 1: the skinny GEMM with FP8 operands (its default, its
-pointer loads' default, and a sweep of configs) and with 16-bit x against the e4m3 weights (`w16`:
-its default, `--sweep-w16` a sweep; gate/up also with SwiGLU after it and in its epilogue) against
+pointer loads' default, x scaled per 128 columns, and a sweep of configs) and with 16-bit x against the
+e4m3 weights (`w16`: its default, float16 x, `--sweep-w16` a sweep; gate/up also with SwiGLU after it
+and in its epilogue) against
 cuBLAS's scaled GEMM (`torch._scaled_mm`, per-token x per-channel scales, plus the residual add the
 o and down projections need), the Triton FP8 GEMM and bf16 cuBLAS, each against reading its weights
 at the copy rate.
@@ -118,9 +119,16 @@ def main() -> None:
                 scales = Scales(a.scale, a.group, ws, block, torch.bfloat16)  # noqa: B023
                 return skinny_gemm(a.data, wq, cfg, add=res if add else None, scales=scales)  # noqa: B023
 
-            def w16(cfg: GemmConfig | None, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+            def w16(
+                cfg: GemmConfig | None, wq: torch.Tensor, ws: torch.Tensor, x16: torch.Tensor = x
+            ) -> torch.Tensor:  # fmt: skip
                 scales = Scales(None, k, ws, block, torch.bfloat16)  # noqa: B023
-                return skinny_gemm(x, wq, cfg, add=res if add else None, scales=scales)  # noqa: B023
+                return skinny_gemm(x16, wq, cfg, add=res if add else None, scales=scales)  # noqa: B023
+
+            def grouped(wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+                """FP8 x scaled per 128-column group against per-channel weights"""
+                scales = Scales(a128.scale, 128, ws, block, torch.bfloat16)  # noqa: B023
+                return skinny_gemm(a128.data, wq, add=res if add else None, scales=scales)  # noqa: B023
 
             def cublas(wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
                 out = scaled_mm(a, wq, ws, block)  # noqa: B023
@@ -148,11 +156,19 @@ def main() -> None:
                 want16 = x.float() @ ref.dequantize(*layers[0], block).t()
                 torch.testing.assert_close(got16, want16, rtol=3e-2, atol=3e-2 * want16.abs().max().item())
                 timed["skinny w16 default"] = graph_us(lambda: [w16(None, *lr) for lr in layers], copies)  # noqa: B023
+                # float16 x (Fp8Kernels.fp16_inputs): e4m3 widens to it in one instruction a pair
+                x16 = x.half()
+                timed["skinny w16 fp16 x"] = graph_us(lambda: [w16(None, *lr, x16) for lr in layers], copies)  # noqa: B023
+                if block[0] == 1 and k % 128 == 0:  # per-channel weights: x's scales per 128 columns
+                    a128 = quantize(x, 128)
+                    timed["skinny x per 128"] = graph_us(lambda: [grouped(*lr) for lr in layers], copies)  # noqa: B023
                 if name == "gate_up":  # SwiGLU after it, and in its epilogue (fp8/gate_up_glu.py)
                     then = [lambda lr=lr: silu_mul(w16(None, *lr)) for lr in layers]
                     fused = [lambda lr=lr, x=x, block=block: gate_up_glu(x, *lr, block) for lr in layers]
+                    fused16 = [lambda lr=lr, x=x16, block=block: gate_up_glu(x, *lr, block) for lr in layers]
                     timed["w16 then silu_mul"] = graph_us(lambda fs=then: [f() for f in fs], copies)
                     timed["w16 gate_up_glu"] = graph_us(lambda fs=fused: [f() for f in fs], copies)
+                    timed["w16 gate_up_glu fp16 x"] = graph_us(lambda fs=fused16: [f() for f in fs], copies)
                 sweeps = [
                     ("skinny", skinny, () if args.no_sweep else sweep(n, k, group, args.sweep_loads == "tma"))
                 ]

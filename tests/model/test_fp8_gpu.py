@@ -302,10 +302,14 @@ def test_16_bit_decode_activations_against_fp8_weights_match_the_reference(
         _close(kernels.linear_add(x, layer, residual.clone()), added)
 
 
+@pytest.mark.parametrize("fp16_inputs", [False, True], ids=["bf16-inputs", "fp16-inputs"])
 @pytest.mark.parametrize("batch", [1, 40])
-def test_an_fp8_engine_with_16_bit_decode_activations_replays_its_eager_tokens(batch: int) -> None:
-    """An FP8 model whose decode batches keep 16-bit activations: the engine's captured decode steps
-    (programmatic dependents at 1 and 40 rows) give the greedy tokens of eager steps."""
+def test_an_fp8_engine_with_16_bit_decode_activations_replays_its_eager_tokens(
+    batch: int, fp16_inputs: bool
+) -> None:  # fmt: skip
+    """An FP8 model whose decode batches keep 16-bit activations (the GEMMs' inputs bf16, or float16):
+    the engine's captured decode steps (programmatic dependents at 1 and 40 rows) give the greedy
+    tokens of eager steps."""
     _fp8_gpu()
     import functools
 
@@ -314,7 +318,7 @@ def test_an_fp8_engine_with_16_bit_decode_activations_replays_its_eager_tokens(b
     cfg = tiny_config("SSFS", hidden=128, intermediate=256, vocab=256)
     prompts = [random_tokens(5 + i % 13, vocab=256, seed=i) for i in range(batch)]
     base = quantize_model(tiny_model(cfg).to("cuda", torch.bfloat16), "fp8")
-    base.kernel_factory = functools.partial(fp8_kernels_for, activations16=True)
+    base.kernel_factory = functools.partial(fp8_kernels_for, activations16=True, fp16_inputs=fp16_inputs)
     outputs = []
     for sizes in ((), None):  # eager steps, then the engine's default graphs
         model = copy.deepcopy(base)

@@ -170,39 +170,49 @@ def test_skinny_gemm_takes_fp8_operands(
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("dtype", "out_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float16, torch.bfloat16)],
+    ids=["bf16", "fp16", "fp16-to-bf16"],
+)  # fmt: skip
 def test_skinny_gemm_takes_fp8_weights_against_16_bit_activations(
-    m: int, n: int, k: int, block: tuple[int, int], split: int, tma: bool, dtype: torch.dtype
+    m: int, n: int, k: int, block: tuple[int, int], split: int, tma: bool, dtype: torch.dtype,
+    out_dtype: torch.dtype,
 ) -> None:  # fmt: skip
     """With no scales for x, x is the 16-bit activation itself and only the weights are e4m3, widened
     to x's dtype in the kernel: the reference dequantizes the weights and multiplies in float32, the
-    bias and the residual inside, rounded once; its default config too."""
+    bias and the residual inside, rounded once to the output's dtype (x's, or the other 16-bit one:
+    float16 inputs to a bf16 model, `Fp8Kernels.fp16_inputs`); its default config too."""
     from shared.kernels.skinny_gemm import GemmConfig, Scales, skinny_gemm
 
     g = torch.Generator().manual_seed(3)
     wq, ws = ref.quantize_weight(_weight(n, k) * 0.1, block)
     x = torch.randn(m, k, generator=g).to(dtype)
-    bias = torch.randn(n, generator=g).to(dtype)
-    residual = torch.randn(m, n, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(out_dtype)
+    residual = torch.randn(m, n, generator=g).to(out_dtype)
     block_k = block[1] if block[1] < k else 64
     cfg = GemmConfig(block_n=16, block_k=block_k, split_k=split, num_warps=2, num_stages=2, tma=tma)
     out = residual.clone()
-    got = skinny_gemm(x, wq, cfg, add=out, scales=Scales(None, k, ws, block, dtype, bias))
+    got = skinny_gemm(x, wq, cfg, add=out, scales=Scales(None, k, ws, block, out_dtype, bias))
     assert got.data_ptr() == out.data_ptr()
-    torch.testing.assert_close(got, ref.gemm_w16(x, wq, ws, block, bias, residual), rtol=1e-2, atol=1e-2)
-    plain = skinny_gemm(x, wq, scales=Scales(None, k, ws, block, dtype))
-    torch.testing.assert_close(plain, ref.gemm_w16(x, wq, ws, block), rtol=1e-2, atol=1e-2)
+    want = ref.gemm_w16(x, wq, ws, block, bias, residual, out_dtype)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    plain = skinny_gemm(x, wq, scales=Scales(None, k, ws, block, out_dtype))
+    assert plain.dtype == out_dtype
+    torch.testing.assert_close(
+        plain, ref.gemm_w16(x, wq, ws, block, out_dtype=out_dtype), rtol=1e-2, atol=1e-2
+    )
 
 
-def test_skinny_gemm_takes_16_bit_activations_only_in_the_output_dtype() -> None:
+def test_skinny_gemm_takes_16_bit_activations_and_outputs_only() -> None:
     from shared.kernels.skinny_gemm import Scales, skinny_gemm
 
     wq, ws = ref.quantize_weight(torch.randn(32, 128), (1, 128))
-    with pytest.raises(ValueError, match="bf16 or fp16 x in the output's dtype"):
-        skinny_gemm(torch.randn(2, 128), wq, scales=Scales(None, 128, ws, (1, 128), torch.float32))
-    with pytest.raises(ValueError, match="bf16 or fp16 x in the output's dtype"):
+    with pytest.raises(ValueError, match=r"take bf16 or fp16 x and output, got torch\.float32"):
+        skinny_gemm(torch.randn(2, 128), wq, scales=Scales(None, 128, ws, (1, 128), torch.bfloat16))
+    with pytest.raises(ValueError, match=r"x and output, got torch\.bfloat16 for torch\.float32"):
         x = torch.randn(2, 128).to(torch.bfloat16)
-        skinny_gemm(x, wq, scales=Scales(None, 128, ws, (1, 128), torch.float16))
+        skinny_gemm(x, wq, scales=Scales(None, 128, ws, (1, 128), torch.float32))
 
 
 def test_skinny_gemm_refuses_scales_that_do_not_fit() -> None:
@@ -310,6 +320,49 @@ def test_fp8_kernels_keep_a_decode_batch_16_bit_when_asked(backend: str) -> None
         residual = torch.randn(rows, 64).to(dtype)
         added = kernels.linear_add(x, layer, residual.clone())
         torch.testing.assert_close(added, (want.float() + residual.float()).to(dtype), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp16_inputs_feed_a_bf16_models_16_bit_gemms_float16_rows(backend: str) -> None:
+    """`fp16_inputs`: a bf16 model's decode norms and fused gate/up activation write float16 rows, which
+    the FP8 GEMMs widen e4m3 to; every GEMM's output and the residual stay bf16, and more than 64 rows
+    (prefill) are quantized as without it."""
+    from shared.kernels.reference import rms_norm
+
+    kernels = fp8_kernels_for("cpu", backend, activations16=True, fp16_inputs=True)
+    gate_up = _Layer(_weight(128, 256) * 0.1, (1, 256))
+    down = _Layer(_weight(256, 64) * 0.1, (1, 64))
+    g = torch.Generator().manual_seed(5)
+    weight = (1.0 + 0.2 * torch.randn(256, generator=g)).to(torch.bfloat16)
+    x = (3.0 * torch.randn(8, 256, generator=g)).to(torch.bfloat16)
+    normed = kernels.norm_for(x, weight, 1e-6, 256)
+    assert isinstance(normed, torch.Tensor) and normed.dtype == torch.float16
+    torch.testing.assert_close(normed, rms_norm(x, weight, 1e-6, torch.float16), rtol=1e-3, atol=1e-3)
+    out = kernels.linear(normed, gate_up)
+    assert out.dtype == torch.bfloat16
+    deq = ref.dequantize(gate_up.weight, gate_up.weight_scale_inv, gate_up.block)
+    torch.testing.assert_close(out, (normed.float() @ deq.t()).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+    act = kernels.linear_glu(normed, gate_up, False, down)
+    assert isinstance(act, torch.Tensor) and act.dtype == torch.float16
+    want_act = kernels_for("cpu", "torch").silu_mul((normed.float() @ deq.t()).to(torch.float16))
+    torch.testing.assert_close(act, want_act, rtol=1e-2, atol=1e-2)
+    residual = torch.randn(8, 256, generator=g).to(torch.bfloat16)
+    added = kernels.linear_add(act, down, residual.clone())
+    deq_down = ref.dequantize(down.weight, down.weight_scale_inv, down.block)
+    assert added.dtype == torch.bfloat16
+    want = (act.float() @ deq_down.t() + residual.float()).to(torch.bfloat16)
+    torch.testing.assert_close(added, want, rtol=2e-2, atol=2e-2)
+    prefill = (torch.randn(65, 256, generator=g)).to(torch.bfloat16)
+    assert isinstance(kernels.norm_for(prefill, weight, 1e-6, 256), Fp8Act)
+
+
+def test_fp16_inputs_are_16_bit_decode_activations_of_a_bf16_model() -> None:
+    with pytest.raises(ValueError, match="activations16=True"):
+        fp8_kernels_for("cpu", "torch", fp16_inputs=True)
+    kernels = fp8_kernels_for("cpu", "torch", activations16=True, fp16_inputs=True)
+    x = torch.randn(4, 256).to(torch.float16)
+    with pytest.raises(ValueError, match="float16 GEMM inputs are for a bfloat16 model"):
+        kernels.norm_for(x, torch.ones(256, dtype=torch.float16), 1e-6, 256)
 
 
 @pytest.mark.parametrize(("m", "k", "inter", "block"), [(5, 256, 48, (1, 256)), (33, 256, 128, (128, 128))])

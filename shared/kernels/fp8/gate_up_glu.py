@@ -96,7 +96,7 @@ def gate_up_glu(
 ) -> torch.Tensor:  # fmt: skip
     """act(x @ gate^T) * (x @ up^T) for x [M, K] bf16 or fp16 (M <= 64) and e4m3 weight [2I, K]
     (gate | up) with float32 scales [ceil(2I / bn), ceil(K / bk)] for `block` (bn, bk) and an optional
-    bias [2I] in x's dtype: `glu` of `gemm_w16`'s result (`reference`), [M, I] in x's dtype. `tma`:
+    bias [2I] (bf16 or fp16): `glu` of `gemm_w16`'s result (`reference`), [M, I] in x's dtype. `tma`:
     descriptor loads or pointer loads (None: descriptors above 32 rows on Hopper)."""
     op = "gate_up_glu"
     check_triton_device(op, x.device)
@@ -114,10 +114,12 @@ def gate_up_glu(
         fail(op, f"scale must be float32 {want}, got {scale.dtype} {list(scale.shape)}")
     if bn > 1 and half % bn:
         fail(op, f"the gate and up halves ({half} rows) must each start on a {bn}-row scale block")
-    if bias is not None and (
-        tuple(bias.shape) != (2 * half,) or bias.dtype != x.dtype or bias.stride(0) != 1
-    ):
-        fail(op, f"bias must be a contiguous [{2 * half}] tensor of {x.dtype}")
+    sixteen = (torch.bfloat16, torch.float16)
+    bias_ok = bias is None or (
+        tuple(bias.shape) == (2 * half,) and bias.dtype in sixteen and bias.stride(0) == 1
+    )
+    if not bias_ok:
+        fail(op, f"bias must be a contiguous [{2 * half}] bf16 or fp16 tensor, got {bias.dtype}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         fail(op, "x and weight must be contiguous along K")
     out = torch.empty((m, half), dtype=x.dtype, device=x.device)

@@ -19,6 +19,7 @@ from torch import nn
 from shared.kernels.fp8 import reference
 from shared.kernels.fp8.reference import Fp8Act
 from shared.kernels.ops import Backend, Gemm, ModelKernels, TorchKernels, TritonKernels, kernels_for
+from shared.kernels.reference import rms_norm as rms_norm_reference
 from shared.kernels.skinny_gemm import Scales, skinny_gemm
 
 # Decode-sized batches go to the skinny GEMM, FP8 operands and all (`--gemm cublas`: to cuBLAS's scaled
@@ -47,9 +48,16 @@ class Fp8Kernels(ModelKernels):
     weights to them (`gemm_w16`): the norms and the MLP's activation write 16-bit rows and no
     quantizer runs. The weights' bytes are the same; what goes is the quantizers' kernels, each waiting
     for a whole row's maximum (docs/performance.md, "Where the step goes"). Larger batches (prefill)
-    quantize their activations either way."""
+    quantize their activations either way.
+
+    `fp16_inputs` (with `activations16`, for a bf16 model): the norms write those rows in float16, and
+    the fused gate/up GEMM its activation, so that the GEMMs widen e4m3 to float16, one conversion
+    instruction a pair of weights where bfloat16 takes several; every GEMM's output and the residual
+    stream stay bf16. Float16 holds the normed rows and the activation to 11 significant bits (bf16:
+    8), up to 65504."""
 
     activations16: bool = False
+    fp16_inputs: bool = False
 
     def linear(self, x: Tensor | Fp8Act, layer: nn.Module) -> Tensor:
         if isinstance(layer, nn.Linear):
@@ -89,8 +97,28 @@ class Fp8Kernels(ModelKernels):
         return self.rms_norm_quant(x, weight, eps, group)
 
     def rms_norm_16(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """`rms_norm` ahead of a GEMM taking 16-bit rows (the Triton kernels: a dependent launch)."""
-        return self.rms_norm(x, weight, eps)
+        """`rms_norm` ahead of a GEMM taking 16-bit rows (the Triton kernels: a dependent launch), in
+        `_input_dtype`."""
+        dtype = self._input_dtype(x)
+        if dtype == x.dtype:
+            return self.rms_norm(x, weight, eps)
+        return rms_norm_reference(x, weight, eps, dtype)
+
+    def _input_dtype(self, x: Tensor) -> torch.dtype:
+        """The dtype of the rows a norm writes for the 16-bit GEMM after it: x's, or float16 with
+        `fp16_inputs` (whose model must be bf16: the GEMMs' outputs are)."""
+        if not self.fp16_inputs:
+            return x.dtype
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"fp16_inputs: float16 GEMM inputs are for a bfloat16 model, whose activations "
+                             f"these are not ({x.dtype})")  # fmt: skip
+        return torch.float16
+
+    def _w16_out(self, x: Tensor, residual: Tensor | None) -> torch.dtype:
+        """A 16-bit-input GEMM's output dtype: the residual's, else the model's (bf16 under `fp16_inputs`)."""
+        if residual is not None:
+            return residual.dtype
+        return torch.bfloat16 if self.fp16_inputs else x.dtype
 
     def glu_16(self, gate_up: Tensor, gelu: bool) -> Tensor:
         """The MLP's activation in 16 bits ahead of the FP8 down projection (`activations16`)."""
@@ -116,8 +144,9 @@ class Fp8Kernels(ModelKernels):
         return super().linear_glu(x, layer, gelu, before)
 
     def gate_up_glu(self, x: Tensor, layer: Fp8Layer, gelu: bool) -> Tensor:
-        """`glu_16` of `gemm_w16` over an FP8 gate/up layer (gate | up rows): the 16-bit activation."""
-        return self.glu_16(self.gemm_w16(x, layer), gelu)
+        """`glu_16` of `gemm_w16` over an FP8 gate/up layer (gate | up rows): the 16-bit activation, in
+        x's dtype (the down projection's input)."""
+        return self.glu_16(self.gemm_w16(x, layer, out_dtype=x.dtype), gelu)
 
     def glu(self, gate_up: Tensor, gelu: bool, before: nn.Module) -> Tensor | Fp8Act:  # type: ignore[override]
         if isinstance(before, nn.Linear):
@@ -134,10 +163,14 @@ class Fp8Kernels(ModelKernels):
         """a @ layer's weight^T (+ bias), or with `residual` (consumed) residual + that: `reference.gemm`."""
         return reference.gemm(a, layer.weight, layer.weight_scale_inv, layer.block, layer.bias, residual)
 
-    def gemm_w16(self, x: Tensor, layer: Fp8Layer, residual: Tensor | None = None) -> Tensor:
-        """x (16-bit, not quantized) @ layer's weight^T (+ bias) (+ `residual`, consumed):
-        `reference.gemm_w16`."""
-        return reference.gemm_w16(x, layer.weight, layer.weight_scale_inv, layer.block, layer.bias, residual)
+    def gemm_w16(
+        self, x: Tensor, layer: Fp8Layer, residual: Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> Tensor:  # fmt: skip
+        """x (16-bit, not quantized) @ layer's weight^T (+ bias) (+ `residual`, consumed), in `out_dtype`
+        (unless given, `_w16_out`): `reference.gemm_w16`."""
+        w, scale, block, bias = layer.weight, layer.weight_scale_inv, layer.block, layer.bias
+        out = out_dtype or self._w16_out(x, residual)
+        return reference.gemm_w16(x, w, scale, block, bias, residual, out)
 
 
 class Fp8TorchKernels(Fp8Kernels, TorchKernels):
@@ -182,7 +215,7 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
         return self.gemm != "cublas" and super()._16bit(x)  # cuBLAS's scaled GEMM takes e4m3 rows only
 
     def rms_norm_16(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        return self._rms_norm16(x, weight, eps, dependent=True)
+        return self._rms_norm16(x, weight, eps, dependent=True, out_dtype=self._input_dtype(x))
 
     def glu_16(self, gate_up: Tensor, gelu: bool) -> Tensor:
         return (self._gelu_tanh_mul16 if gelu else self._silu_mul16)(gate_up, dependent=True)
@@ -193,8 +226,11 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
             return super().gate_up_glu(x, layer, gelu)
         return self._gate_up_glu(x, w, scale, block, bias, gelu)
 
-    def gemm_w16(self, x: Tensor, layer: Fp8Layer, residual: Tensor | None = None) -> Tensor:
-        scales = Scales(None, x.shape[1], layer.weight_scale_inv, layer.block, x.dtype, layer.bias)
+    def gemm_w16(
+        self, x: Tensor, layer: Fp8Layer, residual: Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> Tensor:  # fmt: skip
+        out = out_dtype or self._w16_out(x, residual)
+        scales = Scales(None, x.shape[1], layer.weight_scale_inv, layer.block, out, layer.bias)
         return self._skinny_gemm(x, layer.weight, add=residual, scales=scales)
 
     def _on_cublas(self, layer: Fp8Layer) -> bool:
@@ -233,16 +269,20 @@ def check_device(device: torch.device | str) -> None:
 
 
 @functools.cache
-def _instance(backend: str, gemm: Gemm, activations16: bool) -> Fp8Kernels:
+def _instance(backend: str, gemm: Gemm, activations16: bool, fp16_inputs: bool) -> Fp8Kernels:
     kernels = Fp8TorchKernels() if backend == "torch" else Fp8TritonKernels(gemm)
-    kernels.activations16 = activations16
+    kernels.activations16, kernels.fp16_inputs = activations16, fp16_inputs
     return kernels
 
 
 def fp8_kernels_for(
-    device: torch.device | str, backend: Backend = "auto", gemm: Gemm = "auto", *, activations16: bool = False
+    device: torch.device | str, backend: Backend = "auto", gemm: Gemm = "auto", *,
+    activations16: bool = False, fp16_inputs: bool = False,
 ) -> Fp8Kernels:  # fmt: skip
     """`kernels_for` for a model with FP8 layers: the same choice of torch or Triton kernels (and the
-    same errors), their FP8 versions; `activations16` as `Fp8Kernels` says."""
+    same errors), their FP8 versions; `activations16` and `fp16_inputs` as `Fp8Kernels` says."""
+    if fp16_inputs and not activations16:
+        raise ValueError("fp16_inputs: float16 GEMM inputs are 16-bit decode activations: activations16=True")
     chosen = kernels_for(device, backend, gemm)
-    return _instance(chosen.name, chosen.gemm if chosen.name == "triton" else "auto", activations16)
+    gemm = chosen.gemm if chosen.name == "triton" else "auto"
+    return _instance(chosen.name, gemm, activations16, fp16_inputs)

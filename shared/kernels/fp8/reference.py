@@ -118,16 +118,17 @@ def glu_quant(gate_up: torch.Tensor, group: int, gelu: bool = False) -> Fp8Act:
 def gemm_w16(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
     bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x (a bf16 or fp16 activation, not quantized) @ dequantize(weight)^T (+ bias) (+ residual) in
-    float32, rounded once to x's dtype: the e4m3 weights widened to x's dtype in the GEMM, 16-bit
-    products summed in float32 (up to the order of the sums)."""
+    float32, rounded once to `out_dtype` (x's dtype unless given): the e4m3 weights widened to x's
+    dtype in the GEMM, 16-bit products summed in float32 (up to the order of the sums)."""
     out = x.float() @ dequantize(weight, scale, block).t()
     if bias is not None:
         out = out + bias.float()
     if residual is not None:
         out = out + residual.float()
-    return out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)
 
 
 def gemm(
