@@ -183,6 +183,7 @@ DECODE_ACTIVATIONS = {
     "fp8": {},
     "16-bit": {"activations16": True},
     "fp16": {"activations16": True, "fp16_inputs": True},
+    "fp8-fused-glu": {"fused_glu_quant": True},
 }
 
 
@@ -515,7 +516,9 @@ def main() -> None:
         "--fp8-decode-activations", default="fp8", type=comma_list(one_of(*DECODE_ACTIVATIONS)),
         help="an FP8 model's decode batches (up to 64 rows): activations quantized per token for the FP8 "
         "tensor cores (fp8), or kept 16-bit against the widened e4m3 weights (16-bit: "
-        "Fp8Kernels.activations16; fp16: the GEMMs' inputs float16, Fp8Kernels.fp16_inputs), or a list",
+        "Fp8Kernels.activations16; fp16: the GEMMs' inputs float16, Fp8Kernels.fp16_inputs), or "
+        "quantized with the SwiGLU's quantizer in the gate/up GEMM (fp8-fused-glu: "
+        "Fp8Kernels.fused_glu_quant), or a list",
     )  # fmt: skip
     ap.add_argument(
         "--prefix-cache", default="off", type=comma_list(one_of("on", "off")),

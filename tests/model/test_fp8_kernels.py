@@ -404,3 +404,75 @@ def test_an_fp8_mlp_fuses_its_activation_into_the_gate_up_gemm_only_for_16_bit_r
             act if sixteen else ref.dequantize_act(act).to(torch.bfloat16),
             kernels_for("cpu", "torch").silu_mul(gate_up), rtol=tol, atol=tol,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(("m", "k", "inter", "block", "x_group"), [
+    (5, 256, 48, (1, 256), 256), (33, 256, 128, (1, 256), 128), (33, 256, 128, (128, 128), 128),
+])  # fmt: skip
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu-tanh"])
+def test_gate_up_glu_quant_quantizes_the_fp8_gemms_activation_per_column_block(
+    m: int, k: int, inter: int, block: tuple[int, int], x_group: int, tma: bool, gelu: bool
+) -> None:  # fmt: skip
+    """The FP8 gate/up projection with its activation quantized in its epilogue: bit for bit the
+    reference's activation of the GEMM's rounded output, quantized per row in groups of the program's
+    columns (`glu_group`), x scaled per token or per K group."""
+    from shared.kernels.fp8.gate_up_glu import gate_up_glu_quant, glu_group
+
+    g = torch.Generator().manual_seed(6)
+    wq, ws = ref.quantize_weight(_weight(2 * inter, k) * 0.1, block)
+    a = ref.quantize(torch.randn(m, k, generator=g).to(torch.bfloat16), x_group)
+    bias = torch.randn(2 * inter, generator=g).to(torch.bfloat16)
+    got = gate_up_glu_quant(a, wq, ws, block, bias, gelu, tma=tma)
+    assert got.group == glu_group(m, tma) and got.data.shape == (m, inter) and got.dtype == torch.bfloat16
+    want = ref.glu_quant(ref.gemm(a, wq, ws, block, bias), got.group, gelu)
+    # The GEMM's sums run in another order (per K step where x is grouped), so a rounded product may
+    # land an ulp apart; the scales then move by as little, the e4m3 values by at most one step.
+    torch.testing.assert_close(got.scale, want.scale, rtol=1e-2, atol=0)
+    torch.testing.assert_close(ref.dequantize_act(got), ref.dequantize_act(want), rtol=0.13, atol=1e-3)
+    assert (got.data.float() == want.data.float()).float().mean() > 0.98
+
+
+def test_gate_up_glu_quant_refuses_what_it_cannot_scale() -> None:
+    from shared.kernels.fp8.gate_up_glu import gate_up_glu_quant
+
+    wq, ws = ref.quantize_weight(_weight(256, 256) * 0.1, (128, 128))
+    a = ref.quantize(torch.randn(4, 256).to(torch.bfloat16), 64)
+    with pytest.raises(ValueError, match="a's groups \\(64 columns\\) and the weight's blocks \\(128"):
+        gate_up_glu_quant(a, wq, ws, (128, 128))
+    with pytest.raises(ValueError, match="a and weight must be float8_e4m3fn"):
+        gate_up_glu_quant(ref.Fp8Act(torch.randn(4, 256), a.scale, 64, torch.bfloat16), wq, ws, (128, 128))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_glu_quant_hands_the_down_projection_the_gemms_own_quantized_activation(backend: str) -> None:
+    """`fused_glu_quant`: a quantized decode batch's gate/up GEMM returns its activation quantized per
+    column block, which the per-channel down projection takes (scaled per K group); prefill rows, a
+    block-scaled down projection and 16-bit activations go as without it."""
+    from shared.kernels.fp8.gate_up_glu import glu_group
+
+    with pytest.raises(ValueError, match="activations16 keeps 16-bit"):
+        fp8_kernels_for("cpu", backend, activations16=True, fused_glu_quant=True)
+    kernels = fp8_kernels_for("cpu", backend, fused_glu_quant=True)
+    gate_up = _Layer(_weight(256, 256) * 0.1, (1, 256))
+    down = _Layer(_weight(256, 128) * 0.1, (1, 128))
+    g = torch.Generator().manual_seed(7)
+    for rows, fused in [(7, True), (64, True), (65, False)]:
+        x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
+        a = kernels.norm_for(x, torch.ones(256, dtype=torch.bfloat16), 1e-6, 256)
+        act = kernels.linear_glu(a, gate_up, False, down)
+        assert isinstance(act, Fp8Act)
+        want_group = glu_group(rows, tma=backend == "torch") if fused else 128
+        assert act.group == want_group
+        gate_up_out = ref.gemm(a, gate_up.weight, gate_up.weight_scale_inv, gate_up.block)
+        want_act = ref.dequantize_act(ref.glu_quant(gate_up_out, want_group))
+        torch.testing.assert_close(ref.dequantize_act(act), want_act, rtol=7e-2, atol=1e-3)
+        residual = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
+        added = kernels.linear_add(act, down, residual.clone())
+        want = ref.gemm(act, down.weight, down.weight_scale_inv, down.block, None, residual)
+        torch.testing.assert_close(added, want, rtol=1e-2, atol=1e-2)
+    blocked = _Layer(_weight(256, 256) * 0.1, (128, 128))
+    a = kernels.norm_for(
+        torch.randn(4, 256).to(torch.bfloat16), torch.ones(256, dtype=torch.bfloat16), 1e-6, 256
+    )
+    assert kernels.linear_glu(a, gate_up, False, blocked).group == 128  # the block's group, unfused

@@ -54,10 +54,16 @@ class Fp8Kernels(ModelKernels):
     the fused gate/up GEMM its activation, so that the GEMMs widen e4m3 to float16, one conversion
     instruction a pair of weights where bfloat16 takes several; every GEMM's output and the residual
     stream stay bf16. Float16 holds the normed rows and the activation to 11 significant bits (bf16:
-    8), up to 65504."""
+    8), up to 65504.
+
+    `fused_glu_quant` (quantized decode batches of at most 64 rows, a down projection scaled per
+    channel): the gate/up GEMM computes the MLP's activation and quantizes it in its epilogue, each
+    program's block of columns one scale group (`fp8/gate_up_glu.py` `gate_up_glu_quant`), and the
+    down projection scales each K step by its group's scales: no quantizer kernel between the two."""
 
     activations16: bool = False
     fp16_inputs: bool = False
+    fused_glu_quant: bool = False
 
     def linear(self, x: Tensor | Fp8Act, layer: nn.Module) -> Tensor:
         if isinstance(layer, nn.Linear):
@@ -141,7 +147,29 @@ class Fp8Kernels(ModelKernels):
     def linear_glu(self, x: Tensor, layer: nn.Module, gelu: bool, before: nn.Module) -> Tensor:
         if not isinstance(layer, nn.Linear) and self._16bit(x):
             return self.gate_up_glu(x, layer, gelu)  # type: ignore[arg-type]
+        if self._fuses_glu_quant(x, layer, before):
+            return self.gate_up_glu_quant(x, layer, gelu)  # type: ignore[arg-type, return-value]
         return super().linear_glu(x, layer, gelu, before)
+
+    def _fuses_glu_quant(self, x: Tensor | Fp8Act, layer: nn.Module, before: nn.Module) -> bool:
+        """Whether the gate/up GEMM quantizes its own activation (`fused_glu_quant`): a quantized decode
+        batch, FP8 gate/up and down layers, the down layer scaled per channel (any x group suits it)."""
+        return (
+            self.fused_glu_quant
+            and isinstance(x, Fp8Act)
+            and x.shape[0] <= _SKINNY_ROWS
+            and not isinstance(layer, nn.Linear)
+            and not isinstance(before, nn.Linear)
+            and before.block[1] >= before.weight.shape[1]  # type: ignore[union-attr, index]
+        )
+
+    def gate_up_glu_quant(self, a: Fp8Act, layer: Fp8Layer, gelu: bool) -> Fp8Act:
+        """`glu_quant` of `fp8_gemm` over an FP8 gate/up layer, in the groups the Triton kernel takes on
+        a Hopper GPU (`gate_up_glu.glu_group`)."""
+        from shared.kernels.fp8.gate_up_glu import glu_group
+
+        gate_up = self.fp8_gemm(a, layer)
+        return reference.glu_quant(gate_up, glu_group(a.shape[0], tma=True), gelu)
 
     def gate_up_glu(self, x: Tensor, layer: Fp8Layer, gelu: bool) -> Tensor:
         """`glu_16` of `gemm_w16` over an FP8 gate/up layer (gate | up rows): the 16-bit activation, in
@@ -197,9 +225,9 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
 
         self._rms_norm16, self._silu_mul16 = rms_norm.rms_norm, silu_mul.silu_mul
         self._gelu_tanh_mul16 = silu_mul.gelu_tanh_mul
-        from shared.kernels.fp8.gate_up_glu import gate_up_glu
+        from shared.kernels.fp8.gate_up_glu import gate_up_glu, gate_up_glu_quant
 
-        self._gate_up_glu = gate_up_glu
+        self._gate_up_glu, self._gate_up_glu_quant = gate_up_glu, gate_up_glu_quant
         self._triton_gemm, self._scaled_mm, self._skinny_gemm = fp8_gemm.gemm, scaled_mm, skinny_gemm
 
     def quantize(self, x: Tensor, group: int) -> Fp8Act:
@@ -225,6 +253,19 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
         if block[0] > 1 and (w.shape[0] // 2) % block[0]:  # halves sharing a scale block: unfused
             return super().gate_up_glu(x, layer, gelu)
         return self._gate_up_glu(x, w, scale, block, bias, gelu)
+
+    def _fuses_glu_quant(self, x: Tensor | Fp8Act, layer: nn.Module, before: nn.Module) -> bool:
+        if self.gemm == "cublas" or not super()._fuses_glu_quant(x, layer, before):
+            return False
+        w, block = layer.weight, layer.block  # type: ignore[union-attr]
+        grouped = x.group < x.shape[1]  # type: ignore[union-attr]
+        return not (block[0] > 1 and (w.shape[0] // 2) % block[0]) and not (  # type: ignore[operator]
+            grouped and block[1] < w.shape[1] and x.group != block[1]  # type: ignore[union-attr, index]
+        )
+
+    def gate_up_glu_quant(self, a: Fp8Act, layer: Fp8Layer, gelu: bool) -> Fp8Act:
+        w, scale, block, bias = layer.weight, layer.weight_scale_inv, layer.block, layer.bias
+        return self._gate_up_glu_quant(a, w, scale, block, bias, gelu)
 
     def gemm_w16(
         self, x: Tensor, layer: Fp8Layer, residual: Tensor | None = None, out_dtype: torch.dtype | None = None
@@ -269,20 +310,26 @@ def check_device(device: torch.device | str) -> None:
 
 
 @functools.cache
-def _instance(backend: str, gemm: Gemm, activations16: bool, fp16_inputs: bool) -> Fp8Kernels:
+def _instance(
+    backend: str, gemm: Gemm, activations16: bool, fp16_inputs: bool, fused_glu_quant: bool
+) -> Fp8Kernels:
     kernels = Fp8TorchKernels() if backend == "torch" else Fp8TritonKernels(gemm)
     kernels.activations16, kernels.fp16_inputs = activations16, fp16_inputs
+    kernels.fused_glu_quant = fused_glu_quant
     return kernels
 
 
 def fp8_kernels_for(
     device: torch.device | str, backend: Backend = "auto", gemm: Gemm = "auto", *,
-    activations16: bool = False, fp16_inputs: bool = False,
+    activations16: bool = False, fp16_inputs: bool = False, fused_glu_quant: bool = False,
 ) -> Fp8Kernels:  # fmt: skip
     """`kernels_for` for a model with FP8 layers: the same choice of torch or Triton kernels (and the
-    same errors), their FP8 versions; `activations16` and `fp16_inputs` as `Fp8Kernels` says."""
+    same errors), their FP8 versions; `activations16`, `fp16_inputs` and `fused_glu_quant` as
+    `Fp8Kernels` says."""
     if fp16_inputs and not activations16:
         raise ValueError("fp16_inputs: float16 GEMM inputs are 16-bit decode activations: activations16=True")
+    if fused_glu_quant and activations16:
+        raise ValueError("fused_glu_quant quantizes decode activations, which activations16 keeps 16-bit")
     chosen = kernels_for(device, backend, gemm)
     gemm = chosen.gemm if chosen.name == "triton" else "auto"
-    return _instance(chosen.name, gemm, activations16, fp16_inputs)
+    return _instance(chosen.name, gemm, activations16, fp16_inputs, fused_glu_quant)
