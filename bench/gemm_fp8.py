@@ -184,6 +184,12 @@ def main() -> None:
                     )  # fmt: skip
                     timed["fp8 then glu_quant"] = graph_us(lambda fs=fp8_then: [f() for f in fs], copies)
                     timed["fp8 gate_up_glu_quant"] = graph_us(lambda fs=fp8_fused: [f() for f in fs], copies)
+                    fp8_fused128 = [
+                        lambda lr=lr, a=a, b=block: gate_up_glu_quant(a, *lr, b, group=128) for lr in layers
+                    ]  # fmt: skip
+                    timed["fp8 gate_up_glu_quant 128"] = graph_us(
+                        lambda fs=fp8_fused128: [f() for f in fs], copies
+                    )
                 sweeps = [
                     ("skinny", skinny, () if args.no_sweep else sweep(n, k, group, args.sweep_loads == "tma"))
                 ]

@@ -440,6 +440,10 @@ def test_gate_up_glu_quant_refuses_what_it_cannot_scale() -> None:
     a = ref.quantize(torch.randn(4, 256).to(torch.bfloat16), 64)
     with pytest.raises(ValueError, match="a's groups \\(64 columns\\) and the weight's blocks \\(128"):
         gate_up_glu_quant(a, wq, ws, (128, 128))
+    with pytest.raises(ValueError, match="group must be a power of two from 16 to 128, got 96"):
+        gate_up_glu_quant(
+            ref.quantize(torch.randn(4, 256).to(torch.bfloat16), 128), wq, ws, (128, 128), group=96
+        )
     with pytest.raises(ValueError, match="a and weight must be float8_e4m3fn"):
         gate_up_glu_quant(ref.Fp8Act(torch.randn(4, 256), a.scale, 64, torch.bfloat16), wq, ws, (128, 128))
 
@@ -476,3 +480,15 @@ def test_fused_glu_quant_hands_the_down_projection_the_gemms_own_quantized_activ
         torch.randn(4, 256).to(torch.bfloat16), torch.ones(256, dtype=torch.bfloat16), 1e-6, 256
     )
     assert kernels.linear_glu(a, gate_up, False, blocked).group == 128  # the block's group, unfused
+
+
+def test_gate_up_glu_quant_takes_a_forced_group() -> None:
+    """`group=` (the bench's wider blocks): 128 columns a program, each row's 128 one scale group."""
+    from shared.kernels.fp8.gate_up_glu import gate_up_glu_quant
+
+    wq, ws = ref.quantize_weight(_weight(512, 256) * 0.1, (1, 256))
+    a = ref.quantize(torch.randn(9, 256).to(torch.bfloat16), 256)
+    got = gate_up_glu_quant(a, wq, ws, (1, 256), group=128)
+    assert got.group == 128 and got.scale.shape == (9, 2)
+    want = ref.glu_quant(ref.gemm(a, wq, ws, (1, 256)), 128)
+    torch.testing.assert_close(ref.dequantize_act(got), ref.dequantize_act(want), rtol=0.13, atol=1e-3)

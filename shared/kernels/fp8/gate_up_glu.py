@@ -128,7 +128,7 @@ def gate_up_glu(
 
 def gate_up_glu_quant(
     a: Fp8Act, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-    bias: torch.Tensor | None = None, gelu: bool = False, tma: bool | None = None,
+    bias: torch.Tensor | None = None, gelu: bool = False, tma: bool | None = None, group: int | None = None,
 ) -> Fp8Act:  # fmt: skip
     """`gate_up_glu` for FP8 x (`a`, scaled per token or per bk columns) on the FP8 tensor cores, its
     activation quantized in the epilogue: each row's block of columns (the program's, 64 on
@@ -140,7 +140,9 @@ def gate_up_glu_quant(
         fail(op, f"a and weight must be float8_e4m3fn, got {a.data.dtype} and {weight.dtype}")
     if a.dtype not in (torch.bfloat16, torch.float16):
         fail(op, f"the activation must be bf16 or fp16, got {a.dtype}")
-    return _launch(op, a.data, a, a.dtype, weight, scale, block, bias, gelu, tma)  # type: ignore[return-value]
+    if group is not None and (group < 16 or group > 128 or group & (group - 1)):
+        fail(op, f"group must be a power of two from 16 to 128, got {group}")
+    return _launch(op, a.data, a, a.dtype, weight, scale, block, bias, gelu, tma, group)  # type: ignore[return-value]
 
 
 def glu_group(rows: int, tma: bool) -> int:
@@ -151,7 +153,7 @@ def glu_group(rows: int, tma: bool) -> int:
 
 def _launch(
     op: str, x: torch.Tensor, a: Fp8Act | None, dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor,
-    block: tuple[int, int], bias: torch.Tensor | None, gelu: bool, tma: bool | None,
+    block: tuple[int, int], bias: torch.Tensor | None, gelu: bool, tma: bool | None, group: int | None = None,
 ) -> torch.Tensor | Fp8Act:  # fmt: skip
     check_triton_device(op, x.device)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.shape[0] % 2:
@@ -190,7 +192,7 @@ def _launch(
         tma = tma and tma_capable(x, weight)
     elif tma and not tma_capable(x, weight):
         fail(op, "tma needs rows of x and weight on 16-byte boundaries")
-    block_n, stages = glu_group(m, tma), 3 if tma else 4
+    block_n, stages = group or glu_group(m, tma), 3 if tma else 4
     blocks = triton.cdiv(half, block_n)
     if a is None:
         out = torch.empty((m, half), dtype=x.dtype, device=x.device)
@@ -214,6 +216,7 @@ def _launch(
         o_scale, o_scale.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         W_ROWS=bn, W_GROUPED=grouped, HAS_BIAS=bias is not None, GELU=gelu,
         F32_DOT=f32_dot(x.dtype) or interpreting(), TMA=tma, FP8=a is not None, A_GROUPED=a_grouped,
-        BF16=dtype == torch.bfloat16, num_warps=4, num_stages=stages, **pdl_launch(x.device, m),
+        BF16=dtype == torch.bfloat16, num_warps=8 if block_n > 64 else 4, num_stages=stages,
+        **pdl_launch(x.device, m),
     )  # fmt: skip
     return result
