@@ -184,6 +184,8 @@ DECODE_ACTIVATIONS = {
     "16-bit": {"activations16": True},
     "fp16": {"activations16": True, "fp16_inputs": True},
     "fp8-fused-glu": {"fused_glu_quant": True},
+    "fp8-fused-attn": {"fused_attn_quant": True},
+    "fp8-fused": {"fused_glu_quant": True, "fused_attn_quant": True},
 }
 
 
@@ -518,7 +520,8 @@ def main() -> None:
         "tensor cores (fp8), or kept 16-bit against the widened e4m3 weights (16-bit: "
         "Fp8Kernels.activations16; fp16: the GEMMs' inputs float16, Fp8Kernels.fp16_inputs), or "
         "quantized with the SwiGLU's quantizer in the gate/up GEMM (fp8-fused-glu: "
-        "Fp8Kernels.fused_glu_quant), or a list",
+        "Fp8Kernels.fused_glu_quant), attention's in attention (fp8-fused-attn: fused_attn_quant), or "
+        "both (fp8-fused), or a list",
     )  # fmt: skip
     ap.add_argument(
         "--prefix-cache", default="off", type=comma_list(one_of("on", "off")),

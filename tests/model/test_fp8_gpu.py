@@ -304,15 +304,20 @@ def test_16_bit_decode_activations_against_fp8_weights_match_the_reference(
 
 @pytest.mark.parametrize(
     "mode",
-    [{"activations16": True}, {"activations16": True, "fp16_inputs": True}, {"fused_glu_quant": True}],
-    ids=["bf16-inputs", "fp16-inputs", "fused-glu-quant"],
+    [
+        {"activations16": True},
+        {"activations16": True, "fp16_inputs": True},
+        {"fused_glu_quant": True, "fused_attn_quant": True},
+    ],
+    ids=["bf16-inputs", "fp16-inputs", "fused-quantizers"],
 )
 @pytest.mark.parametrize("batch", [1, 40])
 def test_an_fp8_engine_with_other_decode_activations_replays_its_eager_tokens(
     batch: int, mode: dict[str, bool]
 ) -> None:  # fmt: skip
     """An FP8 model whose decode batches keep 16-bit activations (the GEMMs' inputs bf16, or float16),
-    or quantize the MLP's activation in the gate/up GEMM: the engine's captured decode steps
+    or quantize attention's output in attention and the MLP's activation in the gate/up GEMM: the
+    engine's captured decode steps
     (programmatic dependents at 1 and 40 rows) give the greedy tokens of eager steps."""
     _fp8_gpu()
     import functools

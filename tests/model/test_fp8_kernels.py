@@ -492,3 +492,22 @@ def test_gate_up_glu_quant_takes_a_forced_group() -> None:
     assert got.group == 128 and got.scale.shape == (9, 2)
     want = ref.glu_quant(ref.gemm(a, wq, ws, (1, 256)), 128)
     torch.testing.assert_close(ref.dequantize_act(got), ref.dequantize_act(want), rtol=0.13, atol=1e-3)
+
+
+def test_attention_hands_over_fp8_rows_only_to_an_fp8_o_projection_that_takes_its_groups() -> None:
+    """`fused_attn_quant`: decode batches (at most 64 rows) of an FP8 o projection scaled per channel
+    or in blocks one head wide get attention's output quantized per (token, head); 16-bit layers,
+    other blocks, prefill rows and kernels without the flag do not."""
+    with pytest.raises(ValueError, match="fused_attn_quant quantizes decode activations"):
+        fp8_kernels_for("cpu", "torch", activations16=True, fused_attn_quant=True)
+    fused = fp8_kernels_for("cpu", "triton", fused_attn_quant=True)
+    per_channel = _Layer(_weight(64, 256) * 0.1, (1, 256))
+    per_head = _Layer(_weight(256, 256) * 0.1, (128, 128))
+    assert fused.attention_fp8_out(per_channel, 64, 128) and fused.attention_fp8_out(per_head, 8, 128)
+    assert not fused.attention_fp8_out(per_head, 8, 64)  # a block two heads wide
+    assert not fused.attention_fp8_out(per_channel, 65, 128)  # prefill
+    assert not fused.attention_fp8_out(nn.Linear(256, 64), 8, 128)
+    assert not fp8_kernels_for("cpu", "triton").attention_fp8_out(per_channel, 8, 128)
+    assert not fp8_kernels_for("cpu", "triton", "cublas", fused_attn_quant=True).attention_fp8_out(
+        per_channel, 8, 128
+    )

@@ -20,8 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from shared.kernels._launch import f32_dot, interpreting, next_pow2
 from shared.kernels._norm_checks import check_triton_device, fail
 from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
-from shared.kernels._round import round_to
-from shared.kernels.fp8._tile import quantize_groups
+from shared.kernels._round import quantize_groups, round_to
 from shared.kernels.fp8.quant import scale_buffer
 from shared.kernels.fp8.reference import Fp8Act
 from shared.kernels.silu_mul import glu

@@ -59,11 +59,16 @@ class Fp8Kernels(ModelKernels):
     `fused_glu_quant` (quantized decode batches of at most 64 rows, a down projection scaled per
     channel): the gate/up GEMM computes the MLP's activation and quantizes it in its epilogue, each
     program's block of columns one scale group (`fp8/gate_up_glu.py` `gate_up_glu_quant`), and the
-    down projection scales each K step by its group's scales: no quantizer kernel between the two."""
+    down projection scales each K step by its group's scales: no quantizer kernel between the two.
+
+    `fused_attn_quant` (the same batches, an o projection scaled per channel or in blocks one head
+    wide): decode attention writes its output quantized per (token, head) (`attention_fp8_out`), which
+    the o projection takes scaled per K group: no quantizer kernel between them."""
 
     activations16: bool = False
     fp16_inputs: bool = False
     fused_glu_quant: bool = False
+    fused_attn_quant: bool = False
 
     def linear(self, x: Tensor | Fp8Act, layer: nn.Module) -> Tensor:
         if isinstance(layer, nn.Linear):
@@ -150,6 +155,12 @@ class Fp8Kernels(ModelKernels):
         if self._fuses_glu_quant(x, layer, before):
             return self.gate_up_glu_quant(x, layer, gelu)  # type: ignore[arg-type, return-value]
         return super().linear_glu(x, layer, gelu, before)
+
+    def attention_fp8_out(self, layer: nn.Module, rows: int, head_dim: int) -> bool:
+        if not self.fused_attn_quant or isinstance(layer, nn.Linear) or rows > _SKINNY_ROWS:
+            return False
+        k, bk = layer.weight.shape[1], layer.block[1]  # type: ignore[union-attr, index]
+        return bk >= k or bk == head_dim
 
     def _fuses_glu_quant(self, x: Tensor | Fp8Act, layer: nn.Module, before: nn.Module) -> bool:
         """Whether the gate/up GEMM quantizes its own activation (`fused_glu_quant`): a quantized decode
@@ -254,6 +265,9 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
             return super().gate_up_glu(x, layer, gelu)
         return self._gate_up_glu(x, w, scale, block, bias, gelu)
 
+    def attention_fp8_out(self, layer: nn.Module, rows: int, head_dim: int) -> bool:
+        return self.gemm != "cublas" and super().attention_fp8_out(layer, rows, head_dim)
+
     def _fuses_glu_quant(self, x: Tensor | Fp8Act, layer: nn.Module, before: nn.Module) -> bool:
         if self.gemm == "cublas" or not super()._fuses_glu_quant(x, layer, before):
             return False
@@ -311,25 +325,28 @@ def check_device(device: torch.device | str) -> None:
 
 @functools.cache
 def _instance(
-    backend: str, gemm: Gemm, activations16: bool, fp16_inputs: bool, fused_glu_quant: bool
-) -> Fp8Kernels:
+    backend: str, gemm: Gemm, activations16: bool, fp16_inputs: bool, fused_glu_quant: bool,
+    fused_attn_quant: bool,
+) -> Fp8Kernels:  # fmt: skip
     kernels = Fp8TorchKernels() if backend == "torch" else Fp8TritonKernels(gemm)
     kernels.activations16, kernels.fp16_inputs = activations16, fp16_inputs
-    kernels.fused_glu_quant = fused_glu_quant
+    kernels.fused_glu_quant, kernels.fused_attn_quant = fused_glu_quant, fused_attn_quant
     return kernels
 
 
 def fp8_kernels_for(
     device: torch.device | str, backend: Backend = "auto", gemm: Gemm = "auto", *,
     activations16: bool = False, fp16_inputs: bool = False, fused_glu_quant: bool = False,
+    fused_attn_quant: bool = False,
 ) -> Fp8Kernels:  # fmt: skip
     """`kernels_for` for a model with FP8 layers: the same choice of torch or Triton kernels (and the
-    same errors), their FP8 versions; `activations16`, `fp16_inputs` and `fused_glu_quant` as
-    `Fp8Kernels` says."""
+    same errors), their FP8 versions; `activations16`, `fp16_inputs`, `fused_glu_quant` and
+    `fused_attn_quant` as `Fp8Kernels` says."""
     if fp16_inputs and not activations16:
         raise ValueError("fp16_inputs: float16 GEMM inputs are 16-bit decode activations: activations16=True")
-    if fused_glu_quant and activations16:
-        raise ValueError("fused_glu_quant quantizes decode activations, which activations16 keeps 16-bit")
+    for name, on in (("fused_glu_quant", fused_glu_quant), ("fused_attn_quant", fused_attn_quant)):
+        if on and activations16:
+            raise ValueError(f"{name} quantizes decode activations, which activations16 keeps 16-bit")
     chosen = kernels_for(device, backend, gemm)
     gemm = chosen.gemm if chosen.name == "triton" else "auto"
-    return _instance(chosen.name, gemm, activations16, fp16_inputs, fused_glu_quant)
+    return _instance(chosen.name, gemm, activations16, fp16_inputs, fused_glu_quant, fused_attn_quant)
