@@ -22,6 +22,7 @@ launches a step, and that per launch. Rounds run every variant in turn, the base
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -116,6 +117,7 @@ def gemm_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 
 def main() -> None:
+    from shared.kernels.fp8 import fp8_kernels_for
     from shared.model.quant.fp8 import quantize_head, quantize_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -127,9 +129,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="fp8_e4m3")
     ap.add_argument("--quantize-lm-head", action="store_true")
     ap.add_argument(
-        "--fp8-decode-activations", choices=list(bench.engine.DECODE_ACTIVATIONS), default="fp8",
-        help="an FP8 model's decode activations quantized (fp8), 16-bit (Fp8Kernels.activations16) or "
-        "16-bit with float16 GEMM inputs (fp16: Fp8Kernels.fp16_inputs)",
+        "--fp8-decode-activations", choices=["fp8", "16-bit"], default="fp8",
+        help="an FP8 model's decode activations quantized (fp8) or 16-bit (Fp8Kernels.activations16)",
     )  # fmt: skip
     ap.add_argument(
         "--families", default="norm_quant,quantize,glu_quant,quantizers,ring,paged,qkv,o,gate_up,down,head",
@@ -149,7 +150,9 @@ def main() -> None:
     if args.quantize_lm_head and args.quantization != "none":
         quantize_head(model)
     if args.quantization != "none":
-        model.kernel_factory = bench.engine.fp8_kernel_factory(args.fp8_decode_activations)
+        model.kernel_factory = functools.partial(
+            fp8_kernels_for, activations16=args.fp8_decode_activations == "16-bit"
+        )
     # Each engine captures only the batch's graph: a quicker warm-up, and the launches counted while it
     # captures are one step's.
     plain = bench.engine.engine_config

@@ -30,7 +30,6 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -178,22 +177,6 @@ def decode_roofline_bytes(model, batch: int, ctx: int, kv_bytes: int = 2) -> int
 
 
 KV_DTYPES = {"auto": torch.bfloat16, "fp8_e4m3": FP8_KV_DTYPE}
-# --fp8-decode-activations: fp8_kernels_for's options for an FP8 model's decode batches
-DECODE_ACTIVATIONS = {
-    "fp8": {},
-    "16-bit": {"activations16": True},
-    "fp16": {"activations16": True, "fp16_inputs": True},
-    "fp8-fused-glu": {"fused_glu_quant": True},
-    "fp8-fused-attn": {"fused_attn_quant": True},
-    "fp8-fused": {"fused_glu_quant": True, "fused_attn_quant": True},
-}
-
-
-def fp8_kernel_factory(activations: str) -> Callable[..., object]:
-    """An FP8 model's `kernel_factory` for a --fp8-decode-activations value."""
-    return functools.partial(fp8_kernels_for, **DECODE_ACTIVATIONS[activations])
-
-
 FOLD_NORMS = True  # --fold-norms: EngineConfig.fold_norms for every engine of the run
 
 
@@ -515,13 +498,10 @@ def main() -> None:
         help="the KV cache's dtype: the model's (auto) or FP8 e4m3 (one scale per layer), or a list",
     )  # fmt: skip
     ap.add_argument(
-        "--fp8-decode-activations", default="fp8", type=comma_list(one_of(*DECODE_ACTIVATIONS)),
+        "--fp8-decode-activations", default="fp8", type=comma_list(one_of("fp8", "16-bit")),
         help="an FP8 model's decode batches (up to 64 rows): activations quantized per token for the FP8 "
         "tensor cores (fp8), or kept 16-bit against the widened e4m3 weights (16-bit: "
-        "Fp8Kernels.activations16; fp16: the GEMMs' inputs float16, Fp8Kernels.fp16_inputs), or "
-        "quantized with the SwiGLU's quantizer in the gate/up GEMM (fp8-fused-glu: "
-        "Fp8Kernels.fused_glu_quant), attention's in attention (fp8-fused-attn: fused_attn_quant), or "
-        "both (fp8-fused), or a list",
+        "Fp8Kernels.activations16), or a list",
     )  # fmt: skip
     ap.add_argument(
         "--prefix-cache", default="off", type=comma_list(one_of("on", "off")),
@@ -579,7 +559,7 @@ def main() -> None:
         for gemm, rope, window, tune, page, settle, cache, kv_name, act in variants:  # side by side
             model.gemm_backend = gemm
             if quant != "none":
-                model.kernel_factory = fp8_kernel_factory(act)
+                model.kernel_factory = functools.partial(fp8_kernels_for, activations16=act == "16-bit")
             for batch in (int(b) for b in args.batches.split(",")):
                 measured = bench_engine(
                     model, cfg, batch, args.prompt, args.steps, bandwidth, rope == "on", window,

@@ -1,10 +1,9 @@
 """The decode step's FP8 GEMMs at M = 64 / 16 / 1: the skinny GEMM with FP8 operands (its default, its
-pointer loads' default, x scaled per 128 and per 64 columns, and a sweep of configs) and with 16-bit x
-against the e4m3 weights (`w16`: its default, float16 x, `--sweep-w16` a sweep; gate/up also with
-SwiGLU after it and in its epilogue; with FP8 x, the SwiGLU's quantizer after it or in its epilogue)
-against cuBLAS's scaled GEMM (`torch._scaled_mm`, per-token x per-channel scales, plus the residual add
-the o and down projections need), the Triton FP8 GEMM and bf16 cuBLAS, each against reading its
-weights at the copy rate.
+pointer loads' default, and a sweep of configs) and with 16-bit x against the e4m3 weights (`w16`:
+its default, `--sweep-w16` a sweep; gate/up also with SwiGLU after it and in its epilogue) against
+cuBLAS's scaled GEMM (`torch._scaled_mm`, per-token x per-channel scales, plus the residual add the
+o and down projections need), the Triton FP8 GEMM and bf16 cuBLAS, each against reading its weights
+at the copy rate.
 
 Shapes: `gemm_decode.py`'s (the engine bench's ~2B hybrid; `--model 8b` its ~8B), weights [N, K] e4m3
 with per-channel scales (`--block 128` for 128x128 blocks and 128-column activation groups). Every
@@ -25,9 +24,8 @@ import triton
 
 from bench.gemm_decode import SHAPES, copy_rate, graph_us
 from shared.kernels.fp8 import reference as ref
-from shared.kernels.fp8.gate_up_glu import gate_up_glu, gate_up_glu_quant
+from shared.kernels.fp8.gate_up_glu import gate_up_glu
 from shared.kernels.fp8.gemm import gemm as triton_fp8_gemm
-from shared.kernels.fp8.glu_quant import glu_quant
 from shared.kernels.fp8.quant import quantize
 from shared.kernels.fp8.scaled_mm import scaled_mm
 from shared.kernels.silu_mul import silu_mul
@@ -120,16 +118,9 @@ def main() -> None:
                 scales = Scales(a.scale, a.group, ws, block, torch.bfloat16)  # noqa: B023
                 return skinny_gemm(a.data, wq, cfg, add=res if add else None, scales=scales)  # noqa: B023
 
-            def w16(
-                cfg: GemmConfig | None, wq: torch.Tensor, ws: torch.Tensor, x16: torch.Tensor = x
-            ) -> torch.Tensor:  # fmt: skip
+            def w16(cfg: GemmConfig | None, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
                 scales = Scales(None, k, ws, block, torch.bfloat16)  # noqa: B023
-                return skinny_gemm(x16, wq, cfg, add=res if add else None, scales=scales)  # noqa: B023
-
-            def grouped(wq: torch.Tensor, ws: torch.Tensor, ag: ref.Fp8Act) -> torch.Tensor:
-                """FP8 x scaled per column group (ag's) against per-channel weights"""
-                scales = Scales(ag.scale, ag.group, ws, block, torch.bfloat16)  # noqa: B023
-                return skinny_gemm(ag.data, wq, add=res if add else None, scales=scales)  # noqa: B023
+                return skinny_gemm(x, wq, cfg, add=res if add else None, scales=scales)  # noqa: B023
 
             def cublas(wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
                 out = scaled_mm(a, wq, ws, block)  # noqa: B023
@@ -157,39 +148,11 @@ def main() -> None:
                 want16 = x.float() @ ref.dequantize(*layers[0], block).t()
                 torch.testing.assert_close(got16, want16, rtol=3e-2, atol=3e-2 * want16.abs().max().item())
                 timed["skinny w16 default"] = graph_us(lambda: [w16(None, *lr) for lr in layers], copies)  # noqa: B023
-                # float16 x (Fp8Kernels.fp16_inputs): e4m3 widens to it in one instruction a pair
-                x16 = x.half()
-                timed["skinny w16 fp16 x"] = graph_us(lambda: [w16(None, *lr, x16) for lr in layers], copies)  # noqa: B023
-                if block[0] == 1 and k % 128 == 0:  # per-channel weights: x's scales per 128 or 64 columns
-                    for g in (128, 64):
-                        ag = quantize(x, g)
-                        timed[f"skinny x per {g}"] = graph_us(
-                            lambda ag=ag: [grouped(*lr, ag) for lr in layers], copies  # noqa: B023
-                        )  # fmt: skip
                 if name == "gate_up":  # SwiGLU after it, and in its epilogue (fp8/gate_up_glu.py)
                     then = [lambda lr=lr: silu_mul(w16(None, *lr)) for lr in layers]
                     fused = [lambda lr=lr, x=x, block=block: gate_up_glu(x, *lr, block) for lr in layers]
-                    fused16 = [lambda lr=lr, x=x16, block=block: gate_up_glu(x, *lr, block) for lr in layers]
                     timed["w16 then silu_mul"] = graph_us(lambda fs=then: [f() for f in fs], copies)
                     timed["w16 gate_up_glu"] = graph_us(lambda fs=fused: [f() for f in fs], copies)
-                    timed["w16 gate_up_glu fp16 x"] = graph_us(lambda fs=fused16: [f() for f in fs], copies)
-                    # FP8 x: the GEMM then the SwiGLU's quantizer (the default), or the quantizer in the
-                    # GEMM's epilogue, per block of columns (fp8/gate_up_glu.py `gate_up_glu_quant`)
-                    fp8_then = [lambda lr=lr, a=a, i=n // 2: glu_quant(skinny(None, *lr), i) for lr in layers]
-                    fp8_fused = [lambda lr=lr, a=a, b=block: gate_up_glu_quant(a, *lr, b) for lr in layers]
-                    got = fp8_fused[0]()
-                    want_q = ref.glu_quant(ref.gemm(a, *layers[0], block), got.group)
-                    torch.testing.assert_close(
-                        ref.dequantize_act(got), ref.dequantize_act(want_q), rtol=7e-2, atol=1e-2
-                    )  # fmt: skip
-                    timed["fp8 then glu_quant"] = graph_us(lambda fs=fp8_then: [f() for f in fs], copies)
-                    timed["fp8 gate_up_glu_quant"] = graph_us(lambda fs=fp8_fused: [f() for f in fs], copies)
-                    fp8_fused128 = [
-                        lambda lr=lr, a=a, b=block: gate_up_glu_quant(a, *lr, b, group=128) for lr in layers
-                    ]  # fmt: skip
-                    timed["fp8 gate_up_glu_quant 128"] = graph_us(
-                        lambda fs=fp8_fused128: [f() for f in fs], copies
-                    )
                 sweeps = [
                     ("skinny", skinny, () if args.no_sweep else sweep(n, k, group, args.sweep_loads == "tma"))
                 ]

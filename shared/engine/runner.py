@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
 
 import torch
 
@@ -33,7 +32,6 @@ from shared.kernels.argmax import argmax_rows
 from shared.kernels.attention import AttentionOps, ops_for
 from shared.kernels.attention.fused_rope import RopeInKernel
 from shared.kernels.decode_advance import DecodeRows, advance_rows
-from shared.kernels.fp8_act import Fp8Act
 from shared.kernels.token_table import take_tokens
 from shared.model import gemm_tuning
 from shared.model.layers import RopeArgs
@@ -118,13 +116,11 @@ class BatchAttention:
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None,
-        sinks: torch.Tensor | None = None, fp8_out: bool = False,
-    ) -> torch.Tensor | Fp8Act:  # fmt: skip
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         c, b, i = self.cache, self.batch, self.cache.kind_index[layer]
         quant = c.quant[layer]  # an FP8 cache's scales (None: the model's dtype)
-        extra: dict[str, Any] = {} if sinks is None else {"sinks": sinks}  # gpt-oss's per-head sink logits
-        if fp8_out and not 0 < b.decode_rows < b.num_seqs:  # a mixed step joins its parts' tensors
-            extra["fp8_out"] = True
+        extra = {} if sinks is None else {"sinks": sinks}  # gpt-oss's per-head sink logits
         inside = None
         if rope is not None:  # takes_rope: RoPE, the K/V store and attention in one call
             target = self._target(layer)

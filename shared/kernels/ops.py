@@ -55,12 +55,6 @@ class ModelKernels(ABC):
         shape (`shared/model/gemm_tuning.py`) can take its place. The torch kernels keep torch's."""
         return False
 
-    def attention_fp8_out(self, layer: nn.Module, rows: int, head_dim: int) -> bool:
-        """Whether attention's output for `layer` (the o projection), `rows` rows of heads of
-        `head_dim`, is best handed over quantized per (token, head) (`AttentionFn`'s `fp8_out`): never
-        for 16-bit layers."""
-        return False
-
     @abstractmethod
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """x [T, H] -> LlamaRMSNorm(x), a new tensor."""

@@ -11,17 +11,12 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
-) -> torch.Tensor:  # fmt: skip
-    """LlamaRMSNorm over the last dim: weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype).
-    `out_dtype`: the row rounded to it instead, and the product with the weight rounded once to it."""
-    dtype = out_dtype or x.dtype
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm over the last dim: weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)."""
+    dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if out_dtype is None:
-        return weight * h.to(dtype)
-    return (weight.float() * h.to(dtype).float()).to(dtype)
+    return weight * h.to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

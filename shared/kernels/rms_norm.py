@@ -11,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.kernels._checks import FLOAT_DTYPES
 from shared.kernels._launch import next_pow2
 from shared.kernels._norm_checks import (
     check_activation,
@@ -43,19 +42,13 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, round_to(h * w, dtype).to(dtype), mask=mask)
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, dependent: bool = False,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """Triton version of `reference.rms_norm` for x [T, H] (rows may be strided), weight [H], written
-    in `out_dtype` (a float dtype; x's unless given). `dependent`: launched as a programmatic
-    dependent (`shared/kernels/_pdl.py`), as the FP8 decode chain launches it before an FP8 GEMM
-    taking 16-bit rows."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, dependent: bool = False) -> torch.Tensor:
+    """Triton version of `reference.rms_norm` for x [T, H] (rows may be strided), weight [H].
+    `dependent`: launched as a programmatic dependent (`shared/kernels/_pdl.py`), as the FP8 decode
+    chain launches it before an FP8 GEMM taking 16-bit rows."""
     op = "rms_norm"
     rows, size = check_rms_norm(op, x, weight, eps)
-    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
-        fail(op, f"out_dtype must be one of {', '.join(map(str, FLOAT_DTYPES))}, got {out_dtype}")
-    out = torch.empty((rows, size), dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty((rows, size), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
     block = next_pow2(size)

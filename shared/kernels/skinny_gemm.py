@@ -259,8 +259,8 @@ class Scales:
     holds them: x's [M, ceil(K / x_group)] (any strides) and w's [ceil(N / w_block[0]),
     ceil(K / w_block[1])]; the output's dtype and an optional bias [N] in it. A scale per K group
     needs the K tile to be that group (`choose_config(..., group=)`). `x` None: x is not quantized
-    but a bf16 or fp16 activation, the e4m3 weights widened to its dtype in the kernel (16-bit
-    tensor-core products; `x_group` is then ignored), the output bf16 or fp16 either way."""
+    but a bf16 or fp16 activation in the output's dtype, the e4m3 weights widened to it in the
+    kernel (16-bit tensor-core products; `x_group` is then ignored)."""
 
     x: torch.Tensor | None
     x_group: int
@@ -373,9 +373,8 @@ def _grouping(
         return False, False
     if w.dtype != torch.float8_e4m3fn or (scales.x is not None and x.dtype != torch.float8_e4m3fn):
         fail(op, f"scaled operands must be float8_e4m3fn, got {x.dtype} and {w.dtype}")
-    sixteen = (torch.bfloat16, torch.float16)
-    if scales.x is None and (x.dtype not in sixteen or scales.out_dtype not in sixteen):
-        fail(op, f"e4m3 weights without x's scales take bf16 or fp16 x and output, got {x.dtype} "
+    if scales.x is None and (x.dtype not in (torch.bfloat16, torch.float16) or x.dtype != scales.out_dtype):
+        fail(op, f"e4m3 weights without x's scales take bf16 or fp16 x in the output's dtype, got {x.dtype} "
                  f"for {scales.out_dtype}")  # fmt: skip
     (bn, bk), g = scales.w_block, scales.x_group
     if bn < 1 or bk < 1 or g < 1:

@@ -46,9 +46,8 @@ class DenseAttention:
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None,
-        sinks: torch.Tensor | None = None, fp8_out: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        # fp8_out asks, and the reference declines: its tensor goes to the FP8 GEMM's quantizer.
         if rope is not None:
             raise ValueError("DenseAttention takes q and k after RoPE")
         mask = self.sliding_mask if self.cfg.is_sliding(layer) else self.full_mask

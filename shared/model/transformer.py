@@ -23,13 +23,12 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from shared.kernels import Backend, Gemm, KVStore, ModelKernels, kernels_for
-from shared.kernels.fp8_act import Fp8Act
 from shared.model.config import ModelConfig
 from shared.model.layers import RMSNorm, RopeArgs, Rotary, SwiGLU
 from shared.model.moe import MoE
@@ -56,14 +55,12 @@ class AttentionFn(Protocol):
     (1/sqrt(D), or Gemma's query_pre_attn_scalar^-1/2). Which keys each query
     sees (causality, sequence boundaries, the sliding window of `layer`) is the function's business.
     `sinks` (gpt-oss): float32 [Hq], each head's learned logit that joins every softmax with no value.
-    `fp8_out` (`ModelKernels.attention_fp8_out`): the output may come back quantized for an FP8 o
-    projection, an `Fp8Act` [T, Hq * D] scaled per (token, head) (`shared/kernels/attention/ops.py`).
     """
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None,
-        sinks: torch.Tensor | None = None, fp8_out: bool = False,
-    ) -> torch.Tensor | Fp8Act: ...  # fmt: skip
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...  # fmt: skip
 
     def takes_rope(self, layer: int) -> bool:
         """Whether the layer's q and k go in before RoPE, with `rope=`: the function applies RoPE and
@@ -118,25 +115,22 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
-        extra: dict[str, Any] = {} if self.sinks is None else {"sinks": self.sinks.float()}
-        if self.reduce is None and kernels.attention_fp8_out(self.o_proj, t, self.head_dim):
-            extra["fp8_out"] = True
+        sinks = {} if self.sinks is None else {"sinks": self.sinks.float()}
         if rope_inside:
             rms = (x, rms_eps) if rms_eps is not None else None
             out = attn(
-                self.layer, q, k, v, rope=rotary.args(positions, qk_norm, rms, self.local_rope), **extra
+                self.layer, q, k, v, rope=rotary.args(positions, qk_norm, rms, self.local_rope), **sinks
             )
         else:
             store = attn.store_target(self.layer)
             q, k = rotary(positions, q, k, kernels, qk_norm, store=store, v=v, local=self.local_rope)
-            out = attn(self.layer, q, k, v, **extra)
-        rows = out if isinstance(out, Fp8Act) else out.reshape(t, self.q_size)  # Fp8Act: [T, Hq * D]
+            out = attn(self.layer, q, k, v, **sinks)
         if self.reduce is not None:  # tensor parallel: this rank's heads' share, summed over the ranks
-            out = self.reduce(kernels.linear(rows, self.o_proj))  # type: ignore[arg-type]
+            out = self.reduce(kernels.linear(out.reshape(t, self.q_size), self.o_proj))
             return out if residual is None else residual + out
         if residual is not None:
-            return kernels.linear_add(rows, self.o_proj, residual)  # type: ignore[arg-type]
-        return kernels.linear(rows, self.o_proj)  # type: ignore[arg-type]
+            return kernels.linear_add(out.reshape(t, self.q_size), self.o_proj, residual)
+        return kernels.linear(out.reshape(t, self.q_size), self.o_proj)
 
 
 class DecoderLayer(nn.Module):

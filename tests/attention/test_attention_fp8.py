@@ -13,8 +13,6 @@ from cases import SPECS
 from shared.kernels import KVStore, TorchKernels
 from shared.kernels.attention import ops_for
 from shared.kernels.attention.fused_rope import RopeInKernel
-from shared.kernels.fp8 import reference as fp8_reference
-from shared.kernels.fp8_act import Fp8Act
 from shared.kernels.kv_quant import FP8_KV_DTYPE, FP8_MAX, KVQuant, dequantize, quantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -230,7 +228,6 @@ def rope_fp8_case(
 def rope_fp8_decode(
     kind: str, b: Batch, cos_sin: torch.Tensor, store: torch.Tensor,
     caches: tuple[torch.Tensor, torch.Tensor], backend: str, window: int | None, num_splits: int,
-    fp8_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """One decode call with RoPE inside on fresh copies of `caches` (`store`: each row's store index;
     `window`: the ring's W, or paged attention's window); returns the output and the K and V caches
@@ -239,9 +236,7 @@ def rope_fp8_decode(
     kc, vc = (c.clone() for c in caches)
     rope = RopeInKernel(b.q_start.long(), cos_sin, kc.view(-1, 2, d), vc.view(-1, 2, d), store)
     ops = ops_for(DEVICE, backend=backend)
-    split: dict[str, object] = {"num_splits": num_splits} if backend == "triton" else {}
-    if fp8_out:
-        split["fp8_out"] = True
+    split = {"num_splits": num_splits} if backend == "triton" else {}
     if kind == "ring":
         call = ops._ring if backend == "triton" else ops.ring_attention
         out = call(b.q, b.k_new, b.v_new, kc, vc, b.slots, b.cu_q, b.q_start, max_q=1, scale=b.scale,
@@ -250,8 +245,6 @@ def rope_fp8_decode(
         call = ops._paged if backend == "triton" else ops.paged_attention
         out = call(b.q, kc, vc, b.block_table, b.cu_q, b.q_start, max_q=1, scale=b.scale, window=window,
                    k_new=b.k_new, v_new=b.v_new, rope=rope, quant=q, **split)  # fmt: skip
-    if isinstance(out, Fp8Act):
-        return Fp8Act(out.data.cpu(), out.scale.cpu(), out.group, out.dtype), kc.cpu(), vc.cpu()  # type: ignore[return-value]
     return out.cpu(), kc.cpu(), vc.cpu()
 
 
@@ -271,36 +264,6 @@ def test_rope_inside_attention_stores_fp8_like_the_reference(kind: str, dtype, n
     assert same_fp8(v_got, v_want)
     if dtype != torch.float32 or DEVICE == "cpu":  # a GPU may fuse fp32 products and sums
         assert same_fp8(k_got, k_want)
-
-
-@pytest.mark.parametrize("kind", ["ring", "paged"])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention_hands_an_fp8_o_projection_its_output_quantized_per_head(
-    kind: str, num_splits: int
-) -> None:  # fmt: skip
-    """`fp8_out`: an unsplit Triton decode call returns its output rounded to q's dtype and quantized per
-    (token, head), as `fp8.reference.quantize` quantizes the [T, Hq * D] output in groups of D (the
-    scales column-major, as the quantizers write them); a split call returns the output itself."""
-    w = 8
-    b, cos_sin, dst, caches = rope_fp8_case(kind, ROPE_SPECS, w, torch.bfloat16, seed=7)
-    window = w if kind == "ring" else None
-    plain, k_plain, _ = rope_fp8_decode(kind, b, cos_sin, dst, caches, "triton", window, num_splits)
-    got, k_got, _ = rope_fp8_decode(kind, b, cos_sin, dst, caches, "triton", window, num_splits, fp8_out=True)
-    assert same_fp8(k_got, k_plain)  # RoPE's store is the same
-    if num_splits > 1:
-        assert isinstance(got, torch.Tensor) and torch.equal(got, plain)
-        return
-    assert isinstance(got, Fp8Act) and got.group == ROPE_D and got.dtype == torch.bfloat16
-    t, hq, d = plain.shape
-    assert got.data.shape == (t, hq * d) and got.scale.shape == (t, hq) and got.scale.stride() == (1, t)
-    want = fp8_reference.quantize(plain.reshape(t, hq * d), d)
-    # The kernel rounds its float32 output to bf16 before quantizing; the plain call's store may land
-    # a bf16 ulp apart (the interpreter truncates its cast): the scales within that, the values within
-    # an e4m3 step.
-    torch.testing.assert_close(got.scale, want.scale, rtol=1e-2, atol=0)
-    torch.testing.assert_close(
-        fp8_reference.dequantize_act(got), fp8_reference.dequantize_act(want), rtol=0.13, atol=1e-3
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize(("kind", "window"), [("ring", 64), ("paged", None), ("paged", 24)])

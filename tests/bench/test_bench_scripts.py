@@ -155,17 +155,3 @@ def test_the_decode_ablation_skips_only_the_families_it_is_asked_to() -> None:
     torch.testing.assert_close(restored, x @ w_o.T)
     kernel = sys.modules["shared.kernels.skinny_gemm"]._skinny_gemm_kernel
     assert "run" not in vars(kernel)  # its class's method again, as instrumentation patching it expects
-
-
-def test_each_fp8_decode_activations_value_picks_its_kernels() -> None:
-    """`bench/engine.py --fp8-decode-activations`: fp8 quantizes a decode batch's rows, 16-bit keeps
-    them in the model's dtype, fp16 hands the GEMMs float16 rows."""
-    from bench.engine import DECODE_ACTIVATIONS, fp8_kernel_factory
-
-    assert list(DECODE_ACTIVATIONS) == ["fp8", "16-bit", "fp16"]
-    chosen = {act: fp8_kernel_factory(act)("cpu", "torch", "auto") for act in DECODE_ACTIVATIONS}
-    assert [(k.activations16, k.fp16_inputs) for k in chosen.values()] == [  # type: ignore[attr-defined]
-        (False, False),
-        (True, False),
-        (True, True),
-    ]

@@ -40,21 +40,6 @@ def test_rms_norm_matches_reference(rows: int, size: int, dtype: torch.dtype) ->
     assert_matches(rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
 
 
-@pytest.mark.parametrize(
-    ("dtype", "out_dtype"), [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)]
-)
-def test_rms_norm_writes_the_dtype_it_is_asked_for(dtype: torch.dtype, out_dtype: torch.dtype) -> None:
-    """`out_dtype`: the row rounded to that dtype, as the reference rounds it (float16 rows for the GEMMs
-    of a bf16 model, `Fp8Kernels.fp16_inputs`); an integer dtype is refused by name."""
-    x = rand(5, 100, dtype=dtype, scale=3.0)
-    w = norm_weight(100, dtype)
-    got = rms_norm(x, w, 1e-6, out_dtype=out_dtype)
-    assert got.dtype == out_dtype
-    assert_matches(got, reference.rms_norm(x, w, 1e-6, out_dtype))
-    with pytest.raises(ValueError, match="rms_norm: out_dtype must be one of"):
-        rms_norm(x, w, 1e-6, out_dtype=torch.int8)
-
-
 def test_rms_norm_eps_dominates_a_zero_row() -> None:
     x = torch.zeros(2, 16, device=DEVICE)
     x[1] = 1e-4

@@ -14,9 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.kernels._round import quantize_groups, round_to
 from shared.kernels.attention.merge_splits import merge_splits
-from shared.kernels.fp8_act import Fp8Act
 
 
 @triton.jit
@@ -36,27 +34,16 @@ def split_range(lo, hi, split, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def store_result(
     acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
-    stride_ot, stride_oh, num_splits, q8_ptr, s8_ptr, stride_s8h, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, OUT_FP8: tl.constexpr,
+    stride_ot, stride_oh, num_splits, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    """Normalize the running softmax and store it: the output itself, or this split's partial row.
-    OUT_FP8 (unsplit calls): the output rounded to out's dtype and quantized instead, each (token,
-    head) row one scale group (`fp8.reference.quantize` of the [T, Hq * D] output in groups of D):
-    e4m3 rows into q8 [T, Hq * D], scales into s8 at head * stride_s8h + token."""
+    """Normalize the running softmax and store it: the output itself, or this split's partial row."""
     d = tl.arange(0, BLOCK_D)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     if num_splits == 1:
-        dtype = out_ptr.dtype.element_ty
-        if OUT_FP8:
-            q, scale = quantize_groups(tl.where(mask, round_to(o, dtype), 0.0))
-            rows = tok * (num_q_heads * HEAD_DIM) + head * HEAD_DIM
-            tl.store(q8_ptr + rows[:, None] + d[None, :], q, mask=mask)
-            tl.store(s8_ptr + head * stride_s8h + tok, scale, mask=row_ok)
-        else:
-            out = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-            tl.store(out, o.to(dtype), mask=mask)
+        out = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         # Partials are [num_splits, T, Hq, (D)]; a split that saw no key has lse = -inf and weighs nothing.
         row = (split * num_tokens + tok) * num_q_heads + head
@@ -85,29 +72,8 @@ def outputs(q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tenso
     return out, part_o, part_lse
 
 
-def fp8_outputs(q: torch.Tensor, num_splits: int, fp8_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q8, s8): with `fp8_out` on an unsplit call the quantized output's e4m3 [T, Hq * D] and its
-    scales' [Hq, T] storage (`store_result`'s OUT_FP8); otherwise stand-ins the kernel never touches."""
-    if not fp8_out or num_splits > 1:
-        unused = outputs(q, 1)[1]
-        return unused, unused
-    t, hq, d = q.shape
-    return (
-        torch.empty((t, hq * d), dtype=torch.float8_e4m3fn, device=q.device),
-        torch.empty((hq, t), dtype=torch.float32, device=q.device),
-    )
-
-
-def merge(
-    out: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, num_splits: int,
-    fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor | Fp8Act:  # fmt: skip
-    """The final output: `out` as the kernel wrote it, or the merge of the partials into it. With `fp8`
-    (`fp8_outputs`' buffers) an unsplit call's output as the kernel stored it, quantized per (token,
-    head); a split call's stays the merged tensor (its FP8 GEMM's caller quantizes it)."""
+def merge(out: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, num_splits: int) -> torch.Tensor:
+    """The final output: `out` as the kernel wrote it, or the merge of the partials into it."""
     if num_splits > 1:
         merge_splits(part_o, part_lse, out)
-    if fp8 is None or num_splits > 1:
-        return out
-    q8, s8 = fp8
-    return Fp8Act(q8, s8.t(), out.shape[2], out.dtype)
+    return out

@@ -14,11 +14,6 @@ dequantizes, and a sliding layer's chunk keys are attended as the ring will hold
 `sinks` (gpt-oss's learned attention sinks, float32 [Hq] on q's device): query head h's softmax also
 runs over the logit sinks[h], whose probability is dropped (it has no value), on sliding and full
 layers alike (`reference.py` has the formula). None (the default): no sink, results as always.
-
-`fp8_out` (a request, for an FP8 o projection): an implementation may return the output quantized,
-an `Fp8Act` [T, Hq * D] scaled per (token, head), in place of the [T, Hq, D] tensor. The Triton
-kernels do on an unsplit call (`_split_k.store_result`); a split call and the torch implementation
-return the tensor, which the FP8 GEMM's caller quantizes.
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ import torch
 
 from shared.kernels.attention import reference
 from shared.kernels.attention.fused_rope import RopeInKernel, check_rope_in_kernel
-from shared.kernels.fp8_act import Fp8Act
 from shared.kernels.kv_quant import KVQuant
 
 Tensor = torch.Tensor
@@ -54,8 +48,7 @@ class AttentionOps(ABC):
         cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
         k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
         rope: RopeInKernel | None = None, quant: KVQuant | None = None, sinks: torch.Tensor | None = None,
-        fp8_out: bool = False,
-    ) -> torch.Tensor | Fp8Act:  # fmt: skip
+    ) -> torch.Tensor:  # fmt: skip
         """Causal (optionally windowed) attention over a paged cache that already holds the chunk.
 
         With `rope` (decode-shaped calls: max_q == 1) the cache does not hold the chunk yet: q and
@@ -67,8 +60,8 @@ class AttentionOps(ABC):
         self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor,
         v_ring: torch.Tensor, slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int,
         scale: float, window: int, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
-        sinks: torch.Tensor | None = None, fp8_out: bool = False,
-    ) -> torch.Tensor | Fp8Act:  # fmt: skip
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Sliding-window attention over a ring of the history before the chunk plus the chunk itself.
 
         With `rope` (decode-shaped calls) q and k_new arrive before RoPE; RoPE is applied and the
@@ -92,8 +85,8 @@ class TorchOps(AttentionOps):
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_q: Tensor, q_start: Tensor,
         *, max_q: int, scale: float, window: int | None, k_new: Tensor | None = None,
         v_new: Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
-        sinks: Tensor | None = None, fp8_out: bool = False,
-    ) -> Tensor | Fp8Act:  # fmt: skip
+        sinks: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
         reference.check_sinks("paged_attention", sinks, q)  # before RoPE's store
         if rope is not None:
             q, _, _ = _rope_and_store("paged_attention", rope, q, k_new, v_new, max_q, quant)
@@ -106,8 +99,7 @@ class TorchOps(AttentionOps):
         self, q: Tensor, k_new: Tensor, v_new: Tensor, k_ring: Tensor, v_ring: Tensor, slots: Tensor,
         cu_q: Tensor, q_start: Tensor, *, max_q: int, scale: float, window: int,
         rope: RopeInKernel | None = None, quant: KVQuant | None = None, sinks: Tensor | None = None,
-        fp8_out: bool = False,
-    ) -> Tensor | Fp8Act:  # fmt: skip
+    ) -> Tensor:  # fmt: skip
         reference.check_sinks("ring_attention", sinks, q)  # before RoPE's store
         if rope is not None:
             q, k_new, v_new = _rope_and_store("ring_attention", rope, q, k_new, v_new, max_q, quant)
@@ -163,22 +155,21 @@ class TritonOps(AttentionOps):
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_q: Tensor, q_start: Tensor,
         *, max_q: int, scale: float, window: int | None, k_new: Tensor | None = None,
         v_new: Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
-        sinks: Tensor | None = None, fp8_out: bool = False,
-    ) -> Tensor | Fp8Act:  # fmt: skip
+        sinks: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
         return self._paged(
             q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window,
-            k_new=k_new, v_new=v_new, rope=rope, quant=quant, sinks=sinks, fp8_out=fp8_out,
+            k_new=k_new, v_new=v_new, rope=rope, quant=quant, sinks=sinks,
         )  # fmt: skip
 
     def ring_attention(
         self, q: Tensor, k_new: Tensor, v_new: Tensor, k_ring: Tensor, v_ring: Tensor, slots: Tensor,
         cu_q: Tensor, q_start: Tensor, *, max_q: int, scale: float, window: int,
         rope: RopeInKernel | None = None, quant: KVQuant | None = None, sinks: Tensor | None = None,
-        fp8_out: bool = False,
-    ) -> Tensor | Fp8Act:  # fmt: skip
+    ) -> Tensor:  # fmt: skip
         return self._ring(
             q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window,
-            rope=rope, quant=quant, sinks=sinks, fp8_out=fp8_out,
+            rope=rope, quant=quant, sinks=sinks,
         )  # fmt: skip
 
 

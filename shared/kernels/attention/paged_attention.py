@@ -44,7 +44,7 @@ from shared.kernels.attention._online_softmax import (
     softmax_start,
     tile_queries,
 )
-from shared.kernels.attention._split_k import fp8_outputs, merge, outputs, split_range, store_result
+from shared.kernels.attention._split_k import merge, outputs, split_range, store_result
 from shared.kernels.attention.fused_rope import (
     RopeInKernel,
     check_rope_in_kernel,
@@ -52,7 +52,6 @@ from shared.kernels.attention.fused_rope import (
     rms_constexprs,
 )
 from shared.kernels.attention.reference import check_sinks
-from shared.kernels.fp8_act import Fp8Act
 from shared.kernels.kv_quant import KVQuant
 
 
@@ -72,12 +71,11 @@ def _paged_attention_kernel(
     kn_ptr, vn_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
     stride_vdh, num_positions, eps, rms_ptr, stride_rms, rms_size, rms_eps, v_scale, inv_k, inv_v, sinks_ptr,
-    q8_ptr, s8_ptr, stride_s8h,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
     RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
-    PDL: tl.constexpr, WHOLE_TILES: tl.constexpr, OUT_FP8: tl.constexpr,
+    PDL: tl.constexpr, WHOLE_TILES: tl.constexpr,
 ):  # fmt: skip
     release_next(PDL)
     wait_for_inputs(PDL)
@@ -148,7 +146,7 @@ def _paged_attention_kernel(
 
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
-        stride_ot, stride_oh, num_splits, q8_ptr, s8_ptr, stride_s8h, BLOCK_D, HEAD_DIM, OUT_FP8,
+        stride_ot, stride_oh, num_splits, BLOCK_D, HEAD_DIM,
     )  # fmt: skip
 
 
@@ -187,8 +185,8 @@ def paged_attention(
     cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
     num_splits: int | None = None, tiles: Tiles | None = None, k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
-    sinks: torch.Tensor | None = None, fp8_out: bool = False,
-) -> torch.Tensor | Fp8Act:  # fmt: skip
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.paged_attention` (same arguments, same contracts).
 
     With `rope` (decode-shaped calls), the pages do not hold the chunk yet: q and k_new [T, Hkv, D]
@@ -197,10 +195,6 @@ def paged_attention(
 
     `sinks` (float32 [Hq]; None: none): gpt-oss's attention sinks (`reference.py`), started from by
     split 0's online softmax (`_online_softmax.softmax_start`).
-
-    `fp8_out`: an unsplit call returns its output quantized for an FP8 o projection, an `Fp8Act`
-    [T, Hq * D] scaled per (token, head) (`_split_k.store_result`'s OUT_FP8), in place of the
-    [T, Hq, D] tensor; a split call returns the tensor.
 
     `num_splits` forces the split-K factor (any positive int; None picks one from host sizes). `tiles`
     forces block_n, num_warps and num_stages (`_launch.resolve_tiles` checks it; None is `choose_tiles`):
@@ -225,7 +219,6 @@ def paged_attention(
         span = min(span, window + tiles.block_q - 1)
     num_splits = choose_splits(op, q.device, num_splits, tiles, max_q, vl.batch * vl.num_kv_heads, span)
     out, part_o, part_lse = outputs(q, num_splits)
-    q8, s8 = fp8_outputs(q, num_splits, fp8_out)
     grid = (tiles.q_blocks(max_q) * num_splits, vl.batch, vl.num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_table, cu_q, q_start, out, part_o, part_lse,
@@ -235,7 +228,6 @@ def paged_attention(
         window if window is not None else 0, num_splits,
         kn, vn, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), *kernel_args(rope, q, kn),
         *quant_args(quant), q if sinks is None else sinks,  # q: unread without sinks
-        q8, s8, s8.stride(0),
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim, PAGE_SIZE=page_size,
         HAS_WINDOW=window is not None, F32_DOT=f32_dot(q.dtype), ROPE=rope is not None,
@@ -244,6 +236,5 @@ def paged_attention(
         **rounding_options(q.dtype),
         **pdl_launch(q.device, vl.num_tokens, max_q == 1),  # decode calls (shared/kernels/_pdl.py)
         WHOLE_TILES=whole_tiles(rope is not None, quant is not None, num_splits),
-        OUT_FP8=fp8_out and num_splits == 1,
     )  # fmt: skip
-    return merge(out, part_o, part_lse, num_splits, (q8, s8) if fp8_out else None)
+    return merge(out, part_o, part_lse, num_splits)

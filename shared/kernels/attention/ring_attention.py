@@ -46,7 +46,7 @@ from shared.kernels.attention._online_softmax import (
     softmax_start,
     tile_queries,
 )
-from shared.kernels.attention._split_k import fp8_outputs, merge, outputs, split_range, store_result
+from shared.kernels.attention._split_k import merge, outputs, split_range, store_result
 from shared.kernels.attention.fused_rope import (
     RopeInKernel,
     check_rope_in_kernel,
@@ -54,7 +54,6 @@ from shared.kernels.attention.fused_rope import (
     rms_constexprs,
 )
 from shared.kernels.attention.reference import check_sinks
-from shared.kernels.fp8_act import Fp8Act
 from shared.kernels.kv_quant import KVQuant
 
 
@@ -74,12 +73,11 @@ def _ring_attention_kernel(
     stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
     stride_vdh, num_positions, eps, rms_ptr, stride_rms, rms_size, rms_eps, v_scale, inv_k, inv_v, sinks_ptr,
-    q8_ptr, s8_ptr, stride_s8h,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
     ROPE: tl.constexpr, NORM: tl.constexpr,
     RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
-    PDL: tl.constexpr, WHOLE_TILES: tl.constexpr, OUT_FP8: tl.constexpr,
+    PDL: tl.constexpr, WHOLE_TILES: tl.constexpr,
 ):  # fmt: skip
     release_next(PDL)
     wait_for_inputs(PDL)
@@ -183,7 +181,7 @@ def _ring_attention_kernel(
 
     store_result(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
-        stride_ot, stride_oh, num_splits, q8_ptr, s8_ptr, stride_s8h, BLOCK_D, HEAD_DIM, OUT_FP8,
+        stride_ot, stride_oh, num_splits, BLOCK_D, HEAD_DIM,
     )  # fmt: skip
 
 
@@ -211,8 +209,8 @@ def ring_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
     slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int,
     num_splits: int | None = None, tiles: Tiles | None = None, rope: RopeInKernel | None = None,
-    quant: KVQuant | None = None, sinks: torch.Tensor | None = None, fp8_out: bool = False,
-) -> torch.Tensor | Fp8Act:  # fmt: skip
+    quant: KVQuant | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.ring_attention` (same arguments, same contracts).
 
     With `rope` (decode-shaped calls), q, k_new arrive before RoPE: the kernel rotates them and stores
@@ -220,10 +218,6 @@ def ring_attention(
 
     `sinks` (float32 [Hq]; None: none): gpt-oss's attention sinks (`reference.py`), started from by
     split 0's online softmax (`_online_softmax.softmax_start`).
-
-    `fp8_out`: an unsplit call returns its output quantized for an FP8 o projection, an `Fp8Act`
-    [T, Hq * D] scaled per (token, head) (`_split_k.store_result`'s OUT_FP8), in place of the
-    [T, Hq, D] tensor; a split call returns the tensor.
 
     `num_splits` forces the split-K factor over the ring (any positive int; None picks one from host
     sizes: more than one only for decode-shaped calls on CUDA). `tiles` forces block_n, num_warps and
@@ -241,7 +235,6 @@ def ring_attention(
     # The ring's W entries are what gets split (the chunk's keys all go to the last split).
     num_splits = choose_splits(op, q.device, num_splits, tiles, max_q, vl.batch * vl.num_kv_heads, window)
     out, part_o, part_lse = outputs(q, num_splits)
-    q8, s8 = fp8_outputs(q, num_splits, fp8_out)
     grid = (tiles.q_blocks(max_q) * num_splits, vl.batch, vl.num_kv_heads)
     _ring_attention_kernel[grid](
         q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, out, part_o, part_lse,
@@ -250,7 +243,6 @@ def ring_attention(
         v_ring.stride(2), out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads,
         softmax_scale(scale, quant), window, num_splits, *kernel_args(rope, q, k_new), *quant_args(quant),
         q if sinks is None else sinks,  # q: unread without sinks
-        q8, s8, s8.stride(0),
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim,
         F32_DOT=f32_dot(q.dtype), ROPE=rope is not None, NORM=rope is not None and rope.norm,
@@ -258,6 +250,5 @@ def ring_attention(
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **rounding_options(q.dtype),
         **pdl_launch(q.device, vl.num_tokens, max_q == 1),  # decode calls (shared/kernels/_pdl.py)
         WHOLE_TILES=whole_tiles(rope is not None, quant is not None, num_splits),
-        OUT_FP8=fp8_out and num_splits == 1,
     )  # fmt: skip
-    return merge(out, part_o, part_lse, num_splits, (q8, s8) if fp8_out else None)
+    return merge(out, part_o, part_lse, num_splits)

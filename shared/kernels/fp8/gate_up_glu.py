@@ -20,22 +20,19 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from shared.kernels._launch import f32_dot, interpreting, next_pow2
 from shared.kernels._norm_checks import check_triton_device, fail
 from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
-from shared.kernels._round import quantize_groups, round_to
-from shared.kernels.fp8.quant import scale_buffer
-from shared.kernels.fp8.reference import Fp8Act
+from shared.kernels._round import round_to
 from shared.kernels.silu_mul import glu
 from shared.kernels.skinny_gemm import tma_capable
 
-__all__ = ["gate_up_glu", "gate_up_glu_quant", "glu_group"]
+__all__ = ["gate_up_glu"]
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gate_up_glu_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, bias_ptr, M, half, K, stride_xm, stride_wn, stride_om, stride_wsn,
-    stride_wsg, as_ptr, stride_asm, stride_asg, os_ptr, stride_osg,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_ROWS: tl.constexpr,
+    stride_wsg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_ROWS: tl.constexpr,
     W_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, F32_DOT: tl.constexpr,
-    TMA: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr, A_GROUPED: tl.constexpr, BF16: tl.constexpr,
+    TMA: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
@@ -56,10 +53,6 @@ def _gate_up_glu_kernel(
         bias_g = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         bias_u = tl.load(bias_ptr + half + rn, mask=n_ok, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)
-    as_rows = as_ptr + rm * stride_asm
-    a_scale = tl.full([BLOCK_M], 1.0, tl.float32)
-    if FP8 and not A_GROUPED:  # x's scale per token: the whole sum scaled once
-        a_scale = tl.load(as_rows, mask=m_ok, other=0.0)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -76,39 +69,25 @@ def _gate_up_glu_kernel(
             g_at = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
             g = tl.load(g_at, mask=w_mask, other=0.0)
             u = tl.load(g_at + half * stride_wn, mask=w_mask, other=0.0)
-        if not FP8:
-            g = g.to(x.dtype)  # e4m3 widened exactly
-            u = u.to(x.dtype)
+        g = g.to(x.dtype)  # e4m3 widened exactly
+        u = u.to(x.dtype)
         if F32_DOT:  # the interpreter, whose dot cannot take 16-bit operands
             part_g = tl.dot(x.to(tl.float32), tl.trans(g.to(tl.float32)), input_precision="ieee")
             part_u = tl.dot(x.to(tl.float32), tl.trans(u.to(tl.float32)), input_precision="ieee")
         else:
             part_g = tl.dot(x, tl.trans(g))
             part_u = tl.dot(x, tl.trans(u))
-        if A_GROUPED:  # x's scales per K step: each step's product starts from zero (Hopper's FP8 MMA)
-            a_step = tl.load(as_rows + (k0 // BLOCK_K) * stride_asg, mask=m_ok, other=0.0)[:, None]
-            part_g = part_g * a_step
-            part_u = part_u * a_step
         if W_GROUPED:  # the K step is one scale group: its partials scaled before they join the sums
             part_g = part_g * tl.load(ws_g + (k0 // BLOCK_K) * stride_wsg, mask=n_ok, other=0.0)[None, :]
             part_u = part_u * tl.load(ws_u + (k0 // BLOCK_K) * stride_wsg, mask=n_ok, other=0.0)[None, :]
         acc_g += part_g
         acc_u += part_u
     release_next(PDL)  # the down projection fills this one's tail
-    dtype: tl.constexpr = tl.bfloat16 if BF16 else tl.float16  # the activation's
-    acc_g = acc_g * a_scale[:, None]
-    acc_u = acc_u * a_scale[:, None]
+    dtype = out_ptr.dtype.element_ty
     gate = round_to(acc_g * scale_g[None, :] + bias_g[None, :], dtype)  # as the GEMM would store them
     up = round_to(acc_u * scale_u[None, :] + bias_u[None, :], dtype)
     out = out_ptr + rm[:, None] * stride_om + rn[None, :]
-    act = glu(gate, up, dtype, GELU)
-    if FP8:  # each row's BLOCK_N columns are one scale group of the down projection's input
-        act = tl.where(m_ok[:, None] & n_ok[None, :], act, 0.0)
-        q, scale = quantize_groups(act)
-        tl.store(out, q, mask=m_ok[:, None] & n_ok[None, :])
-        tl.store(os_ptr + rm + pid * stride_osg, scale, mask=m_ok)
-    else:
-        tl.store(out, act.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(out, glu(gate, up, dtype, GELU).to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def gate_up_glu(
@@ -117,46 +96,14 @@ def gate_up_glu(
 ) -> torch.Tensor:  # fmt: skip
     """act(x @ gate^T) * (x @ up^T) for x [M, K] bf16 or fp16 (M <= 64) and e4m3 weight [2I, K]
     (gate | up) with float32 scales [ceil(2I / bn), ceil(K / bk)] for `block` (bn, bk) and an optional
-    bias [2I] (bf16 or fp16): `glu` of `gemm_w16`'s result (`reference`), [M, I] in x's dtype. `tma`:
+    bias [2I] in x's dtype: `glu` of `gemm_w16`'s result (`reference`), [M, I] in x's dtype. `tma`:
     descriptor loads or pointer loads (None: descriptors above 32 rows on Hopper)."""
     op = "gate_up_glu"
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != torch.float8_e4m3fn:
-        fail(op, f"x must be bf16 or fp16 and weight float8_e4m3fn, got {x.dtype} and {weight.dtype}")
-    return _launch(op, x, None, x.dtype, weight, scale, block, bias, gelu, tma)  # type: ignore[return-value]
-
-
-def gate_up_glu_quant(
-    a: Fp8Act, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-    bias: torch.Tensor | None = None, gelu: bool = False, tma: bool | None = None, group: int | None = None,
-) -> Fp8Act:  # fmt: skip
-    """`gate_up_glu` for FP8 x (`a`, scaled per token or per bk columns) on the FP8 tensor cores, its
-    activation quantized in the epilogue: each row's block of columns (the program's, 64 on
-    descriptor loads, 32 on pointer loads) is one scale group of the result, so no row-wide maximum
-    (and no kernel) stands between the two projections. `reference.glu_quant(reference.gemm(a, ...),
-    group)` with the returned group."""
-    op = "gate_up_glu_quant"
-    if a.data.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn:
-        fail(op, f"a and weight must be float8_e4m3fn, got {a.data.dtype} and {weight.dtype}")
-    if a.dtype not in (torch.bfloat16, torch.float16):
-        fail(op, f"the activation must be bf16 or fp16, got {a.dtype}")
-    if group is not None and (group < 16 or group > 128 or group & (group - 1)):
-        fail(op, f"group must be a power of two from 16 to 128, got {group}")
-    return _launch(op, a.data, a, a.dtype, weight, scale, block, bias, gelu, tma, group)  # type: ignore[return-value]
-
-
-def glu_group(rows: int, tma: bool) -> int:
-    """A program's gate (and up) rows: 64 on descriptor loads (taken above 32 rows on Hopper), 32 on
-    pointer loads; `gate_up_glu_quant`'s scale group."""
-    return 64 if tma and rows > 32 else 32
-
-
-def _launch(
-    op: str, x: torch.Tensor, a: Fp8Act | None, dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor,
-    block: tuple[int, int], bias: torch.Tensor | None, gelu: bool, tma: bool | None, group: int | None = None,
-) -> torch.Tensor | Fp8Act:  # fmt: skip
     check_triton_device(op, x.device)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.shape[0] % 2:
         fail(op, f"x must be [M, K] and weight [2I, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != torch.float8_e4m3fn:
+        fail(op, f"x must be bf16 or fp16 and weight float8_e4m3fn, got {x.dtype} and {weight.dtype}")
     m, k = x.shape
     half = weight.shape[0] // 2
     bn, bk = block
@@ -167,23 +114,18 @@ def _launch(
         fail(op, f"scale must be float32 {want}, got {scale.dtype} {list(scale.shape)}")
     if bn > 1 and half % bn:
         fail(op, f"the gate and up halves ({half} rows) must each start on a {bn}-row scale block")
-    sixteen = (torch.bfloat16, torch.float16)
-    bias_ok = bias is None or (
-        tuple(bias.shape) == (2 * half,) and bias.dtype in sixteen and bias.stride(0) == 1
-    )
-    if not bias_ok:
-        fail(op, f"bias must be a contiguous [{2 * half}] bf16 or fp16 tensor, got {bias.dtype}")
+    if bias is not None and (
+        tuple(bias.shape) != (2 * half,) or bias.dtype != x.dtype or bias.stride(0) != 1
+    ):
+        fail(op, f"bias must be a contiguous [{2 * half}] tensor of {x.dtype}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         fail(op, "x and weight must be contiguous along K")
+    out = torch.empty((m, half), dtype=x.dtype, device=x.device)
+    if m == 0 or half == 0:
+        return out
     grouped = bk < k
-    a_grouped = a is not None and a.group < k
-    if a is not None:
-        if tuple(a.scale.shape) != (m, triton.cdiv(k, a.group)) or a.scale.dtype != torch.float32:
-            fail(op, f"a.scale must be float32 [{m}, {triton.cdiv(k, a.group)}], got {list(a.scale.shape)}")
-        if a_grouped and grouped and a.group != bk:
-            fail(op, f"a's groups ({a.group} columns) and the weight's blocks ({bk} columns) must match")
     block_m = max(16, next_pow2(m))
-    block_k = bk if grouped else a.group if a_grouped else 128  # type: ignore[union-attr]
+    block_k = bk if grouped else 128
     # Descriptor loads above 32 rows on Hopper, as the skinny GEMM takes them; 64 gate and 64 up rows a
     # program on 4 warps, three stages (`bench/gemm_fp8.py --sweep-w16` measures the alternatives).
     if tma is None:
@@ -191,31 +133,17 @@ def _launch(
         tma = tma and tma_capable(x, weight)
     elif tma and not tma_capable(x, weight):
         fail(op, "tma needs rows of x and weight on 16-byte boundaries")
-    block_n, stages = group or glu_group(m, tma), 3 if tma else 4
-    blocks = triton.cdiv(half, block_n)
-    if a is None:
-        out = torch.empty((m, half), dtype=x.dtype, device=x.device)
-        result: torch.Tensor | Fp8Act = out
-        a_scale, o_scale = scale, scale  # unread
-    else:
-        out = torch.empty((m, half), dtype=torch.float8_e4m3fn, device=x.device)
-        o_scale = scale_buffer(m, blocks, x.device)
-        result = Fp8Act(out, o_scale, block_n, dtype)
-        a_scale = a.scale
-    if m == 0 or half == 0:
-        return result
+    block_n, stages = (64, 3) if tma else (32, 4)
     xa: torch.Tensor | TensorDescriptor = x
     wa: torch.Tensor | TensorDescriptor = weight
     if tma:
         xa = TensorDescriptor.from_tensor(x, [block_m, block_k])
         wa = TensorDescriptor.from_tensor(weight, [block_n, block_k])
-    _gate_up_glu_kernel[(blocks,)](
+    _gate_up_glu_kernel[(triton.cdiv(half, block_n),)](
         xa, wa, out, scale, bias if bias is not None else out, m, half, k, x.stride(0), weight.stride(0),
-        out.stride(0), scale.stride(0), scale.stride(1), a_scale, a_scale.stride(0), a_scale.stride(1),
-        o_scale, o_scale.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        out.stride(0), scale.stride(0), scale.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         W_ROWS=bn, W_GROUPED=grouped, HAS_BIAS=bias is not None, GELU=gelu,
-        F32_DOT=f32_dot(x.dtype) or interpreting(), TMA=tma, FP8=a is not None, A_GROUPED=a_grouped,
-        BF16=dtype == torch.bfloat16, num_warps=8 if block_n > 64 else 4, num_stages=stages,
+        F32_DOT=f32_dot(x.dtype) or interpreting(), TMA=tma, num_warps=4, num_stages=stages,
         **pdl_launch(x.device, m),
     )  # fmt: skip
-    return result
+    return out

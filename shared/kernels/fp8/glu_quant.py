@@ -16,8 +16,7 @@ import triton.language as tl
 
 from shared.kernels._norm_checks import check_activation, check_triton_device, fail
 from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
-from shared.kernels._round import quantize_groups
-from shared.kernels.fp8._tile import group_offsets
+from shared.kernels.fp8._tile import group_offsets, quantize_groups
 from shared.kernels.fp8.quant import group_launch
 from shared.kernels.fp8.reference import Fp8Act
 from shared.kernels.silu_mul import glu

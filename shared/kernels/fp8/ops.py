@@ -19,7 +19,6 @@ from torch import nn
 from shared.kernels.fp8 import reference
 from shared.kernels.fp8.reference import Fp8Act
 from shared.kernels.ops import Backend, Gemm, ModelKernels, TorchKernels, TritonKernels, kernels_for
-from shared.kernels.reference import rms_norm as rms_norm_reference
 from shared.kernels.skinny_gemm import Scales, skinny_gemm
 
 # Decode-sized batches go to the skinny GEMM, FP8 operands and all (`--gemm cublas`: to cuBLAS's scaled
@@ -48,27 +47,9 @@ class Fp8Kernels(ModelKernels):
     weights to them (`gemm_w16`): the norms and the MLP's activation write 16-bit rows and no
     quantizer runs. The weights' bytes are the same; what goes is the quantizers' kernels, each waiting
     for a whole row's maximum (docs/performance.md, "Where the step goes"). Larger batches (prefill)
-    quantize their activations either way.
-
-    `fp16_inputs` (with `activations16`, for a bf16 model): the norms write those rows in float16, and
-    the fused gate/up GEMM its activation, so that the GEMMs widen e4m3 to float16, one conversion
-    instruction a pair of weights where bfloat16 takes several; every GEMM's output and the residual
-    stream stay bf16. Float16 holds the normed rows and the activation to 11 significant bits (bf16:
-    8), up to 65504.
-
-    `fused_glu_quant` (quantized decode batches of at most 64 rows, a down projection scaled per
-    channel): the gate/up GEMM computes the MLP's activation and quantizes it in its epilogue, each
-    program's block of columns one scale group (`fp8/gate_up_glu.py` `gate_up_glu_quant`), and the
-    down projection scales each K step by its group's scales: no quantizer kernel between the two.
-
-    `fused_attn_quant` (the same batches, an o projection scaled per channel or in blocks one head
-    wide): decode attention writes its output quantized per (token, head) (`attention_fp8_out`), which
-    the o projection takes scaled per K group: no quantizer kernel between them."""
+    quantize their activations either way."""
 
     activations16: bool = False
-    fp16_inputs: bool = False
-    fused_glu_quant: bool = False
-    fused_attn_quant: bool = False
 
     def linear(self, x: Tensor | Fp8Act, layer: nn.Module) -> Tensor:
         if isinstance(layer, nn.Linear):
@@ -108,28 +89,8 @@ class Fp8Kernels(ModelKernels):
         return self.rms_norm_quant(x, weight, eps, group)
 
     def rms_norm_16(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """`rms_norm` ahead of a GEMM taking 16-bit rows (the Triton kernels: a dependent launch), in
-        `_input_dtype`."""
-        dtype = self._input_dtype(x)
-        if dtype == x.dtype:
-            return self.rms_norm(x, weight, eps)
-        return rms_norm_reference(x, weight, eps, dtype)
-
-    def _input_dtype(self, x: Tensor) -> torch.dtype:
-        """The dtype of the rows a norm writes for the 16-bit GEMM after it: x's, or float16 with
-        `fp16_inputs` (whose model must be bf16: the GEMMs' outputs are)."""
-        if not self.fp16_inputs:
-            return x.dtype
-        if x.dtype != torch.bfloat16:
-            raise ValueError(f"fp16_inputs: float16 GEMM inputs are for a bfloat16 model, whose activations "
-                             f"these are not ({x.dtype})")  # fmt: skip
-        return torch.float16
-
-    def _w16_out(self, x: Tensor, residual: Tensor | None) -> torch.dtype:
-        """A 16-bit-input GEMM's output dtype: the residual's, else the model's (bf16 under `fp16_inputs`)."""
-        if residual is not None:
-            return residual.dtype
-        return torch.bfloat16 if self.fp16_inputs else x.dtype
+        """`rms_norm` ahead of a GEMM taking 16-bit rows (the Triton kernels: a dependent launch)."""
+        return self.rms_norm(x, weight, eps)
 
     def glu_16(self, gate_up: Tensor, gelu: bool) -> Tensor:
         """The MLP's activation in 16 bits ahead of the FP8 down projection (`activations16`)."""
@@ -152,40 +113,11 @@ class Fp8Kernels(ModelKernels):
     def linear_glu(self, x: Tensor, layer: nn.Module, gelu: bool, before: nn.Module) -> Tensor:
         if not isinstance(layer, nn.Linear) and self._16bit(x):
             return self.gate_up_glu(x, layer, gelu)  # type: ignore[arg-type]
-        if self._fuses_glu_quant(x, layer, before):
-            return self.gate_up_glu_quant(x, layer, gelu)  # type: ignore[arg-type, return-value]
         return super().linear_glu(x, layer, gelu, before)
 
-    def attention_fp8_out(self, layer: nn.Module, rows: int, head_dim: int) -> bool:
-        if not self.fused_attn_quant or isinstance(layer, nn.Linear) or rows > _SKINNY_ROWS:
-            return False
-        k, bk = layer.weight.shape[1], layer.block[1]  # type: ignore[union-attr, index]
-        return bk >= k or bk == head_dim
-
-    def _fuses_glu_quant(self, x: Tensor | Fp8Act, layer: nn.Module, before: nn.Module) -> bool:
-        """Whether the gate/up GEMM quantizes its own activation (`fused_glu_quant`): a quantized decode
-        batch, FP8 gate/up and down layers, the down layer scaled per channel (any x group suits it)."""
-        return (
-            self.fused_glu_quant
-            and isinstance(x, Fp8Act)
-            and x.shape[0] <= _SKINNY_ROWS
-            and not isinstance(layer, nn.Linear)
-            and not isinstance(before, nn.Linear)
-            and before.block[1] >= before.weight.shape[1]  # type: ignore[union-attr, index]
-        )
-
-    def gate_up_glu_quant(self, a: Fp8Act, layer: Fp8Layer, gelu: bool) -> Fp8Act:
-        """`glu_quant` of `fp8_gemm` over an FP8 gate/up layer, in the groups the Triton kernel takes on
-        a Hopper GPU (`gate_up_glu.glu_group`)."""
-        from shared.kernels.fp8.gate_up_glu import glu_group
-
-        gate_up = self.fp8_gemm(a, layer)
-        return reference.glu_quant(gate_up, glu_group(a.shape[0], tma=True), gelu)
-
     def gate_up_glu(self, x: Tensor, layer: Fp8Layer, gelu: bool) -> Tensor:
-        """`glu_16` of `gemm_w16` over an FP8 gate/up layer (gate | up rows): the 16-bit activation, in
-        x's dtype (the down projection's input)."""
-        return self.glu_16(self.gemm_w16(x, layer, out_dtype=x.dtype), gelu)
+        """`glu_16` of `gemm_w16` over an FP8 gate/up layer (gate | up rows): the 16-bit activation."""
+        return self.glu_16(self.gemm_w16(x, layer), gelu)
 
     def glu(self, gate_up: Tensor, gelu: bool, before: nn.Module) -> Tensor | Fp8Act:  # type: ignore[override]
         if isinstance(before, nn.Linear):
@@ -202,14 +134,10 @@ class Fp8Kernels(ModelKernels):
         """a @ layer's weight^T (+ bias), or with `residual` (consumed) residual + that: `reference.gemm`."""
         return reference.gemm(a, layer.weight, layer.weight_scale_inv, layer.block, layer.bias, residual)
 
-    def gemm_w16(
-        self, x: Tensor, layer: Fp8Layer, residual: Tensor | None = None, out_dtype: torch.dtype | None = None
-    ) -> Tensor:  # fmt: skip
-        """x (16-bit, not quantized) @ layer's weight^T (+ bias) (+ `residual`, consumed), in `out_dtype`
-        (unless given, `_w16_out`): `reference.gemm_w16`."""
-        w, scale, block, bias = layer.weight, layer.weight_scale_inv, layer.block, layer.bias
-        out = out_dtype or self._w16_out(x, residual)
-        return reference.gemm_w16(x, w, scale, block, bias, residual, out)
+    def gemm_w16(self, x: Tensor, layer: Fp8Layer, residual: Tensor | None = None) -> Tensor:
+        """x (16-bit, not quantized) @ layer's weight^T (+ bias) (+ `residual`, consumed):
+        `reference.gemm_w16`."""
+        return reference.gemm_w16(x, layer.weight, layer.weight_scale_inv, layer.block, layer.bias, residual)
 
 
 class Fp8TorchKernels(Fp8Kernels, TorchKernels):
@@ -236,9 +164,9 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
 
         self._rms_norm16, self._silu_mul16 = rms_norm.rms_norm, silu_mul.silu_mul
         self._gelu_tanh_mul16 = silu_mul.gelu_tanh_mul
-        from shared.kernels.fp8.gate_up_glu import gate_up_glu, gate_up_glu_quant
+        from shared.kernels.fp8.gate_up_glu import gate_up_glu
 
-        self._gate_up_glu, self._gate_up_glu_quant = gate_up_glu, gate_up_glu_quant
+        self._gate_up_glu = gate_up_glu
         self._triton_gemm, self._scaled_mm, self._skinny_gemm = fp8_gemm.gemm, scaled_mm, skinny_gemm
 
     def quantize(self, x: Tensor, group: int) -> Fp8Act:
@@ -254,7 +182,7 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
         return self.gemm != "cublas" and super()._16bit(x)  # cuBLAS's scaled GEMM takes e4m3 rows only
 
     def rms_norm_16(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        return self._rms_norm16(x, weight, eps, dependent=True, out_dtype=self._input_dtype(x))
+        return self._rms_norm16(x, weight, eps, dependent=True)
 
     def glu_16(self, gate_up: Tensor, gelu: bool) -> Tensor:
         return (self._gelu_tanh_mul16 if gelu else self._silu_mul16)(gate_up, dependent=True)
@@ -265,27 +193,8 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
             return super().gate_up_glu(x, layer, gelu)
         return self._gate_up_glu(x, w, scale, block, bias, gelu)
 
-    def attention_fp8_out(self, layer: nn.Module, rows: int, head_dim: int) -> bool:
-        return self.gemm != "cublas" and super().attention_fp8_out(layer, rows, head_dim)
-
-    def _fuses_glu_quant(self, x: Tensor | Fp8Act, layer: nn.Module, before: nn.Module) -> bool:
-        if self.gemm == "cublas" or not super()._fuses_glu_quant(x, layer, before):
-            return False
-        w, block = layer.weight, layer.block  # type: ignore[union-attr]
-        grouped = x.group < x.shape[1]  # type: ignore[union-attr]
-        return not (block[0] > 1 and (w.shape[0] // 2) % block[0]) and not (  # type: ignore[operator]
-            grouped and block[1] < w.shape[1] and x.group != block[1]  # type: ignore[union-attr, index]
-        )
-
-    def gate_up_glu_quant(self, a: Fp8Act, layer: Fp8Layer, gelu: bool) -> Fp8Act:
-        w, scale, block, bias = layer.weight, layer.weight_scale_inv, layer.block, layer.bias
-        return self._gate_up_glu_quant(a, w, scale, block, bias, gelu)
-
-    def gemm_w16(
-        self, x: Tensor, layer: Fp8Layer, residual: Tensor | None = None, out_dtype: torch.dtype | None = None
-    ) -> Tensor:  # fmt: skip
-        out = out_dtype or self._w16_out(x, residual)
-        scales = Scales(None, x.shape[1], layer.weight_scale_inv, layer.block, out, layer.bias)
+    def gemm_w16(self, x: Tensor, layer: Fp8Layer, residual: Tensor | None = None) -> Tensor:
+        scales = Scales(None, x.shape[1], layer.weight_scale_inv, layer.block, x.dtype, layer.bias)
         return self._skinny_gemm(x, layer.weight, add=residual, scales=scales)
 
     def _on_cublas(self, layer: Fp8Layer) -> bool:
@@ -324,29 +233,16 @@ def check_device(device: torch.device | str) -> None:
 
 
 @functools.cache
-def _instance(
-    backend: str, gemm: Gemm, activations16: bool, fp16_inputs: bool, fused_glu_quant: bool,
-    fused_attn_quant: bool,
-) -> Fp8Kernels:  # fmt: skip
+def _instance(backend: str, gemm: Gemm, activations16: bool) -> Fp8Kernels:
     kernels = Fp8TorchKernels() if backend == "torch" else Fp8TritonKernels(gemm)
-    kernels.activations16, kernels.fp16_inputs = activations16, fp16_inputs
-    kernels.fused_glu_quant, kernels.fused_attn_quant = fused_glu_quant, fused_attn_quant
+    kernels.activations16 = activations16
     return kernels
 
 
 def fp8_kernels_for(
-    device: torch.device | str, backend: Backend = "auto", gemm: Gemm = "auto", *,
-    activations16: bool = False, fp16_inputs: bool = False, fused_glu_quant: bool = False,
-    fused_attn_quant: bool = False,
+    device: torch.device | str, backend: Backend = "auto", gemm: Gemm = "auto", *, activations16: bool = False
 ) -> Fp8Kernels:  # fmt: skip
     """`kernels_for` for a model with FP8 layers: the same choice of torch or Triton kernels (and the
-    same errors), their FP8 versions; `activations16`, `fp16_inputs`, `fused_glu_quant` and
-    `fused_attn_quant` as `Fp8Kernels` says."""
-    if fp16_inputs and not activations16:
-        raise ValueError("fp16_inputs: float16 GEMM inputs are 16-bit decode activations: activations16=True")
-    for name, on in (("fused_glu_quant", fused_glu_quant), ("fused_attn_quant", fused_attn_quant)):
-        if on and activations16:
-            raise ValueError(f"{name} quantizes decode activations, which activations16 keeps 16-bit")
+    same errors), their FP8 versions; `activations16` as `Fp8Kernels` says."""
     chosen = kernels_for(device, backend, gemm)
-    gemm = chosen.gemm if chosen.name == "triton" else "auto"
-    return _instance(chosen.name, gemm, activations16, fp16_inputs, fused_glu_quant, fused_attn_quant)
+    return _instance(chosen.name, chosen.gemm if chosen.name == "triton" else "auto", activations16)

@@ -18,11 +18,11 @@ group's largest value lands on 448 exactly. Every division is IEEE float32, here
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from shared.kernels import reference
-from shared.kernels.fp8_act import Fp8Act
 
 __all__ = [
     "E4M3", "FP8_MAX", "Fp8Act", "dequantize", "dequantize_act", "gemm", "gemm_w16", "glu_quant", "quantize",
@@ -34,6 +34,21 @@ FP8_MAX = float(torch.finfo(E4M3).max)  # 448
 # The smallest absolute maximum a scale is taken from: an all-zero group gets a tiny scale (and zeros),
 # never a division by zero.
 AMAX_FLOOR = 1e-12
+
+
+class Fp8Act(NamedTuple):
+    """An activation quantized for an FP8 GEMM: data [T, K] e4m3 and scale [T, ceil(K / group)] float32
+    (column-major from the Triton quantizers, as cuBLAS's 1x128 scaling reads it); `dtype` is the
+    activation's own dtype, the GEMM's output dtype."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    group: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
 
 
 def _groups(x: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
@@ -103,17 +118,16 @@ def glu_quant(gate_up: torch.Tensor, group: int, gelu: bool = False) -> Fp8Act:
 def gemm_w16(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
     bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x (a bf16 or fp16 activation, not quantized) @ dequantize(weight)^T (+ bias) (+ residual) in
-    float32, rounded once to `out_dtype` (x's dtype unless given): the e4m3 weights widened to x's
-    dtype in the GEMM, 16-bit products summed in float32 (up to the order of the sums)."""
+    float32, rounded once to x's dtype: the e4m3 weights widened to x's dtype in the GEMM, 16-bit
+    products summed in float32 (up to the order of the sums)."""
     out = x.float() @ dequantize(weight, scale, block).t()
     if bias is not None:
         out = out + bias.float()
     if residual is not None:
         out = out + residual.float()
-    return out.to(out_dtype or x.dtype)
+    return out.to(x.dtype)
 
 
 def gemm(

@@ -15,8 +15,8 @@ import triton.language as tl
 
 from shared.kernels._norm_checks import check_rms_norm, fail
 from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
-from shared.kernels._round import quantize_groups, round_to
-from shared.kernels.fp8._tile import group_offsets
+from shared.kernels._round import round_to
+from shared.kernels.fp8._tile import group_offsets, quantize_groups
 from shared.kernels.fp8.quant import group_tiles, scale_buffer, warps
 from shared.kernels.fp8.reference import E4M3, Fp8Act
 
