@@ -45,7 +45,7 @@ class Fp8Kernels(ModelKernels):
     `activations16` (`fp8_kernels_for(..., activations16=True)`): decode batches (at most 64 rows of
     bf16 or fp16 activations) keep their activations 16-bit, and the FP8 layers' GEMMs widen the e4m3
     weights to them (`gemm_w16`): the norms and the MLP's activation write 16-bit rows and no
-    quantizer runs. The weights' bytes are the same; what goes is the quantizers' kernels, each waiting
+    quantizer runs. The weights' bytes are the same; what changes is that no kernel of the step waits
     for a whole row's maximum (docs/performance.md, "Where the step goes"). Larger batches (prefill)
     quantize their activations either way."""
 
