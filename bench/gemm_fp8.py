@@ -1,16 +1,14 @@
 """The decode step's FP8 GEMMs at M = 64 / 16 / 1: the skinny GEMM with FP8 operands (its default, its
-pointer loads' default, and a sweep of configs) and with 16-bit x against the e4m3 weights (`w16`:
-its default, `--sweep-w16` a sweep; gate/up also with SwiGLU after it and in its epilogue) against
-cuBLAS's scaled GEMM (`torch._scaled_mm`, per-token x per-channel scales, plus the residual add the
-o and down projections need), the Triton FP8 GEMM and bf16 cuBLAS, each against reading its weights
-at the copy rate.
+pointer loads' default, and a sweep of configs) against cuBLAS's scaled GEMM (`torch._scaled_mm`,
+per-token x per-channel scales, plus the residual add the o and down projections need), the Triton
+FP8 GEMM and bf16 cuBLAS, each against reading its weights at the copy rate.
 
 Shapes: `gemm_decode.py`'s (the engine bench's ~2B hybrid; `--model 8b` its ~8B), weights [N, K] e4m3
 with per-channel scales (`--block 128` for 128x128 blocks and 128-column activation groups). Every
 timing is a CUDA graph over enough weight copies that they come from HBM, as in a decode step.
 
     python bench/gemm_fp8.py [--rows 64,16,1] [--shapes qkv,o,gate_up,down] [--no-sweep] [--json f]
-                             [--sweep-loads tma|pointers] [--sweep-w16] [--verbose]
+                             [--sweep-loads tma|pointers] [--verbose]
 """
 
 from __future__ import annotations
@@ -24,11 +22,9 @@ import triton
 
 from bench.gemm_decode import SHAPES, copy_rate, graph_us
 from shared.kernels.fp8 import reference as ref
-from shared.kernels.fp8.gate_up_glu import gate_up_glu
 from shared.kernels.fp8.gemm import gemm as triton_fp8_gemm
 from shared.kernels.fp8.quant import quantize
 from shared.kernels.fp8.scaled_mm import scaled_mm
-from shared.kernels.silu_mul import silu_mul
 from shared.kernels.skinny_gemm import GemmConfig, Scales, choose_config, skinny_gemm
 
 RESIDUAL = ("o", "down")  # the projections whose output is added to the residual stream
@@ -41,35 +37,16 @@ SHAPES_8B = {
 }
 
 
-def sweep(n: int, k: int, group: int | None, tma: bool, w16: bool = False):  # type: ignore[no-untyped-def]
+def sweep(n: int, k: int, group: int | None, tma: bool):  # type: ignore[no-untyped-def]
     """Column block x K tile x K split x pipeline, kept to 64-1024 programs and to shared memory;
-    with `tma` descriptor loads (K tiles of at most 256 columns, deeper pipelines); `w16`: 16-bit x
-    (two bytes a column) against the e4m3 weights, K tiles of 64 and 128 columns."""
-    tiles = (group,) if group else (64, 128) if w16 else (128, 256) if tma else (128, 256, 512)
+    with `tma` descriptor loads (K tiles of at most 256 columns, deeper pipelines)."""
+    tiles = (group,) if group else (128, 256) if tma else (128, 256, 512)
     stages = (3, 4, 5, 6, 8) if tma else (3, 4)
-    x_bytes = 2 if w16 else 1
     for bn, bk, s, st in itertools.product((16, 32, 64, 128), tiles, (1, 2, 4, 8), stages):
         programs = triton.cdiv(n, bn) * s
-        if 64 <= programs <= 1024 and st * bk * (64 * x_bytes + bn) <= 192 << 10 and k // s >= bk:
+        if 64 <= programs <= 1024 and st * bk * (64 + bn) <= 192 << 10 and k // s >= bk:
             warps = 8 if bn == 128 else 4
             yield GemmConfig(block_n=bn, block_k=bk, split_k=s, num_warps=warps, num_stages=st, tma=tma)
-
-
-def best_config(configs, gemm, layers, copies: int, floor: float, label: str, verbose: bool):  # type: ignore[no-untyped-def]
-    """(us, config) of the fastest of `configs` running `gemm(cfg, *layer)` over every layer, or None;
-    a config Triton cannot fit is reported and skipped."""
-    best = None
-    for cfg in configs:
-        try:
-            us = graph_us(lambda cfg=cfg: [gemm(cfg, *lr) for lr in layers], copies)
-        except Exception as exc:  # a config Triton cannot fit
-            print(f"  {label} {cfg}: {type(exc).__name__}")
-            continue
-        if verbose:
-            print(f"  {label} {us:7.2f} us x{us / floor:4.2f} {cfg}", flush=True)
-        if best is None or us < best[0]:
-            best = (us, cfg)
-    return best
 
 
 def main() -> None:
@@ -85,11 +62,6 @@ def main() -> None:
         help="the sweep's loads: tensor descriptors (Hopper's default) or pointers",
     )
     ap.add_argument("--verbose", action="store_true", help="every config of the sweep, not only the best")
-    ap.add_argument(
-        "--sweep-w16", action="store_true",
-        help="also sweep the skinny GEMM's configs with 16-bit x against the e4m3 weights "
-        "(`Scales(None, ...)`, Fp8Kernels.activations16)",
-    )  # fmt: skip
     ap.add_argument("--model", choices=["2b", "8b"], default="2b", help="bench/engine.py's model's shapes")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -118,10 +90,6 @@ def main() -> None:
                 scales = Scales(a.scale, a.group, ws, block, torch.bfloat16)  # noqa: B023
                 return skinny_gemm(a.data, wq, cfg, add=res if add else None, scales=scales)  # noqa: B023
 
-            def w16(cfg: GemmConfig | None, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-                scales = Scales(None, k, ws, block, torch.bfloat16)  # noqa: B023
-                return skinny_gemm(x, wq, cfg, add=res if add else None, scales=scales)  # noqa: B023
-
             def cublas(wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
                 out = scaled_mm(a, wq, ws, block)  # noqa: B023
                 return res.add_(out) if add else out  # noqa: B023
@@ -143,26 +111,20 @@ def main() -> None:
                 pointers = choose_config(m, n, k, itemsize=1, group=group)
                 timed["skinny default"] = graph_us(lambda: [skinny(None, *lr) for lr in layers], copies)  # noqa: B023
                 timed["skinny pointers"] = graph_us(lambda: [skinny(pointers, *lr) for lr in layers], copies)  # noqa: B023
-                before = res.float()  # w16() adds into res for o and down
-                got16 = w16(None, *layers[0]).float() - (before if add else 0)
-                want16 = x.float() @ ref.dequantize(*layers[0], block).t()
-                torch.testing.assert_close(got16, want16, rtol=3e-2, atol=3e-2 * want16.abs().max().item())
-                timed["skinny w16 default"] = graph_us(lambda: [w16(None, *lr) for lr in layers], copies)  # noqa: B023
-                if name == "gate_up":  # SwiGLU after it, and in its epilogue (fp8/gate_up_glu.py)
-                    then = [lambda lr=lr: silu_mul(w16(None, *lr)) for lr in layers]
-                    fused = [lambda lr=lr, x=x, block=block: gate_up_glu(x, *lr, block) for lr in layers]
-                    timed["w16 then silu_mul"] = graph_us(lambda fs=then: [f() for f in fs], copies)
-                    timed["w16 gate_up_glu"] = graph_us(lambda fs=fused: [f() for f in fs], copies)
-                sweeps = [
-                    ("skinny", skinny, () if args.no_sweep else sweep(n, k, group, args.sweep_loads == "tma"))
-                ]
-                if args.sweep_w16:
-                    sweeps.insert(0, ("skinny w16", w16, sweep(n, k, group, True, w16=True)))
-                for label, gemm, configs in sweeps:
-                    found = best_config(configs, gemm, layers, copies, floor, label, args.verbose)
-                    if found is not None:
-                        timed[f"{label} best"] = found[0]
-                        print(f"  best {label} {found[1]}", flush=True)
+                best = None
+                for cfg in () if args.no_sweep else sweep(n, k, group, args.sweep_loads == "tma"):
+                    try:
+                        us = graph_us(lambda: [skinny(cfg, *lr) for lr in layers], copies)  # noqa: B023
+                    except Exception as exc:  # a config Triton cannot fit
+                        print(f"  {cfg}: {type(exc).__name__}")
+                        continue
+                    if args.verbose:
+                        print(f"  {us:7.2f} us x{us / floor:4.2f} {cfg}", flush=True)
+                    if best is None or us < best[0]:
+                        best = (us, cfg)
+                if best is not None:
+                    timed["skinny best"] = best[0]
+                    print(f"  best {best[1]}", flush=True)
             row = {"shape": name, "M": m, "N": n, "K": k, "block": block, "floor_us": round(floor, 2)}
             rows.append(row | {key: round(us, 2) for key, us in timed.items()})
             shown = "  ".join(f"{key} {us:6.2f} us x{us / floor:4.2f}" for key, us in timed.items())

@@ -94,11 +94,6 @@ class ModelKernels(ABC):
             alpha=alpha, limit=limit,
         )  # fmt: skip
 
-    def linear_glu(self, x: Tensor, layer: nn.Module, gelu: bool, before: nn.Module) -> Tensor:
-        """The MLP's gate/up projection and its activation: `glu(linear(x, layer), gelu, before)`, which
-        kernels may fuse (an FP8 model's 16-bit decode batches: `fp8/gate_up_glu.py`)."""
-        return self.glu(self.linear(x, layer), gelu, before)  # type: ignore[arg-type]
-
     def glu(self, gate_up: Tensor, gelu: bool, before: nn.Module) -> Tensor:
         """The MLP's activation, silu(gate) * up (gelu: `gelu_tanh_mul`), as the projection after it
         (`before`) takes its input: here 16-bit rows (FP8 kernels: quantized ones)."""

@@ -198,11 +198,11 @@ class SwiGLU(nn.Module):
         norm's weight (`Transformer.fold_norms`) and the activation applies each row's
         rsqrt(mean(x^2) + eps), which commutes with the GEMM. With `residual` (which the call
         consumes), residual + the output, the add inside the down projection's GEMM."""
+        gate_up = kernels.linear(x, self.gate_up_proj)
         gelu = self.activation == "gelu_tanh"
         if rms_eps is None:
-            act = kernels.linear_glu(x, self.gate_up_proj, gelu, self.down_proj)
+            act = kernels.glu(gate_up, gelu, self.down_proj)
         else:
-            gate_up = kernels.linear(x, self.gate_up_proj)
             act = (kernels.gelu_tanh_mul_rms if gelu else kernels.silu_mul_rms)(gate_up, x, rms_eps)
         if self.reduce is not None:  # tensor parallel: this rank's slice's share, summed over the ranks
             out = self.reduce(kernels.linear(act, self.down_proj))

@@ -324,20 +324,3 @@ def test_an_fp8_engine_with_16_bit_decode_activations_replays_its_eager_tokens(b
         outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         outputs.append([o.output for o in outs])
     assert outputs[0] == outputs[1]
-
-
-@pytest.mark.parametrize(("k", "inter", "block"), [(4096, 14336, (1, 4096)), (2048, 6144, (128, 128))])
-def test_the_fused_gate_up_activation_matches_the_16_bit_gemm_then_silu(
-    k: int, inter: int, block: tuple[int, int]
-) -> None:  # fmt: skip
-    """The gate/up projection with SwiGLU in its epilogue (`fp8/gate_up_glu.py`), by pointer loads and
-    by descriptor loads (above 32 rows on Hopper): `silu_mul` of the 16-bit GEMM's output."""
-    _fp8_gpu()
-    from shared.kernels.fp8.gate_up_glu import gate_up_glu
-    from shared.kernels.silu_mul import silu_mul
-
-    layer = _Layer(2 * inter, k, block)
-    for rows in (1, 7, 40, 64):
-        x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
-        want = silu_mul(ref.gemm_w16(x, layer.weight, layer.weight_scale_inv, block))
-        _close(gate_up_glu(x, layer.weight, layer.weight_scale_inv, block), want)

@@ -12,7 +12,6 @@ from torch import nn
 
 from shared.kernels.fp8 import E4M3, FP8_MAX, Fp8Act, fp8_kernels_for
 from shared.kernels.fp8 import reference as ref
-from shared.kernels.ops import kernels_for
 
 BLOCKS = [(1, 200), (128, 128), (1, 128), (64, 32)]
 
@@ -310,44 +309,3 @@ def test_fp8_kernels_keep_a_decode_batch_16_bit_when_asked(backend: str) -> None
         residual = torch.randn(rows, 64).to(dtype)
         added = kernels.linear_add(x, layer, residual.clone())
         torch.testing.assert_close(added, (want.float() + residual.float()).to(dtype), rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize(("m", "k", "inter", "block"), [(5, 256, 48, (1, 256)), (33, 256, 128, (128, 128))])
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu-tanh"])
-def test_gate_up_glu_is_the_activation_of_the_16_bit_gemm(
-    m: int, k: int, inter: int, block: tuple[int, int], tma: bool, gelu: bool
-) -> None:  # fmt: skip
-    """The MLP's gate/up projection with its activation in one kernel (16-bit decode rows against e4m3
-    weights): the activation (`silu_mul` / `gelu_tanh_mul`) of the GEMM's rounded output, bias
-    included."""
-    from shared.kernels.fp8.gate_up_glu import gate_up_glu
-
-    g = torch.Generator().manual_seed(4)
-    wq, ws = ref.quantize_weight(_weight(2 * inter, k) * 0.1, block)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    bias = torch.randn(2 * inter, generator=g).to(torch.bfloat16)
-    torch_kernels = kernels_for("cpu", "torch")
-    gate_up = ref.gemm_w16(x, wq, ws, block, bias)
-    want = torch_kernels.gelu_tanh_mul(gate_up) if gelu else torch_kernels.silu_mul(gate_up)
-    got = gate_up_glu(x, wq, ws, block, bias, gelu, tma=tma)
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_an_fp8_mlp_fuses_its_activation_into_the_gate_up_gemm_only_for_16_bit_rows(backend: str) -> None:
-    """`linear_glu` with `activations16`: a decode batch's gate/up projection and activation in one
-    kernel, the 16-bit activation the down projection takes; prefill rows quantized as before."""
-    layer = _Layer(_weight(128, 256) * 0.1, (1, 256))
-    down = _Layer(_weight(256, 64) * 0.1, (1, 64))
-    kernels = fp8_kernels_for("cpu", backend, activations16=True)
-    for rows, sixteen in [(7, True), (65, False)]:
-        x = torch.randn(rows, 256).to(torch.bfloat16)
-        act = kernels.linear_glu(x, layer, False, down)
-        assert isinstance(act, Fp8Act) != sixteen
-        gate_up = kernels.linear(x, layer)
-        tol = 2e-2 if sixteen else 7e-2  # e4m3 rounds to within 1/16 of a value
-        torch.testing.assert_close(
-            act if sixteen else ref.dequantize_act(act).to(torch.bfloat16),
-            kernels_for("cpu", "torch").silu_mul(gate_up), rtol=tol, atol=tol,
-        )  # fmt: skip

@@ -110,15 +110,6 @@ class Fp8Kernels(ModelKernels):
         """`rms_norm(x, weight, eps)` quantized as `quantize` would, for the FP8 GEMM after the norm."""
         return reference.rms_norm_quant(x, weight, eps, group)
 
-    def linear_glu(self, x: Tensor, layer: nn.Module, gelu: bool, before: nn.Module) -> Tensor:
-        if not isinstance(layer, nn.Linear) and self._16bit(x):
-            return self.gate_up_glu(x, layer, gelu)  # type: ignore[arg-type]
-        return super().linear_glu(x, layer, gelu, before)
-
-    def gate_up_glu(self, x: Tensor, layer: Fp8Layer, gelu: bool) -> Tensor:
-        """`glu_16` of `gemm_w16` over an FP8 gate/up layer (gate | up rows): the 16-bit activation."""
-        return self.glu_16(self.gemm_w16(x, layer), gelu)
-
     def glu(self, gate_up: Tensor, gelu: bool, before: nn.Module) -> Tensor | Fp8Act:  # type: ignore[override]
         if isinstance(before, nn.Linear):
             return super().glu(gate_up, gelu, before)
@@ -164,9 +155,6 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
 
         self._rms_norm16, self._silu_mul16 = rms_norm.rms_norm, silu_mul.silu_mul
         self._gelu_tanh_mul16 = silu_mul.gelu_tanh_mul
-        from shared.kernels.fp8.gate_up_glu import gate_up_glu
-
-        self._gate_up_glu = gate_up_glu
         self._triton_gemm, self._scaled_mm, self._skinny_gemm = fp8_gemm.gemm, scaled_mm, skinny_gemm
 
     def quantize(self, x: Tensor, group: int) -> Fp8Act:
@@ -186,12 +174,6 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
 
     def glu_16(self, gate_up: Tensor, gelu: bool) -> Tensor:
         return (self._gelu_tanh_mul16 if gelu else self._silu_mul16)(gate_up, dependent=True)
-
-    def gate_up_glu(self, x: Tensor, layer: Fp8Layer, gelu: bool) -> Tensor:
-        w, scale, block, bias = layer.weight, layer.weight_scale_inv, layer.block, layer.bias
-        if block[0] > 1 and (w.shape[0] // 2) % block[0]:  # halves sharing a scale block: unfused
-            return super().gate_up_glu(x, layer, gelu)
-        return self._gate_up_glu(x, w, scale, block, bias, gelu)
 
     def gemm_w16(self, x: Tensor, layer: Fp8Layer, residual: Tensor | None = None) -> Tensor:
         scales = Scales(None, x.shape[1], layer.weight_scale_inv, layer.block, x.dtype, layer.bias)
