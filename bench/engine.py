@@ -12,8 +12,6 @@
     python bench/engine.py --batches 64,1 --no-hf --prefill-prompt 0 --prefix-cache on,off,on,off
     python bench/engine.py --batches 64,1 --no-hf --quantization none,fp8 --kv-cache-dtype auto,fp8_e4m3
     python bench/engine.py --model 8b --batches 64,1 --no-hf --quantization none,fp8 --kv-cache-dtype fp8_e4m3
-    python bench/engine.py --model 8b --batches 64,1 --no-hf --prefill-prompt 0 --quantization fp8 \
-        --kv-cache-dtype fp8_e4m3 --quantize-lm-head --fp8-decode-activations fp8,16-bit
 
 Model: hidden 2048, 28 layers, 16/8 heads x 128, intermediate 6144, 3 of 4 layers sliding (W=1024),
 vocab 128256, random bf16 weights (~1.9B parameters); `--model 8b` the same layers at Llama 3 8B's
@@ -25,7 +23,6 @@ whole context on full layers, at most W on sliding ones) over the measured copy 
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import logging
@@ -36,7 +33,6 @@ import torch
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.kv.cache import KVConfig
 from shared.engine.sampling import SamplingParams
-from shared.kernels.fp8 import fp8_kernels_for
 from shared.kernels.kv_quant import FP8_KV_DTYPE
 from shared.model.config import config_from_hf
 from shared.model.quant import quantize_head, quantize_model
@@ -498,12 +494,6 @@ def main() -> None:
         help="the KV cache's dtype: the model's (auto) or FP8 e4m3 (one scale per layer), or a list",
     )  # fmt: skip
     ap.add_argument(
-        "--fp8-decode-activations", default="fp8", type=comma_list(one_of("fp8", "16-bit")),
-        help="an FP8 model's decode batches (up to 64 rows): activations quantized per token for the FP8 "
-        "tensor cores (fp8), or kept 16-bit against the widened e4m3 weights (16-bit: "
-        "Fp8Kernels.activations16), or a list",
-    )  # fmt: skip
-    ap.add_argument(
         "--prefix-cache", default="off", type=comma_list(one_of("on", "off")),
         help="EngineConfig.prefix_cache (the services' default is on), or a list: decode with the cache's "
         "bookkeeping against without",
@@ -529,7 +519,6 @@ def main() -> None:
     ropes, windows, tunes, gemms = args.rope_in_attention, args.window, args.tune_gemms, args.gemm
     page_sizes, settles, caches = args.page_size, args.settle, args.prefix_cache
     kv_dtypes = args.kv_cache_dtype
-    acts = args.fp8_decode_activations
     if max(settles) > 0 and windows != ["synced"]:
         ap.error(f"--settle: more than 0 only with --window synced, got {','.join(map(str, settles))!r}")
     logging.basicConfig(format="%(name)s: %(message)s")
@@ -551,25 +540,20 @@ def main() -> None:
         print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; params {params:.2f}B; kernels {args.kernels}; "
               f"quantization {quant}", flush=True)  # fmt: skip
         variants = list(
-            itertools.product(
-                gemms, ropes, windows, tunes, page_sizes, settles, caches, kv_dtypes,
-                acts if quant != "none" else acts[:1],
-            )
-        )  # fmt: skip
-        for gemm, rope, window, tune, page, settle, cache, kv_name, act in variants:  # side by side
+            itertools.product(gemms, ropes, windows, tunes, page_sizes, settles, caches, kv_dtypes)
+        )
+        for gemm, rope, window, tune, page, settle, cache, kv_name in variants:  # side by side
             model.gemm_backend = gemm
-            if quant != "none":
-                model.kernel_factory = functools.partial(fp8_kernels_for, activations16=act == "16-bit")
             for batch in (int(b) for b in args.batches.split(",")):
                 measured = bench_engine(
                     model, cfg, batch, args.prompt, args.steps, bandwidth, rope == "on", window,
                     tune_gemms=tune == "on", page_size=page, settle=settle, prefix_cache=cache == "on",
                     kv_dtype=KV_DTYPES[kv_name],
                 )  # fmt: skip
-                row = {"quantization": quant, "kv_cache_dtype": kv_name, "fp8_decode_activations": act,
-                       "gemm": gemm, "rope_in_attention": rope, "tune_gemms": tune, "page_size": page,
+                row = {"quantization": quant, "kv_cache_dtype": kv_name, "gemm": gemm,
+                       "rope_in_attention": rope, "tune_gemms": tune, "page_size": page,
                        "prefix_cache": cache, **measured}  # fmt: skip
-                first = (gemm, rope, window, tune, page, settle, cache, kv_name, act) == variants[0]
+                first = (gemm, rope, window, tune, page, settle, cache, kv_name) == variants[0]
                 if hf is not None and qi == 0 and first:
                     row.update(bench_hf(hf, cfg, batch, args.prompt, min(args.steps, 32)))
                 rows.append(row)

@@ -145,7 +145,7 @@ def fp8_decode_rows() -> list[str]:
     rows = [f"fp8 rms_norm_quant         {pdl_loads(_rms_norm_quant_kernel, sig, norm, 8, 1)}"]
     gemm = {"SPLIT_K": 1, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 256, "F32_DOT": False, "SCALED": True,
             "A_GROUPED": False, "W_GROUPED": False, "W_ROWS": 1, "HAS_BIAS": False, "TMA": True,
-            "PDL": True, "W16": False}  # fmt: skip
+            "PDL": True}  # fmt: skip
     sig = {n: "constexpr" if n in gemm or n == "ADD" else "i32" for n in _skinny_gemm_kernel.arg_names}
     sig.update(x_ptr="tensordesc<fp8e4nv[64, 256]>", w_ptr="tensordesc<fp8e4nv[32, 256]>",
                out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32", as_ptr="*fp32", ws_ptr="*fp32",

@@ -19,33 +19,26 @@ from shared.kernels._norm_checks import (
     check_triton_device,
     fail,
 )
-from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
 from shared.kernels._round import round_to
 from shared.kernels._rows import row_rstd
 
 
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, stride_x, stride_out, size, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
-):  # fmt: skip
-    release_next(PDL)
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, size, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
-    wait_for_inputs(PDL)
-    row = tl.program_id(0).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / size + eps)
     # Hugging Face casts the normed row to the activation dtype before the weight multiplies it.
     h = round_to(h * rstd, dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, round_to(h * w, dtype).to(dtype), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, dependent: bool = False) -> torch.Tensor:
-    """Triton version of `reference.rms_norm` for x [T, H] (rows may be strided), weight [H].
-    `dependent`: launched as a programmatic dependent (`shared/kernels/_pdl.py`), as the FP8 decode
-    chain launches it before an FP8 GEMM taking 16-bit rows."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton version of `reference.rms_norm` for x [T, H] (rows may be strided), weight [H]."""
     op = "rms_norm"
     rows, size = check_rms_norm(op, x, weight, eps)
     out = torch.empty((rows, size), dtype=x.dtype, device=x.device)
@@ -56,7 +49,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, dependent: bo
         fail(op, f"rows of {size} values do not fit one program (at most 65536)")
     _rms_norm_kernel[(rows,)](
         x, weight, out, x.stride(0), out.stride(0), size, float(eps),
-        BLOCK=block, num_warps=min(16, max(1, block // 512)), **pdl_launch(x.device, rows, dependent),
+        BLOCK=block, num_warps=min(16, max(1, block // 512)),
     )  # fmt: skip
     return out
 

@@ -25,7 +25,6 @@ import triton.language as tl
 
 from shared.kernels._launch import next_pow2
 from shared.kernels._norm_checks import check_activation, check_norm_input, check_triton_device, fail
-from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
 from shared.kernels._round import round_to
 from shared.kernels._rows import row_rstd
 
@@ -47,10 +46,8 @@ def glu(gate, up, dtype: tl.constexpr, GELU: tl.constexpr):
 @triton.jit
 def _silu_mul_kernel(
     x_ptr, out_ptr, h_ptr, stride_x, stride_out, stride_h, size, hidden, eps,
-    BLOCK: tl.constexpr, RMS: tl.constexpr, BLOCK_H: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, RMS: tl.constexpr, BLOCK_H: tl.constexpr, GELU: tl.constexpr,
 ):  # fmt: skip
-    release_next(PDL)
-    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
@@ -65,9 +62,8 @@ def _silu_mul_kernel(
 
 
 def _launch(
-    op: str, gate_up: torch.Tensor, h: torch.Tensor | None, eps: float, gelu: bool = False,
-    dependent: bool = False,
-) -> torch.Tensor:  # fmt: skip
+    op: str, gate_up: torch.Tensor, h: torch.Tensor | None, eps: float, gelu: bool = False
+) -> torch.Tensor:
     check_activation(op, "gate_up", gate_up, 2, "[T, 2I]")
     rows, width = gate_up.shape
     if width % 2:
@@ -85,16 +81,14 @@ def _launch(
         gate_up, out, h if h is not None else gate_up, gate_up.stride(0), out.stride(0),
         h.stride(0) if h is not None else 0, size, hidden, float(eps),
         BLOCK=block, RMS=h is not None, BLOCK_H=next_pow2(hidden), GELU=gelu,
-        num_warps=4, **pdl_launch(gate_up.device, rows, dependent),
+        num_warps=4,
     )  # fmt: skip
     return out
 
 
-def silu_mul(gate_up: torch.Tensor, *, dependent: bool = False) -> torch.Tensor:
-    """Triton version of `reference.silu_mul`: gate_up [T, 2I] (gate | up) -> [T, I], a new tensor.
-    `dependent`: launched as a programmatic dependent (`shared/kernels/_pdl.py`), as the FP8 decode
-    chain launches it before an FP8 GEMM taking 16-bit rows."""
-    return _launch("silu_mul", gate_up, None, 0.0, dependent=dependent)
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Triton version of `reference.silu_mul`: gate_up [T, 2I] (gate | up) -> [T, I], a new tensor."""
+    return _launch("silu_mul", gate_up, None, 0.0)
 
 
 def silu_mul_rms(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -103,10 +97,9 @@ def silu_mul_rms(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Te
     return _launch("silu_mul_rms", gate_up, x, eps)
 
 
-def gelu_tanh_mul(gate_up: torch.Tensor, *, dependent: bool = False) -> torch.Tensor:
-    """Triton version of `reference.gelu_tanh_mul`: gate_up [T, 2I] (gate | up) -> [T, I]; `dependent`
-    as `silu_mul`'s."""
-    return _launch("gelu_tanh_mul", gate_up, None, 0.0, gelu=True, dependent=dependent)
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Triton version of `reference.gelu_tanh_mul`: gate_up [T, 2I] (gate | up) -> [T, I]."""
+    return _launch("gelu_tanh_mul", gate_up, None, 0.0, gelu=True)
 
 
 def gelu_tanh_mul_rms(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:

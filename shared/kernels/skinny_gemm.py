@@ -55,7 +55,7 @@ def _skinny_gemm_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr, ADD: tl.constexpr, SCALED: tl.constexpr, A_GROUPED: tl.constexpr,
     W_GROUPED: tl.constexpr, W_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
-    PDL: tl.constexpr, W16: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -73,7 +73,7 @@ def _skinny_gemm_kernel(
     ws_cols = ws_ptr + (rn // W_ROWS) * stride_wsn
     if TMA:
         w_scale, a_scale, bias = _scales_and_bias(as_rows, ws_cols, bias_ptr + rn, m_ok, n_ok, SCALED,
-                                                  A_GROUPED, W_GROUPED, HAS_BIAS, PDL, W16)  # fmt: skip
+                                                  A_GROUPED, W_GROUPED, HAS_BIAS, PDL)  # fmt: skip
     else:
         wait_for_inputs(PDL)
     out_mask = m_ok[:, None] & n_ok[None, :]
@@ -95,28 +95,22 @@ def _skinny_gemm_kernel(
             x = tl.load(x_at, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
             w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if W16:  # e4m3 weights widened to x's 16-bit dtype (exactly: every e4m3 value is a bf16/fp16 one)
-            w = w.to(x.dtype)
-        if W16 and not W_GROUPED and not F32_DOT:
-            # A 16-bit MMA sums in fp32 inside the tensor cores, so the whole K accumulates there.
-            acc = tl.dot(x, tl.trans(w), acc)
+        # Each step's product starts from zero and joins the sum in fp32 outside the tensor cores:
+        # Hopper's FP8 MMA accumulates in fewer bits than fp32, and summing a whole K inside it (the
+        # accumulator passed to the dot) changes greedy tokens (tests/model/test_fp8_gpu.py).
+        if F32_DOT:  # fp32 operands, or bf16 in the interpreter (whose dot cannot take bf16)
+            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
-            # Each step's product starts from zero and joins the sum in fp32 outside the tensor cores:
-            # Hopper's FP8 MMA accumulates in fewer bits than fp32, and summing a whole K inside it
-            # (the accumulator passed to the dot) changes greedy tokens (tests/model/test_fp8_gpu.py).
-            if F32_DOT:  # fp32 operands, or bf16 in the interpreter (whose dot cannot take bf16)
-                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                part = tl.dot(x, tl.trans(w))
-            if A_GROUPED:
-                part = part * tl.load(as_rows + (k0 // BLOCK_K) * stride_asg, mask=m_ok, other=0.0)[:, None]
-            if W_GROUPED:
-                part = part * tl.load(ws_cols + (k0 // BLOCK_K) * stride_wsg, mask=n_ok, other=0.0)[None, :]
-            acc += part
+            part = tl.dot(x, tl.trans(w))
+        if A_GROUPED:
+            part = part * tl.load(as_rows + (k0 // BLOCK_K) * stride_asg, mask=m_ok, other=0.0)[:, None]
+        if W_GROUPED:
+            part = part * tl.load(ws_cols + (k0 // BLOCK_K) * stride_wsg, mask=n_ok, other=0.0)[None, :]
+        acc += part
     release_next(PDL)  # the next kernel fills this one's tail
     if not TMA:
         w_scale, a_scale, bias = _scales_and_bias(as_rows, ws_cols, bias_ptr + rn, m_ok, n_ok, SCALED,
-                                                  A_GROUPED, W_GROUPED, HAS_BIAS, False, W16)  # fmt: skip
+                                                  A_GROUPED, W_GROUPED, HAS_BIAS, False)  # fmt: skip
     if ADD and TMA:
         addend = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
     if SCALED:  # a split's partial scaled on its own: the scaling is linear
@@ -153,11 +147,10 @@ def _skinny_gemm_kernel(
 @triton.jit
 def _scales_and_bias(
     as_rows, ws_cols, bias_at, m_ok, n_ok, SCALED: tl.constexpr, A_GROUPED: tl.constexpr,
-    W_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, W16: tl.constexpr,
+    W_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The scales that apply once to the whole sum (x's per row, w's per column; 1.0 where grouped
-    or unscaled, and x's with W16, whose x is not quantized) and the bias (0.0 without), the
-    weights' read before `wait_for_inputs(PDL)`."""
+    or unscaled) and the bias (0.0 without), the weights' read before `wait_for_inputs(PDL)`."""
     w_scale = tl.full(n_ok.shape, 1.0, tl.float32)
     a_scale = tl.full(m_ok.shape, 1.0, tl.float32)
     bias = tl.zeros(n_ok.shape, tl.float32)
@@ -166,7 +159,7 @@ def _scales_and_bias(
     if HAS_BIAS:
         bias = tl.load(bias_at, mask=n_ok, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)
-    if SCALED and not A_GROUPED and not W16:
+    if SCALED and not A_GROUPED:
         a_scale = tl.load(as_rows, mask=m_ok, other=0.0)
     return w_scale, a_scale, bias
 
@@ -240,29 +233,14 @@ def _tma_config(
     return GemmConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=stages, tma=True)
 
 
-def _w16_config(m: int, n: int, k: int, group: int | None, tma: bool, sms: int) -> GemmConfig:
-    """e4m3 weights against 16-bit activations: the FP8 configs' column blocks (`choose_config`) over
-    128-column K tiles (a K tile of x is then 256 bytes a row, as the FP8 GEMM's), and as deep a
-    pipeline as the shared memory leaves every program a place in the first wave."""
-    base = choose_config(m, n, k, itemsize=1, group=group, tma=tma, sms=sms)
-    block_k = group or 128
-    a_rows = max(16, next_pow2(m))
-    stage = block_k * (2 * a_rows + base.block_n)  # x's 16-bit rows, w's one-byte rows
-    resident = max(1, -(-triton.cdiv(n, base.block_n) * base.split_k // sms))  # programs an SM
-    stages = max(2, min(8, (_SMEM_BUDGET // resident) // stage))
-    return GemmConfig(base.block_n, block_k, base.split_k, base.num_warps, stages, base.tma)
-
-
 @dataclass(frozen=True)
 class Scales:
     """FP8 operands' float32 dequantizing scales (value = e4m3 * scale), as `shared/kernels/fp8`
     holds them: x's [M, ceil(K / x_group)] (any strides) and w's [ceil(N / w_block[0]),
     ceil(K / w_block[1])]; the output's dtype and an optional bias [N] in it. A scale per K group
-    needs the K tile to be that group (`choose_config(..., group=)`). `x` None: x is not quantized
-    but a bf16 or fp16 activation in the output's dtype, the e4m3 weights widened to it in the
-    kernel (16-bit tensor-core products; `x_group` is then ignored)."""
+    needs the K tile to be that group (`choose_config(..., group=)`)."""
 
-    x: torch.Tensor | None
+    x: torch.Tensor
     x_group: int
     w: torch.Tensor
     w_block: tuple[int, int]
@@ -280,8 +258,7 @@ def skinny_gemm(
     op = "skinny_gemm"
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         fail(op, f"x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    w16 = scales is not None and scales.x is None  # e4m3 weights, 16-bit activations
-    if (x.dtype != w.dtype and not w16) or x.device != w.device:
+    if x.dtype != w.dtype or x.device != w.device:
         fail(op, f"x and w must share dtype and device, got {x.dtype}/{x.device} and {w.dtype}/{w.device}")
     m, (n, k) = x.shape[0], w.shape
     if m > 64:
@@ -290,15 +267,12 @@ def skinny_gemm(
         fail(op, "x and w must be contiguous along K")
     check_triton_device(op, x.device)
     dtype = x.dtype if scales is None else scales.out_dtype
-    a_grouped, w_grouped = _grouping(op, m, n, k, x, w, scales)
+    a_grouped, w_grouped = _grouping(op, m, n, k, x, scales)
     group = scales.x_group if a_grouped else scales.w_block[1] if w_grouped else None  # type: ignore[union-attr]
     if cfg is None:
         tma = scales is not None and _tma_default(x.device) and tma_capable(x, w)
         sms = _sms(x.device) if x.device.type == "cuda" else 132
-        if w16:
-            cfg = _w16_config(m, n, k, group, tma, sms)
-        else:
-            cfg = choose_config(m, n, k, itemsize=x.element_size(), group=group, tma=tma, sms=sms)
+        cfg = choose_config(m, n, k, itemsize=x.element_size(), group=group, tma=tma, sms=sms)
     if group is not None and cfg.block_k != group:
         fail(op, f"scales per {group}-column group need block_k = {group}, got {cfg.block_k}")
     if cfg.tma and not tma_capable(x, w):
@@ -325,7 +299,7 @@ def skinny_gemm(
     split = triton.cdiv(k, k_chunk)  # no empty split: each adds its partial and takes its ticket
     part = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     ticket = tickets(x.device, blocks, 4096)
-    sx, sw = (out, out) if scales is None else (out if w16 else scales.x, scales.w)
+    sx, sw = (out, out) if scales is None else (scales.x, scales.w)
     xa, wa = (x, w)
     if cfg.tma:
         xa = TensorDescriptor.from_tensor(x, [block_m, cfg.block_k])
@@ -335,7 +309,7 @@ def skinny_gemm(
         sx, sw, bias if bias is not None else out, sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1),
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         F32_DOT=f32_dot(x.dtype) or (scales is not None and interpreting()), ADD=add is not None,
-        SCALED=scales is not None, A_GROUPED=a_grouped, W_GROUPED=w_grouped, W16=w16,
+        SCALED=scales is not None, A_GROUPED=a_grouped, W_GROUPED=w_grouped,
         W_ROWS=1 if scales is None else scales.w_block[0], HAS_BIAS=bias is not None, TMA=cfg.tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device, m, scales is not None),
     )  # fmt: skip
@@ -365,25 +339,19 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _grouping(
-    op: str, m: int, n: int, k: int, x: torch.Tensor, w: torch.Tensor, scales: Scales | None
-) -> tuple[bool, bool]:  # fmt: skip
+def _grouping(op: str, m: int, n: int, k: int, x: torch.Tensor, scales: Scales | None) -> tuple[bool, bool]:
     """Whether x's and w's scales are per K group; shapes and dtypes checked (never values)."""
     if scales is None:
         return False, False
-    if w.dtype != torch.float8_e4m3fn or (scales.x is not None and x.dtype != torch.float8_e4m3fn):
-        fail(op, f"scaled operands must be float8_e4m3fn, got {x.dtype} and {w.dtype}")
-    if scales.x is None and (x.dtype not in (torch.bfloat16, torch.float16) or x.dtype != scales.out_dtype):
-        fail(op, f"e4m3 weights without x's scales take bf16 or fp16 x in the output's dtype, got {x.dtype} "
-                 f"for {scales.out_dtype}")  # fmt: skip
+    if x.dtype != torch.float8_e4m3fn:
+        fail(op, f"scaled operands must be float8_e4m3fn, got {x.dtype}")
     (bn, bk), g = scales.w_block, scales.x_group
     if bn < 1 or bk < 1 or g < 1:
         fail(op, f"scale groups must be positive, got x_group {g} and w_block {scales.w_block}")
-    wants = {"scales.w": (scales.w, (triton.cdiv(n, bn), triton.cdiv(k, bk)))}
-    if scales.x is not None:
-        wants["scales.x"] = (scales.x, (m, triton.cdiv(k, g)))
-    else:
-        g = k  # 16-bit x: no groups of its own
+    wants = {
+        "scales.x": (scales.x, (m, triton.cdiv(k, g))),
+        "scales.w": (scales.w, (triton.cdiv(n, bn), triton.cdiv(k, bk))),
+    }
     for name, (t, want) in wants.items():
         if tuple(t.shape) != want or t.dtype != torch.float32 or t.device != x.device:
             got = f"{t.dtype} {list(t.shape)} on {t.device}"

@@ -160,50 +160,6 @@ def test_skinny_gemm_takes_fp8_operands(
     torch.testing.assert_close(plain, ref.gemm(a, wq, ws, block), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize(
-    ("m", "n", "k", "block", "split"),
-    [
-        (5, 48, 256, (1, 256), 1),  # per channel
-        (3, 40, 256, (128, 128), 1),  # 128 x 128 blocks: each K group's partial scaled as it joins
-        (17, 48, 512, (1, 512), 2),  # split K, the last program adding the partials
-    ],
-)  # fmt: skip
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_skinny_gemm_takes_fp8_weights_against_16_bit_activations(
-    m: int, n: int, k: int, block: tuple[int, int], split: int, tma: bool, dtype: torch.dtype
-) -> None:  # fmt: skip
-    """With no scales for x, x is the 16-bit activation itself and only the weights are e4m3, widened
-    to x's dtype in the kernel: the reference dequantizes the weights and multiplies in float32, the
-    bias and the residual inside, rounded once; its default config too."""
-    from shared.kernels.skinny_gemm import GemmConfig, Scales, skinny_gemm
-
-    g = torch.Generator().manual_seed(3)
-    wq, ws = ref.quantize_weight(_weight(n, k) * 0.1, block)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    bias = torch.randn(n, generator=g).to(dtype)
-    residual = torch.randn(m, n, generator=g).to(dtype)
-    block_k = block[1] if block[1] < k else 64
-    cfg = GemmConfig(block_n=16, block_k=block_k, split_k=split, num_warps=2, num_stages=2, tma=tma)
-    out = residual.clone()
-    got = skinny_gemm(x, wq, cfg, add=out, scales=Scales(None, k, ws, block, dtype, bias))
-    assert got.data_ptr() == out.data_ptr()
-    torch.testing.assert_close(got, ref.gemm_w16(x, wq, ws, block, bias, residual), rtol=1e-2, atol=1e-2)
-    plain = skinny_gemm(x, wq, scales=Scales(None, k, ws, block, dtype))
-    torch.testing.assert_close(plain, ref.gemm_w16(x, wq, ws, block), rtol=1e-2, atol=1e-2)
-
-
-def test_skinny_gemm_takes_16_bit_activations_only_in_the_output_dtype() -> None:
-    from shared.kernels.skinny_gemm import Scales, skinny_gemm
-
-    wq, ws = ref.quantize_weight(torch.randn(32, 128), (1, 128))
-    with pytest.raises(ValueError, match="bf16 or fp16 x in the output's dtype"):
-        skinny_gemm(torch.randn(2, 128), wq, scales=Scales(None, 128, ws, (1, 128), torch.float32))
-    with pytest.raises(ValueError, match="bf16 or fp16 x in the output's dtype"):
-        x = torch.randn(2, 128).to(torch.bfloat16)
-        skinny_gemm(x, wq, scales=Scales(None, 128, ws, (1, 128), torch.float16))
-
-
 def test_skinny_gemm_refuses_scales_that_do_not_fit() -> None:
     from shared.kernels.skinny_gemm import GemmConfig, Scales, skinny_gemm
 
@@ -281,31 +237,3 @@ def test_fp8_kernels_route_by_layer(backend: str) -> None:
     )  # fmt: skip
     assert not kernels.takes_cublas(64, layer)
     assert fp8_kernels_for("cpu", backend) is kernels  # shared, like kernels_for's
-
-
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_fp8_kernels_keep_a_decode_batch_16_bit_when_asked(backend: str) -> None:
-    """`activations16`: a decode batch's norms and activation write 16-bit rows, and the FP8 layers'
-    GEMMs take them against the dequantized weights; more than 64 rows (prefill) are quantized as
-    without it, and float32 rows too (16-bit tensor-core products only)."""
-    kernels = fp8_kernels_for("cpu", backend, activations16=True)
-    assert kernels is not fp8_kernels_for("cpu", backend)
-    layer = _Layer(_weight(64, 256) * 0.1, (1, 256))
-    dequantized = ref.dequantize(layer.weight, layer.weight_scale_inv, layer.block)
-    for rows, dtype, sixteen in [(4, torch.bfloat16, True), (64, torch.float16, True),
-                                 (65, torch.bfloat16, False), (4, torch.float32, False)]:  # fmt: skip
-        x = torch.randn(rows, 256).to(dtype)
-        normed = kernels.norm_for(x, torch.ones(256, dtype=dtype), 1e-6, 256)
-        assert isinstance(normed, Fp8Act) != sixteen
-        got = kernels.linear(x, layer)
-        if sixteen:
-            want = (x.float() @ dequantized.t()).to(dtype)
-        else:
-            want = ref.gemm(ref.quantize(x, 256), layer.weight, layer.weight_scale_inv, layer.block)
-        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
-        gate_up = torch.randn(rows, 128).to(dtype)
-        act = kernels.glu(gate_up, False, layer)
-        assert isinstance(act, Fp8Act) != sixteen
-        residual = torch.randn(rows, 64).to(dtype)
-        added = kernels.linear_add(x, layer, residual.clone())
-        torch.testing.assert_close(added, (want.float() + residual.float()).to(dtype), rtol=2e-2, atol=2e-2)

@@ -40,61 +40,22 @@ class Fp8Layer(Protocol):
 
 class Fp8Kernels(ModelKernels):
     """`ModelKernels` whose `linear` and `linear_add` also take FP8 layers (any other layer goes to the
-    plain kernels), with the FP8 activation ops.
-
-    `activations16` (`fp8_kernels_for(..., activations16=True)`): decode batches (at most 64 rows of
-    bf16 or fp16 activations) keep their activations 16-bit, and the FP8 layers' GEMMs widen the e4m3
-    weights to them (`gemm_w16`): the norms and the MLP's activation write 16-bit rows and no
-    quantizer runs. The weights' bytes are the same; what changes is that no kernel of the step waits
-    for a whole row's maximum (docs/performance.md, "Where the step goes"). Larger batches (prefill)
-    quantize their activations either way."""
-
-    activations16: bool = False
+    plain kernels), with the FP8 activation ops."""
 
     def linear(self, x: Tensor | Fp8Act, layer: nn.Module) -> Tensor:
         if isinstance(layer, nn.Linear):
             return super().linear(x, layer)
-        if self._16bit(x):
-            return self.gemm_w16(x, layer)  # type: ignore[arg-type]
         return self.fp8_gemm(self._quantized(x, layer), layer)
 
     def linear_add(self, x: Tensor | Fp8Act, layer: nn.Module, residual: Tensor) -> Tensor:
         if isinstance(layer, nn.Linear):
             return super().linear_add(x, layer, residual)
-        if self._16bit(x):
-            return self.gemm_w16(x, layer, residual)  # type: ignore[arg-type]
         return self.fp8_gemm(self._quantized(x, layer), layer, residual)
 
     def head(self, x: Tensor, layer: nn.Module) -> Tensor:  # type: ignore[override]
         if isinstance(layer, nn.Linear):
             return super().head(x, layer)
-        if self._16bit(x):  # an FP8 head (--quantize-lm-head)
-            return self.gemm_w16(x, layer)  # type: ignore[arg-type]
-        return self.fp8_gemm(self._quantized(x, layer), layer)
-
-    def _16bit(self, x: Tensor | Fp8Act) -> bool:
-        """Whether x's rows stay 16-bit for the FP8 GEMM (`activations16` on a decode batch)."""
-        return (
-            self.activations16
-            and isinstance(x, Tensor)
-            and x.shape[0] <= _SKINNY_ROWS
-            and x.dtype in (torch.bfloat16, torch.float16)
-        )
-
-    def norm_for(self, x: Tensor, weight: Tensor, eps: float, group: int) -> Tensor | Fp8Act:
-        """The RMSNorm before an FP8 projection: its rows quantized (`rms_norm_quant`), or 16-bit ones
-        where the GEMM takes them (`activations16`)."""
-        if self._16bit(x):
-            return self.rms_norm_16(x, weight, eps)
-        return self.rms_norm_quant(x, weight, eps, group)
-
-    def rms_norm_16(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """`rms_norm` ahead of a GEMM taking 16-bit rows (the Triton kernels: a dependent launch)."""
-        return self.rms_norm(x, weight, eps)
-
-    def glu_16(self, gate_up: Tensor, gelu: bool) -> Tensor:
-        """The MLP's activation in 16 bits ahead of the FP8 down projection (`activations16`)."""
-        return self.gelu_tanh_mul(gate_up) if gelu else self.silu_mul(gate_up)
+        return self.fp8_gemm(self._quantized(x, layer), layer)  # an FP8 head (--quantize-lm-head)
 
     def takes_cublas(self, rows: int, layer: nn.Linear) -> bool:
         return isinstance(layer, nn.Linear) and super().takes_cublas(rows, layer)
@@ -113,8 +74,6 @@ class Fp8Kernels(ModelKernels):
     def glu(self, gate_up: Tensor, gelu: bool, before: nn.Module) -> Tensor | Fp8Act:  # type: ignore[override]
         if isinstance(before, nn.Linear):
             return super().glu(gate_up, gelu, before)
-        if self._16bit(gate_up):
-            return self.glu_16(gate_up, gelu)
         return self.glu_quant(gate_up, before.block[1], gelu)  # type: ignore[union-attr]
 
     def glu_quant(self, gate_up: Tensor, group: int, gelu: bool) -> Fp8Act:
@@ -124,11 +83,6 @@ class Fp8Kernels(ModelKernels):
     def fp8_gemm(self, a: Fp8Act, layer: Fp8Layer, residual: Tensor | None = None) -> Tensor:
         """a @ layer's weight^T (+ bias), or with `residual` (consumed) residual + that: `reference.gemm`."""
         return reference.gemm(a, layer.weight, layer.weight_scale_inv, layer.block, layer.bias, residual)
-
-    def gemm_w16(self, x: Tensor, layer: Fp8Layer, residual: Tensor | None = None) -> Tensor:
-        """x (16-bit, not quantized) @ layer's weight^T (+ bias) (+ `residual`, consumed):
-        `reference.gemm_w16`."""
-        return reference.gemm_w16(x, layer.weight, layer.weight_scale_inv, layer.block, layer.bias, residual)
 
 
 class Fp8TorchKernels(Fp8Kernels, TorchKernels):
@@ -151,10 +105,6 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
 
         self._quantize, self._rms_norm_quant = quant.quantize, rms_norm_quant.rms_norm_quant
         self._glu_quant = glu_quant.glu_quant
-        from shared.kernels import rms_norm, silu_mul
-
-        self._rms_norm16, self._silu_mul16 = rms_norm.rms_norm, silu_mul.silu_mul
-        self._gelu_tanh_mul16 = silu_mul.gelu_tanh_mul
         self._triton_gemm, self._scaled_mm, self._skinny_gemm = fp8_gemm.gemm, scaled_mm, skinny_gemm
 
     def quantize(self, x: Tensor, group: int) -> Fp8Act:
@@ -165,19 +115,6 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
 
     def glu_quant(self, gate_up: Tensor, group: int, gelu: bool) -> Fp8Act:
         return self._glu_quant(gate_up, group, gelu)
-
-    def _16bit(self, x: Tensor | Fp8Act) -> bool:
-        return self.gemm != "cublas" and super()._16bit(x)  # cuBLAS's scaled GEMM takes e4m3 rows only
-
-    def rms_norm_16(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        return self._rms_norm16(x, weight, eps, dependent=True)
-
-    def glu_16(self, gate_up: Tensor, gelu: bool) -> Tensor:
-        return (self._gelu_tanh_mul16 if gelu else self._silu_mul16)(gate_up, dependent=True)
-
-    def gemm_w16(self, x: Tensor, layer: Fp8Layer, residual: Tensor | None = None) -> Tensor:
-        scales = Scales(None, x.shape[1], layer.weight_scale_inv, layer.block, x.dtype, layer.bias)
-        return self._skinny_gemm(x, layer.weight, add=residual, scales=scales)
 
     def _on_cublas(self, layer: Fp8Layer) -> bool:
         """Whether cuBLASLt runs this layer's GEMMs: decided once a layer, by its shapes and (once a
@@ -215,16 +152,12 @@ def check_device(device: torch.device | str) -> None:
 
 
 @functools.cache
-def _instance(backend: str, gemm: Gemm, activations16: bool) -> Fp8Kernels:
-    kernels = Fp8TorchKernels() if backend == "torch" else Fp8TritonKernels(gemm)
-    kernels.activations16 = activations16
-    return kernels
+def _instance(backend: str, gemm: Gemm) -> Fp8Kernels:
+    return Fp8TorchKernels() if backend == "torch" else Fp8TritonKernels(gemm)
 
 
-def fp8_kernels_for(
-    device: torch.device | str, backend: Backend = "auto", gemm: Gemm = "auto", *, activations16: bool = False
-) -> Fp8Kernels:  # fmt: skip
+def fp8_kernels_for(device: torch.device | str, backend: Backend = "auto", gemm: Gemm = "auto") -> Fp8Kernels:
     """`kernels_for` for a model with FP8 layers: the same choice of torch or Triton kernels (and the
-    same errors), their FP8 versions; `activations16` as `Fp8Kernels` says."""
+    same errors), their FP8 versions."""
     chosen = kernels_for(device, backend, gemm)
-    return _instance(chosen.name, chosen.gemm if chosen.name == "triton" else "auto", activations16)
+    return _instance(chosen.name, chosen.gemm if chosen.name == "triton" else "auto")

@@ -25,7 +25,7 @@ import torch
 from shared.kernels import reference
 
 __all__ = [
-    "E4M3", "FP8_MAX", "Fp8Act", "dequantize", "dequantize_act", "gemm", "gemm_w16", "glu_quant", "quantize",
+    "E4M3", "FP8_MAX", "Fp8Act", "dequantize", "dequantize_act", "gemm", "glu_quant", "quantize",
     "quantize_weight", "rms_norm_quant",
 ]  # fmt: skip
 
@@ -113,21 +113,6 @@ def glu_quant(gate_up: torch.Tensor, group: int, gelu: bool = False) -> Fp8Act:
     `quantize`: the down projection's FP8 input."""
     act = reference.gelu_tanh_mul(gate_up) if gelu else reference.silu_mul(gate_up)
     return quantize(act, group)
-
-
-def gemm_w16(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """x (a bf16 or fp16 activation, not quantized) @ dequantize(weight)^T (+ bias) (+ residual) in
-    float32, rounded once to x's dtype: the e4m3 weights widened to x's dtype in the GEMM, 16-bit
-    products summed in float32 (up to the order of the sums)."""
-    out = x.float() @ dequantize(weight, scale, block).t()
-    if bias is not None:
-        out = out + bias.float()
-    if residual is not None:
-        out = out + residual.float()
-    return out.to(x.dtype)
 
 
 def gemm(

@@ -143,8 +143,7 @@ def _copy(dst: Tensor, src: Tensor, what: str) -> None:
 
 class Fp8RMSNorm(RMSNorm):
     """The RMSNorm before an FP8 projection: its kernel writes the normed rows quantized in `group`-
-    column groups (an `Fp8Act`), the input the GEMM after it takes (or 16-bit rows, where the
-    kernels keep a decode batch's activations 16-bit: `Fp8Kernels.activations16`)."""
+    column groups (an `Fp8Act`), the input the GEMM after it takes."""
 
     def __init__(self, dim: int, eps: float, group: int) -> None:
         super().__init__(dim, eps)
@@ -156,8 +155,8 @@ class Fp8RMSNorm(RMSNorm):
         out.weight = norm.weight
         return out
 
-    def forward(self, x: Tensor, kernels: ModelKernels) -> Fp8Act | Tensor:  # type: ignore[override]
-        return kernels.norm_for(x, self.weight, self.eps, self.group)  # type: ignore[attr-defined]
+    def forward(self, x: Tensor, kernels: ModelKernels) -> Fp8Act:  # type: ignore[override]
+        return kernels.rms_norm_quant(x, self.weight, self.eps, self.group)  # type: ignore[attr-defined]
 
 
 # A layer's projections: (module path in the layer, the checkpoint's parts, the norm before it).
