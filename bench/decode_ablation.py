@@ -7,22 +7,18 @@ skipped; the step's time is what is measured.
 
     python bench/decode_ablation.py --model 8b --quantization fp8 --kv-cache-dtype fp8_e4m3 --quantize-lm-head
     python bench/decode_ablation.py --model 8b --families quantizers,attention --rounds 3
-    python bench/decode_ablation.py --model 8b --quantize-lm-head --fp8-decode-activations 16-bit \
-        --families rms_norm,gate_up_glu,ring,paged,qkv,o,down,head
 
 Families: the FP8 norms' quantizers (`norm_quant`), the SwiGLU's (`glu_quant`), attention output's
-(`quantize`), ring and paged attention, with `--fp8-decode-activations 16-bit` the 16-bit norms
-(`rms_norm`) and the gate/up GEMM with SwiGLU in its epilogue (`gate_up_glu`), and each projection's
-skinny GEMM by its weight's shape (`qkv`, `o`, `gate_up`, `down`, `head`: a bf16 model's GEMMs at
-more than 16 rows run on cuBLAS, which this cannot skip). Each row gives the step without the family
-(every round), what skipping it saved against the baseline (best against best), the family's
-launches a step, and that per launch. Rounds run every variant in turn, the baseline first.
+(`quantize`), ring and paged attention, and each projection's skinny GEMM by its weight's shape
+(`qkv`, `o`, `gate_up`, `down`, `head`: a bf16 model's GEMMs at more than 16 rows run on cuBLAS,
+which this cannot skip). Each row gives the step without the family (every round), what skipping it
+saved against the baseline (best against best), the family's launches a step, and that per launch.
+Rounds run every variant in turn, the baseline first.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -40,14 +36,10 @@ KERNELS = {  # family -> (module, kernel name)
     "glu_quant": ("shared.kernels.fp8.glu_quant", "_glu_quant_kernel"),
     "ring": ("shared.kernels.attention.ring_attention", "_ring_attention_kernel"),
     "paged": ("shared.kernels.attention.paged_attention", "_paged_attention_kernel"),
-    # --fp8-decode-activations 16-bit: the norms and the fused gate/up + SwiGLU in their place
-    "rms_norm": ("shared.kernels.rms_norm", "_rms_norm_kernel"),
-    "gate_up_glu": ("shared.kernels.fp8.gate_up_glu", "_gate_up_glu_kernel"),
 }
 GEMMS = ("qkv", "o", "gate_up", "down", "head")
 GROUPS = {
     "quantizers": ("norm_quant", "quantize", "glu_quant"),
-    "norms": ("norm_quant", "rms_norm"),
     "attention": ("ring", "paged"),
     "gemms": GEMMS,
 }
@@ -117,7 +109,6 @@ def gemm_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 
 def main() -> None:
-    from shared.kernels.fp8 import fp8_kernels_for
     from shared.model.quant.fp8 import quantize_head, quantize_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -128,10 +119,6 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["none", "fp8", "fp8-block"], default="fp8")
     ap.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="fp8_e4m3")
     ap.add_argument("--quantize-lm-head", action="store_true")
-    ap.add_argument(
-        "--fp8-decode-activations", choices=["fp8", "16-bit"], default="fp8",
-        help="an FP8 model's decode activations quantized (fp8) or 16-bit (Fp8Kernels.activations16)",
-    )  # fmt: skip
     ap.add_argument(
         "--families", default="norm_quant,quantize,glu_quant,quantizers,ring,paged,qkv,o,gate_up,down,head",
         help="comma list of families, or of groups: "
@@ -149,10 +136,6 @@ def main() -> None:
     quantize_model(model, args.quantization)
     if args.quantize_lm_head and args.quantization != "none":
         quantize_head(model)
-    if args.quantization != "none":
-        model.kernel_factory = functools.partial(
-            fp8_kernels_for, activations16=args.fp8_decode_activations == "16-bit"
-        )
     # Each engine captures only the batch's graph: a quicker warm-up, and the launches counted while it
     # captures are one step's.
     plain = bench.engine.engine_config
