@@ -69,15 +69,23 @@ def _served(decode: ServerProcess, idle: bool = True) -> list[list[int]]:
 
 def _ranks_of(pid: int) -> list[int]:
     """The service's rank processes (multiprocessing's spawned children, not its resource tracker)."""
-    children = [
-        c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()
-    ]
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():  # each thread's children: ranks start on the loader
+        children += _read(task / "children").split()
     found = []
-    for child in map(int, children):  # each thread's children: the ranks start on the loading thread
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+    for child in map(int, children):
+        cmdline = _read(Path(f"/proc/{child}/cmdline")).replace("\0", " ")
+        if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
             found.append(child)
     return found
+
+
+def _read(path: Path) -> str:
+    """A /proc file's text, or "" once its thread or process has exited (between listing and reading)."""
+    try:
+        return path.read_text(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
 
 
 @pytest.mark.parametrize("name", list(MODELS))
