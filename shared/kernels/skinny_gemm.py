@@ -102,10 +102,13 @@ def _skinny_gemm_kernel(
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             part = tl.dot(x, tl.trans(w))
+        # A split's steps past K (zeros) take the last group's scales: no scale past the last is read,
+        # where another tensor's NaN or Inf would turn the zeros into NaN.
+        group = tl.minimum(k0 // BLOCK_K, (K - 1) // BLOCK_K)
         if A_GROUPED:
-            part = part * tl.load(as_rows + (k0 // BLOCK_K) * stride_asg, mask=m_ok, other=0.0)[:, None]
+            part = part * tl.load(as_rows + group * stride_asg, mask=m_ok, other=0.0)[:, None]
         if W_GROUPED:
-            part = part * tl.load(ws_cols + (k0 // BLOCK_K) * stride_wsg, mask=n_ok, other=0.0)[None, :]
+            part = part * tl.load(ws_cols + group * stride_wsg, mask=n_ok, other=0.0)[None, :]
         acc += part
     release_next(PDL)  # the next kernel fills this one's tail
     if not TMA:

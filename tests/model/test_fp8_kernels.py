@@ -160,6 +160,27 @@ def test_skinny_gemm_takes_fp8_operands(
     torch.testing.assert_close(plain, ref.gemm(a, wq, ws, block), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+def test_a_split_past_k_reads_no_scale_past_the_last_group(tma: bool) -> None:
+    """K = 384 split two ways in 128-column steps: the second split's last step lies past K (zeros).
+    It reads no scale group past the last, so what lies there in memory (here NaN) never reaches the
+    sum."""
+    from shared.kernels.skinny_gemm import GemmConfig, Scales, skinny_gemm
+
+    m, n, k = 3, 64, 384
+    g = torch.Generator().manual_seed(7)
+    wq, ws = ref.quantize_weight(torch.randn(n, k, generator=g) * 0.1, (128, 128))
+    a = ref.quantize(torch.randn(m, k, generator=g).to(torch.bfloat16), 128)
+    w_next = torch.full((ws.shape[0], ws.shape[1] + 1), math.nan)  # NaN right after each row's groups
+    w_next[:, :-1] = ws
+    a_next = torch.full((a.scale.shape[1] + 1, m), math.nan)  # column-major, NaN after the last group
+    a_next[:-1] = a.scale.t()
+    cfg = GemmConfig(block_n=16, block_k=128, split_k=2, num_warps=2, num_stages=2, tma=tma)
+    scales = Scales(a_next[:-1].t(), 128, w_next[:, :-1], (128, 128), torch.bfloat16)
+    got = skinny_gemm(a.data, wq, cfg, scales=scales)
+    torch.testing.assert_close(got, ref.gemm(a, wq, ws, (128, 128)), rtol=1e-2, atol=1e-2)
+
+
 def test_skinny_gemm_refuses_scales_that_do_not_fit() -> None:
     from shared.kernels.skinny_gemm import GemmConfig, Scales, skinny_gemm
 
