@@ -206,6 +206,80 @@ def test_skinny_gemm_refuses_scales_that_do_not_fit() -> None:
         skinny_gemm(a.data, wq, cfg, scales=Scales(a.scale, 128, ws, (128, 128), torch.bfloat16))
 
 
+@pytest.mark.parametrize(
+    ("split", "group"), [(1, 128), (3, 128), (2, 64)], ids=["one-pass", "split-k", "64-col"]
+)
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+def test_a_gemm_writes_the_norm_of_its_sum_and_the_next_gemm_finishes_it(
+    split: int, group: int, tma: bool
+) -> None:
+    """A decode GEMM with a residual add can write the next RMSNorm's rows for the FP8 GEMM after it
+    (`NormedOut`): its sum, then the sum times the norm's weight in e4m3 with one scale per row and
+    column block, and each block's sum of squares: `reference.rms_norm_quant_deferred`'s bits. The GEMM
+    after it applies the norm's row scale from those sums (`RowRms`): the reference GEMM of the
+    dequantized, normed rows, which are the norm of the sum to FP8's precision."""
+    from shared.kernels.skinny_gemm import GemmConfig, NormedOut, RowRms, Scales, skinny_gemm
+
+    m, n, k, n2, eps = 5, 384, 256, 48, 1e-5
+    g = torch.Generator().manual_seed(4)
+    wq, ws = ref.quantize_weight(_weight(n, k) * 0.1, (1, k))
+    a = ref.quantize(torch.randn(m, k, generator=g).to(torch.bfloat16), k)
+    residual = torch.randn(m, n, generator=g).to(torch.bfloat16)
+    norm_w = (1 + 0.2 * torch.randn(n, generator=g)).to(torch.bfloat16)
+    groups = n // group
+    normed = NormedOut(
+        norm_w, torch.empty(m, n, dtype=E4M3), torch.empty(groups, m).t(), torch.empty(groups, m).t()
+    )
+    cfg = GemmConfig(block_n=group, block_k=128, split_k=split, num_warps=4, num_stages=2, tma=tma)
+    scales = Scales(a.scale, k, ws, (1, k), torch.bfloat16)
+    h = skinny_gemm(a.data, wq, cfg, add=residual.clone(), scales=scales, normed=normed)
+    torch.testing.assert_close(h, ref.gemm(a, wq, ws, (1, k), None, residual), rtol=1e-2, atol=1e-2)
+    want = ref.rms_norm_quant_deferred(h, norm_w, eps, group)
+    assert torch.equal(_bits(normed.data), _bits(want.data)) and torch.equal(normed.scale, want.scale)
+    torch.testing.assert_close(normed.sumsq, want.sumsq, rtol=1e-6, atol=0.0)
+    # the GEMM after the norm: x's groups against per-channel weights, the row scale at the end
+    w2, ws2 = ref.quantize_weight(_weight(n2, n, seed=5) * 0.1, (1, n))
+    x_rms = RowRms(normed.sumsq, n, eps)
+    cfg2 = GemmConfig(block_n=16, block_k=group, split_k=split, num_warps=2, num_stages=2, tma=tma)
+    got = skinny_gemm(
+        normed.data, w2, cfg2, scales=Scales(normed.scale, group, ws2, (1, n), torch.bfloat16, x_rms=x_rms)
+    )
+    torch.testing.assert_close(got, ref.gemm(want, w2, ws2, (1, n)), rtol=1e-2, atol=1e-2)
+    normed_rows = ref.dequantize_act(want)
+    torch.testing.assert_close(
+        normed_rows, ref.reference.rms_norm(h, norm_w, eps).float(), rtol=0.07, atol=0.02
+    )
+
+
+def test_a_gemm_refuses_a_norm_it_cannot_write() -> None:
+    from shared.kernels.skinny_gemm import GemmConfig, NormedOut, RowRms, Scales, skinny_gemm
+
+    wq, ws = ref.quantize_weight(torch.randn(256, 128), (1, 128))
+    a = ref.quantize(torch.randn(2, 128), 128)
+    scales = Scales(a.scale, 128, ws, (1, 128), torch.float32)
+    cfg = GemmConfig(block_n=128, block_k=128)
+
+    def normed(n: int = 256, groups: int = 2, dtype: torch.dtype = E4M3) -> NormedOut:
+        return NormedOut(
+            torch.ones(n), torch.empty(2, n, dtype=dtype), torch.empty(2, groups), torch.empty(2, groups)
+        )
+
+    with pytest.raises(ValueError, match="normed needs add"):
+        skinny_gemm(a.data, wq, cfg, scales=scales, normed=normed())
+    with pytest.raises(ValueError, match=r"normed.data must be float8_e4m3fn \[2, 256\]"):
+        skinny_gemm(
+            a.data, wq, cfg, add=torch.zeros(2, 256), scales=scales, normed=normed(dtype=torch.bfloat16)
+        )
+    with pytest.raises(ValueError, match=r"normed.scale and .sumsq must be float32 \[2, 2\]"):
+        skinny_gemm(a.data, wq, cfg, add=torch.zeros(2, 256), scales=scales, normed=normed(groups=3))
+    with pytest.raises(ValueError, match=r"normed.weight must be a contiguous \[256\]"):
+        bad = NormedOut(torch.ones(255), normed().data, normed().scale, normed().sumsq)
+        skinny_gemm(a.data, wq, cfg, add=torch.zeros(2, 256), scales=scales, normed=bad)
+    rms = Scales(a.scale, 128, ws, (1, 128), torch.float32, x_rms=RowRms(torch.ones(3, 1), 128, 1e-6))
+    with pytest.raises(ValueError, match=r"scales.x_rms.sumsq must be float32 \[2, G\]"):
+        skinny_gemm(a.data, wq, scales=rms)
+
+
 @pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu-tanh"])
 @pytest.mark.parametrize(("size", "group"), [(384, 128), (200, 128), (300, 300)])
 def test_glu_quant_kernel_is_the_reference(gelu: bool, size: int, group: int) -> None:
@@ -258,3 +332,32 @@ def test_fp8_kernels_route_by_layer(backend: str) -> None:
     )  # fmt: skip
     assert not kernels.takes_cublas(64, layer)
     assert fp8_kernels_for("cpu", backend) is kernels  # shared, like kernels_for's
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("rows", [4, 65], ids=["decode", "prefill"])
+def test_a_sublayers_add_and_the_next_norm(backend: str, rows: int) -> None:
+    """`linear_add_rms_norm_quant`: the residual stream after a sublayer, and the next norm's FP8 rows.
+    A decode batch's (at most 64 rows) come from the GEMM's epilogue, quantized per 128 columns with
+    the norm's row scale left to the GEMM after them; a larger batch's from the norm's own kernel."""
+    kernels = fp8_kernels_for("cpu", backend)
+    g = torch.Generator().manual_seed(6)
+    layer = _Layer(torch.randn(256, 128, generator=g) * 0.1, (1, 128))
+    x = ref.quantize(torch.randn(rows, 128, generator=g).to(torch.bfloat16), 128)
+    residual = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
+    norm_w = (1 + 0.2 * torch.randn(256, generator=g)).to(torch.bfloat16)
+    h, normed = kernels.linear_add_rms_norm_quant(x, layer, residual.clone(), norm_w, 1e-5, 256)
+    want_h = ref.gemm(x, layer.weight, layer.weight_scale_inv, layer.block, None, residual)
+    torch.testing.assert_close(h, want_h, rtol=1e-2, atol=1e-2)
+    if rows <= 64:
+        want = ref.rms_norm_quant_deferred(h, norm_w, 1e-5, 128)
+        assert normed.group == 128 and normed.sumsq is not None
+        torch.testing.assert_close(normed.sumsq, want.sumsq, rtol=1e-6, atol=0.0)
+    else:
+        want = ref.rms_norm_quant(h, norm_w, 1e-5, 256)
+        assert normed.group == 256 and normed.sumsq is None
+    assert torch.equal(_bits(normed.data), _bits(want.data)) and torch.equal(normed.scale, want.scale)
+    # either feeds the next FP8 GEMM, whichever GEMM takes it
+    nxt = _Layer(torch.randn(64, 256, generator=g) * 0.1, (1, 256))
+    want_next = ref.gemm(want, nxt.weight, nxt.weight_scale_inv, nxt.block)
+    torch.testing.assert_close(kernels.linear(normed, nxt), want_next, rtol=1e-2, atol=1e-2)
