@@ -83,17 +83,3 @@ def to_e4m3(x, inv_scale, dtype: tl.constexpr):
     else:
         q = y.to(dtype)
     return q
-
-
-FP8_MAX = tl.constexpr(448.0)
-AMAX_FLOOR = tl.constexpr(1e-12)  # shared/kernels/fp8/reference.py AMAX_FLOOR
-
-
-@triton.jit
-def quantize_groups(y):
-    """y [G, C] float32 (0 where no value) -> (e4m3 [G, C], scale [G]): each row of the tile is a group,
-    scaled so that its absolute maximum lands on 448. IEEE divisions, as torch's."""
-    amax = tl.max(tl.abs(y), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    return to_e4m3(y, inv[:, None], tl.float8e4nv), scale

@@ -19,11 +19,6 @@ the whole input's activation.
 
 With `add=` the result is added to a tensor and written into it (a residual add inside the GEMM,
 `ModelKernels.linear_add`): the addend is loaded before the K loop, so its latency is not at the tail.
-With `normed=` (`NormedOut`) that sum's RMSNorm is written too, quantized for the FP8 GEMM after the
-norm (`Fp8Kernels.linear_add_rms_norm_quant`): a program owns whole rows of a 128-column block, so it
-quantizes the block times the norm's weight with one scale a row, and writes the block's sums of
-squares; the next GEMM takes the norm's row scale from those sums (`Scales.x_rms`) and applies it to
-each row's sum, so that no norm kernel runs between the two.
 
 On Hopper and later, FP8 operands load through the Tensor Memory Accelerator (`GemmConfig.tma`: tensor
 descriptors, one bulk copy a tile, out-of-bounds rows and columns zero-filled): the copies take no
@@ -33,7 +28,6 @@ registers or address arithmetic from the warps, so a deeper pipeline keeps more 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -45,28 +39,23 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from shared.kernels._launch import f32_dot, interpreting, next_pow2
 from shared.kernels._norm_checks import check_triton_device, fail
 from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
-from shared.kernels._round import quantize_groups, round_to
+from shared.kernels._round import round_to
 from shared.kernels._tickets import tickets
 
-__all__ = [
-    "GemmConfig", "NormedOut", "RowRms", "Scales", "choose_config", "normed_config", "skinny_gemm",
-    "tma_capable",
-]  # fmt: skip
+__all__ = ["GemmConfig", "Scales", "choose_config", "skinny_gemm", "tma_capable"]
 
 
 # M (the batch's rows) changes every step: only masks and the activation scales' stride read it, and
 # specializing on it would compile mid-traffic. BLOCK_M takes three values (16, 32, 64), which the
 # engine's warm-up launches.
-@triton.jit(do_not_specialize=["M", "stride_asg", "stride_rsg", "stride_qsg"])
+@triton.jit(do_not_specialize=["M", "stride_asg"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     as_ptr, ws_ptr, bias_ptr, stride_asm, stride_asg, stride_wsn, stride_wsg,
-    rms_ptr, stride_rsm, stride_rsg, rms_groups, rms_size, rms_eps, nw_ptr, q_ptr, qs_ptr, ss_ptr,
-    stride_qm, stride_qsm, stride_qsg,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr, ADD: tl.constexpr, SCALED: tl.constexpr, A_GROUPED: tl.constexpr,
     W_GROUPED: tl.constexpr, W_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
-    ROW_RMS: tl.constexpr, RMS_G: tl.constexpr, NORMED: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -82,17 +71,9 @@ def _skinny_gemm_kernel(
     # them after the loop, which measured faster there (docs/performance.md, "FP8").
     as_rows = as_ptr + rm * stride_asm
     ws_cols = ws_ptr + (rn // W_ROWS) * stride_wsn
-    # ROW_RMS: x is a norm's rows quantized before the norm's row scale was known (NORMED, below):
-    # each row's rsqrt(mean(h^2) + eps), from the GEMM before's partial sums of squares, scales the
-    # row's sum at the end, as a per-row activation scale would.
-    rms_rows = rms_ptr + rm * stride_rsm
-    nw = tl.zeros([BLOCK_N], tl.float32)
-    if NORMED:  # a weight: before the wait
-        nw = tl.load(nw_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     if TMA:
         w_scale, a_scale, bias = _scales_and_bias(as_rows, ws_cols, bias_ptr + rn, m_ok, n_ok, SCALED,
-                                                  A_GROUPED, W_GROUPED, HAS_BIAS, PDL, rms_rows, stride_rsg,
-                                                  rms_groups, rms_size, rms_eps, ROW_RMS, RMS_G)  # fmt: skip
+                                                  A_GROUPED, W_GROUPED, HAS_BIAS, PDL)  # fmt: skip
     else:
         wait_for_inputs(PDL)
     out_mask = m_ok[:, None] & n_ok[None, :]
@@ -103,18 +84,7 @@ def _skinny_gemm_kernel(
         addend = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_first = pid_k * k_chunk
-    # Scales per K group are read a step ahead: the loop's pipeline holds only the operands, so a scale
-    # loaded in the step that uses it would put a load's whole latency in every step. A split's steps
-    # past K (zeros) take the last group's scales.
-    g_last = (K - 1) // BLOCK_K
-    s_a_next, s_w_next = _group_scales(as_rows, ws_cols, tl.minimum(k_first // BLOCK_K, g_last), stride_asg,
-                                       stride_wsg, m_ok, n_ok, A_GROUPED, W_GROUPED)  # fmt: skip
     for k0 in range(k_first, k_first + k_chunk, BLOCK_K):  # k_chunk is a multiple of BLOCK_K
-        s_a, s_w = s_a_next, s_w_next
-        if A_GROUPED or W_GROUPED:
-            g_next = tl.minimum(k0 // BLOCK_K + 1, g_last)
-            s_a_next, s_w_next = _group_scales(as_rows, ws_cols, g_next, stride_asg, stride_wsg, m_ok, n_ok,
-                                               A_GROUPED, W_GROUPED)  # fmt: skip
         if TMA:  # x_ptr and w_ptr are tensor descriptors; what lies past M, N or K reads as zeros
             x = x_ptr.load([0, k0])
             w = w_ptr.load([pid_n * BLOCK_N, k0])
@@ -132,20 +102,22 @@ def _skinny_gemm_kernel(
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             part = tl.dot(x, tl.trans(w))
+        # A split's steps past K (zeros) take the last group's scales: no scale past the last is read,
+        # where another tensor's NaN or Inf would turn the zeros into NaN.
+        group = tl.minimum(k0 // BLOCK_K, (K - 1) // BLOCK_K)
         if A_GROUPED:
-            part = part * s_a[:, None]
+            part = part * tl.load(as_rows + group * stride_asg, mask=m_ok, other=0.0)[:, None]
         if W_GROUPED:
-            part = part * s_w[None, :]
+            part = part * tl.load(ws_cols + group * stride_wsg, mask=n_ok, other=0.0)[None, :]
         acc += part
     release_next(PDL)  # the next kernel fills this one's tail
     if not TMA:
         w_scale, a_scale, bias = _scales_and_bias(as_rows, ws_cols, bias_ptr + rn, m_ok, n_ok, SCALED,
-                                                  A_GROUPED, W_GROUPED, HAS_BIAS, False, rms_rows, stride_rsg,
-                                                  rms_groups, rms_size, rms_eps, ROW_RMS, RMS_G)  # fmt: skip
+                                                  A_GROUPED, W_GROUPED, HAS_BIAS, False)  # fmt: skip
     if ADD and TMA:
         addend = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
     if SCALED:  # a split's partial scaled on its own: the scaling is linear
-        if not A_GROUPED or ROW_RMS:
+        if not A_GROUPED:
             acc = acc * a_scale[:, None]
         if not W_GROUPED:
             acc = acc * w_scale[None, :]
@@ -155,8 +127,7 @@ def _skinny_gemm_kernel(
             acc += bias[None, :]
         if ADD:
             acc += addend
-        _store(out, round_to(acc, dtype), out_mask, nw, q_ptr, qs_ptr, ss_ptr, rm, rn, pid_n, m_ok, stride_qm,
-               stride_qsm, stride_qsg, NORMED)  # fmt: skip
+        tl.store(out, round_to(acc, dtype).to(dtype), mask=out_mask)
     else:
         tile = rm[:, None] * N + rn[None, :]  # partials: [SPLIT_K, BLOCK_M, N] fp32
         tl.store(part_ptr + pid_k * BLOCK_M * N + tile, acc, mask=out_mask)
@@ -172,50 +143,17 @@ def _skinny_gemm_kernel(
                 total += bias[None, :]
             if ADD:
                 total += addend
-            _store(out, round_to(total, dtype), out_mask, nw, q_ptr, qs_ptr, ss_ptr, rm, rn, pid_n, m_ok,
-                   stride_qm, stride_qsm, stride_qsg, NORMED)  # fmt: skip
+            tl.store(out, round_to(total, dtype).to(dtype), mask=out_mask)
             tl.atomic_xchg(ticket_ptr + pid_n, 0)  # ready for the next launch
-
-
-@triton.jit
-def _group_scales(
-    as_rows, ws_cols, g, stride_asg, stride_wsg, m_ok, n_ok, A_GROUPED: tl.constexpr, W_GROUPED: tl.constexpr
-):  # fmt: skip
-    """K group g's scales, x's per row and w's per column (0.0 where masked, 1.0 where not grouped)."""
-    s_a = tl.full(m_ok.shape, 1.0, tl.float32)
-    s_w = tl.full(n_ok.shape, 1.0, tl.float32)
-    if A_GROUPED:
-        s_a = tl.load(as_rows + g * stride_asg, mask=m_ok, other=0.0)
-    if W_GROUPED:
-        s_w = tl.load(ws_cols + g * stride_wsg, mask=n_ok, other=0.0)
-    return s_a, s_w
-
-
-@triton.jit
-def _store(
-    out, h, out_mask, nw, q_ptr, qs_ptr, ss_ptr, rm, rn, pid_n, m_ok, stride_qm, stride_qsm, stride_qsg,
-    NORMED: tl.constexpr,
-):  # fmt: skip
-    """Store the tile h (float32, exact in out's dtype). NORMED: also the RMSNorm's input quantized
-    for the GEMM after it, the tile one scale group: h * the norm's weight in e4m3 with one scale a row,
-    and each row's sum of squares of h, from which that GEMM takes the norm's row scale (ROW_RMS)."""
-    tl.store(out, h.to(out.dtype.element_ty), mask=out_mask)
-    if NORMED:
-        q, scale = quantize_groups(h * nw[None, :])
-        tl.store(q_ptr + rm[:, None] * stride_qm + rn[None, :], q, mask=out_mask)
-        tl.store(qs_ptr + rm * stride_qsm + pid_n * stride_qsg, scale, mask=m_ok)
-        tl.store(ss_ptr + rm * stride_qsm + pid_n * stride_qsg, tl.sum(h * h, axis=1), mask=m_ok)
 
 
 @triton.jit
 def _scales_and_bias(
     as_rows, ws_cols, bias_at, m_ok, n_ok, SCALED: tl.constexpr, A_GROUPED: tl.constexpr,
-    W_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, rms_rows, stride_rsg, rms_groups,
-    rms_size, rms_eps, ROW_RMS: tl.constexpr, RMS_G: tl.constexpr,
+    W_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The scales that apply once to the whole sum (x's per row, w's per column; 1.0 where grouped
-    or unscaled; with ROW_RMS x's rows' norm scale) and the bias (0.0 without), the weights' read
-    before `wait_for_inputs(PDL)`."""
+    or unscaled) and the bias (0.0 without), the weights' read before `wait_for_inputs(PDL)`."""
     w_scale = tl.full(n_ok.shape, 1.0, tl.float32)
     a_scale = tl.full(m_ok.shape, 1.0, tl.float32)
     bias = tl.zeros(n_ok.shape, tl.float32)
@@ -226,11 +164,6 @@ def _scales_and_bias(
     wait_for_inputs(PDL)
     if SCALED and not A_GROUPED:
         a_scale = tl.load(as_rows, mask=m_ok, other=0.0)
-    if ROW_RMS:
-        g = tl.arange(0, RMS_G)
-        g_ok = m_ok[:, None] & (g[None, :] < rms_groups)
-        sumsq = tl.load(rms_rows[:, None] + g[None, :] * stride_rsg, mask=g_ok, other=0.0)
-        a_scale = tl.math.rsqrt(tl.sum(sumsq, axis=1) / rms_size + rms_eps)
     return w_scale, a_scale, bias
 
 
@@ -316,42 +249,15 @@ class Scales:
     w_block: tuple[int, int]
     out_dtype: torch.dtype
     bias: torch.Tensor | None = None
-    x_rms: RowRms | None = None
-
-
-@dataclass(frozen=True)
-class RowRms:
-    """x's rows' RMSNorm scale, not yet applied to x's scales (`NormedOut` wrote x before the whole row's
-    norm was known): row i's sum is scaled by rsqrt(sumsq[i].sum() / size + eps), from the partial sums
-    of squares sumsq [M, G] (any strides)."""
-
-    sumsq: torch.Tensor
-    size: int
-    eps: float
-
-
-@dataclass(frozen=True)
-class NormedOut:
-    """What a GEMM with a residual add writes besides the sum: the RMSNorm (`weight` [N]) of the sum's
-    rows quantized for the FP8 GEMM after it, before the norm's row scale (`RowRms`): `data` [M, N] e4m3
-    = the sum times the weight, one scale per row and `cfg.block_n` columns in `scale` [M, N / block_n]
-    (any strides), and each row's sum of squares of the same columns in `sumsq` (`scale`'s shape and
-    strides)."""
-
-    weight: torch.Tensor
-    data: torch.Tensor
-    scale: torch.Tensor
-    sumsq: torch.Tensor
 
 
 def skinny_gemm(
     x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None, *, add: torch.Tensor | None = None,
-    scales: Scales | None = None, normed: NormedOut | None = None,
+    scales: Scales | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation; M <= 64. With `add` ([M, N],
     x's dtype, rows contiguous): add + x @ w^T, rounded once, written into `add` and returned. With
-    `scales`, x and w are e4m3 and the product is dequantized (+ the bias) in `scales.out_dtype`. With
-    `normed` (and `add`, `cfg` given), the result's norm too (`NormedOut`)."""
+    `scales`, x and w are e4m3 and the product is dequantized (+ the bias) in `scales.out_dtype`."""
     op = "skinny_gemm"
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         fail(op, f"x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
@@ -370,15 +276,6 @@ def skinny_gemm(
         tma = scales is not None and _tma_default(x.device) and tma_capable(x, w)
         sms = _sms(x.device) if x.device.type == "cuda" else 132
         cfg = choose_config(m, n, k, itemsize=x.element_size(), group=group, tma=tma, sms=sms)
-        if normed is not None:
-            cfg = normed_config(cfg, n, k, sms)
-    if normed is not None:
-        _check_normed(op, m, n, cfg, add, normed)
-    if scales is not None and scales.x_rms is not None:
-        r = scales.x_rms
-        if r.sumsq.dim() != 2 or r.sumsq.shape[0] != m or r.sumsq.dtype != torch.float32 or r.size < 1:
-            fail(op, f"scales.x_rms.sumsq must be float32 [{m}, G] over a positive size, got "
-                     f"{r.sumsq.dtype} {list(r.sumsq.shape)}, size {r.size}")  # fmt: skip
     if group is not None and cfg.block_k != group:
         fail(op, f"scales per {group}-column group need block_k = {group}, got {cfg.block_k}")
     if cfg.tma and not tma_capable(x, w):
@@ -410,61 +307,16 @@ def skinny_gemm(
     if cfg.tma:
         xa = TensorDescriptor.from_tensor(x, [block_m, cfg.block_k])
         wa = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
-    rms = None if scales is None else scales.x_rms
-    rs = out if rms is None else rms.sumsq
-    nw, q, qs, ss = (
-        (out, out, sw, sw) if normed is None else (normed.weight, normed.data, normed.scale, normed.sumsq)
-    )
     _skinny_gemm_kernel[(blocks, split)](
         xa, wa, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
         sx, sw, bias if bias is not None else out, sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1),
-        rs, rs.stride(0), rs.stride(1), 1 if rms is None else rs.shape[1], 1 if rms is None else rms.size,
-        0.0 if rms is None else float(rms.eps), nw, q, qs, ss, q.stride(0), qs.stride(0), qs.stride(1),
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         F32_DOT=f32_dot(x.dtype) or (scales is not None and interpreting()), ADD=add is not None,
         SCALED=scales is not None, A_GROUPED=a_grouped, W_GROUPED=w_grouped,
         W_ROWS=1 if scales is None else scales.w_block[0], HAS_BIAS=bias is not None, TMA=cfg.tma,
-        ROW_RMS=rms is not None, RMS_G=next_pow2(rs.shape[1]) if rms else 1, NORMED=normed is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device, m, scales is not None),
     )  # fmt: skip
     return out
-
-
-def normed_config(cfg: GemmConfig, n: int, k: int, sms: int = 132, group: int = 128) -> GemmConfig:
-    """`cfg` for a GEMM that also writes its rows' norm (`NormedOut`) in `group`-column scale groups:
-    one column block a group, K split so that the programs still fill the SMs, and as deep a pipeline
-    as fits in shared memory."""
-    blocks = triton.cdiv(n, group)
-    split = 1
-    while blocks * split * 2 <= sms and k // (split * 2) >= cfg.block_k:
-        split *= 2
-    stages = cfg.num_stages
-    while stages * cfg.block_k * (64 + group) > _SMEM_BUDGET and stages > 2:
-        stages -= 1
-    warps = max(cfg.num_warps, 8 if group > 128 else 4)
-    return dataclasses.replace(cfg, block_n=group, split_k=split, num_stages=stages, num_warps=warps)
-
-
-def _check_normed(
-    op: str, m: int, n: int, cfg: GemmConfig, add: torch.Tensor | None, normed: NormedOut
-) -> None:
-    groups = n // cfg.block_n
-    if add is None or n % cfg.block_n:
-        fail(op, f"normed needs add and an output of whole {cfg.block_n}-column blocks, got {n} columns")
-    d, sc, ss, w = normed.data, normed.scale, normed.sumsq, normed.weight
-    if w.shape != (n,) or w.stride(0) != 1 or w.device != add.device:
-        fail(op, f"normed.weight must be a contiguous [{n}] on {add.device}, got {list(w.shape)}")
-    if d.shape != (m, n) or d.dtype != torch.float8_e4m3fn or d.stride(1) != 1:
-        fail(
-            op,
-            f"normed.data must be float8_e4m3fn [{m}, {n}], rows contiguous, got {d.dtype} {list(d.shape)}",
-        )
-    f32 = all(t.shape == (m, groups) and t.dtype == torch.float32 for t in (sc, ss))
-    if not f32:
-        fail(op, f"normed.scale and .sumsq must be float32 [{m}, {groups}], got {sc.dtype} {list(sc.shape)}, "
-                 f"{ss.dtype} {list(ss.shape)}")  # fmt: skip
-    if ss.stride() != sc.stride():
-        fail(op, f"normed.scale and .sumsq must share strides, got {sc.stride()} and {ss.stride()}")
 
 
 def tma_capable(x: torch.Tensor, w: torch.Tensor) -> bool:

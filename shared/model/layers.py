@@ -34,14 +34,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, kernels: ModelKernels = _TORCH) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps)
 
-    def after_add(
-        self, kernels: ModelKernels, x: torch.Tensor, layer: nn.Module, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The residual stream after a sublayer, `residual + layer(x)` (`kernels.linear_add`, which
-        consumes `residual`), and this norm of it."""
-        h = kernels.linear_add(x, layer, residual)
-        return h, self(h, kernels)
-
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies; llama3 scaling slows long wavelengths by `factor`, with a smooth ramp between;
@@ -206,21 +198,15 @@ class SwiGLU(nn.Module):
         norm's weight (`Transformer.fold_norms`) and the activation applies each row's
         rsqrt(mean(x^2) + eps), which commutes with the GEMM. With `residual` (which the call
         consumes), residual + the output, the add inside the down projection's GEMM."""
-        act = self.activation_of(x, kernels, rms_eps)
+        gate_up = kernels.linear(x, self.gate_up_proj)
+        gelu = self.activation == "gelu_tanh"
+        if rms_eps is None:
+            act = kernels.glu(gate_up, gelu, self.down_proj)
+        else:
+            act = (kernels.gelu_tanh_mul_rms if gelu else kernels.silu_mul_rms)(gate_up, x, rms_eps)
         if self.reduce is not None:  # tensor parallel: this rank's slice's share, summed over the ranks
             out = self.reduce(kernels.linear(act, self.down_proj))
             return out if residual is None else residual + out
         if residual is not None:
             return kernels.linear_add(act, self.down_proj, residual)
         return kernels.linear(act, self.down_proj)
-
-    def activation_of(
-        self, x: torch.Tensor, kernels: ModelKernels = _TORCH, rms_eps: float | None = None
-    ) -> torch.Tensor:  # fmt: skip
-        """The down projection's input: the gate/up GEMM and the activation (`forward` without its
-        last GEMM)."""
-        gate_up = kernels.linear(x, self.gate_up_proj)
-        gelu = self.activation == "gelu_tanh"
-        if rms_eps is None:
-            return kernels.glu(gate_up, gelu, self.down_proj)
-        return (kernels.gelu_tanh_mul_rms if gelu else kernels.silu_mul_rms)(gate_up, x, rms_eps)

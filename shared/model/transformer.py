@@ -105,19 +105,6 @@ class Attention(nn.Module):
         add inside the GEMM. With `rms_eps`, x is the layer's input itself, not its norm, and qkv's
         weight holds the norm's weight (`Transformer.fold_norms`): q, k and v are scaled by x's rows'
         rsqrt(mean(x^2) + eps), inside attention where it applies RoPE, else by a kernel of its own."""
-        out = self.attend(x, positions, rotary, attn, kernels, rms_eps)
-        if self.reduce is not None:  # tensor parallel: this rank's heads' share, summed over the ranks
-            out = self.reduce(kernels.linear(out, self.o_proj))
-            return out if residual is None else residual + out
-        if residual is not None:
-            return kernels.linear_add(out, self.o_proj, residual)
-        return kernels.linear(out, self.o_proj)
-
-    def attend(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionFn,
-        kernels: ModelKernels, rms_eps: float | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """The o projection's input [T, heads x head_dim]: `forward` without its last GEMM."""
         t = x.shape[0]
         rope_inside = attn.takes_rope(self.layer)
         qkv = kernels.linear(x, self.qkv_proj)
@@ -138,7 +125,12 @@ class Attention(nn.Module):
             store = attn.store_target(self.layer)
             q, k = rotary(positions, q, k, kernels, qk_norm, store=store, v=v, local=self.local_rope)
             out = attn(self.layer, q, k, v, **sinks)
-        return out.reshape(t, self.q_size)
+        if self.reduce is not None:  # tensor parallel: this rank's heads' share, summed over the ranks
+            out = self.reduce(kernels.linear(out.reshape(t, self.q_size), self.o_proj))
+            return out if residual is None else residual + out
+        if residual is not None:
+            return kernels.linear_add(out.reshape(t, self.q_size), self.o_proj, residual)
+        return kernels.linear(out.reshape(t, self.q_size), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -163,16 +155,11 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionFn,
-        kernels: ModelKernels, normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        kernels: ModelKernels,
+    ) -> torch.Tensor:  # fmt: skip
         """x is the residual stream (the embedding, for the first layer); returns the stream after the
         layer: `x = x + attn(norm(x))`, then `x = x + mlp(norm(x))`, each add inside the GEMM that ends
         its sublayer (rounded once, into x's storage on CUDA).
-
-        Each norm after an add is computed with it (`RMSNorm.after_add`: one kernel with an FP8 model's
-        decode GEMMs, which write the norm's quantized rows themselves): the layer's own post-attention
-        norm, and with `next_norm` (the next layer's input norm) the stream's norm for that layer,
-        returned second (None without) and taken there as `normed`.
 
         A norm folded into the GEMM after it (`Transformer.fold_norms`) runs no kernel: that GEMM reads
         the stream itself and the norm's row scale is applied after it (in attention, or a kernel of its
@@ -181,26 +168,17 @@ class DecoderLayer(nn.Module):
         With sandwich norms (Gemma) each sublayer's output is normed first: `x = x + norm(attn(...))`,
         the add after the norm's kernel."""
         attn_eps = self.input_layernorm.eps if self.attn_norm_folded else None
-        h = normed if normed is not None else x if self.attn_norm_folded else self.input_layernorm(x, kernels)
-        attention, mlp = self.self_attn, self.mlp
-        mlp_eps = self.post_attention_layernorm.eps if self.mlp_norm_folded else None
-        if self.attn_out_norm is not None:
-            out = attention(h, positions, rotary, attn, kernels, rms_eps=attn_eps)
+        h = x if self.attn_norm_folded else self.input_layernorm(x, kernels)
+        if self.attn_out_norm is None:
+            x = self.self_attn(h, positions, rotary, attn, kernels, residual=x, rms_eps=attn_eps)
+        else:
+            out = self.self_attn(h, positions, rotary, attn, kernels, rms_eps=attn_eps)
             x = x + self.attn_out_norm(out, kernels)
-            h = x if self.mlp_norm_folded else self.post_attention_layernorm(x, kernels)
-        elif self.mlp_norm_folded or attention.reduce is not None:
-            x = attention(h, positions, rotary, attn, kernels, residual=x, rms_eps=attn_eps)
-            h = x if self.mlp_norm_folded else self.post_attention_layernorm(x, kernels)
-        else:
-            out = attention.attend(h, positions, rotary, attn, kernels, rms_eps=attn_eps)
-            x, h = self.post_attention_layernorm.after_add(kernels, out, attention.o_proj, x)
-        if self.mlp_out_norm is not None:
-            x = x + self.mlp_out_norm(mlp(h, kernels, mlp_eps), kernels)
-        elif next_norm is not None and isinstance(mlp, SwiGLU) and mlp.reduce is None:
-            return next_norm.after_add(kernels, mlp.activation_of(h, kernels, mlp_eps), mlp.down_proj, x)
-        else:
-            x = mlp(h, kernels, mlp_eps, residual=x)
-        return x, None if next_norm is None else next_norm(x, kernels)
+        mlp_eps = self.post_attention_layernorm.eps if self.mlp_norm_folded else None
+        h = x if self.mlp_norm_folded else self.post_attention_layernorm(x, kernels)
+        if self.mlp_out_norm is None:
+            return self.mlp(h, kernels, mlp_eps, residual=x)
+        return x + self.mlp_out_norm(self.mlp(h, kernels, mlp_eps), kernels)
 
 
 # Checkpoint (Hugging Face) names -> (our parameter, shard index in a fused parameter or None).
@@ -296,11 +274,8 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
         if self.cfg.scale_embeddings:
             x = x * _embed_scale(self.cfg.hidden_size, x.dtype)
-        normed = None
-        for i, layer in enumerate(self.layers):
-            after = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            next_norm = None if after is None or after.attn_norm_folded else after.input_layernorm
-            x, normed = layer(x, positions, self.rotary, attn, kernels, normed, next_norm)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, attn, kernels)
         return self.norm(x, kernels)
 
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:

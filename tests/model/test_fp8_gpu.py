@@ -118,28 +118,6 @@ def test_gemm_paths_match_the_reference(n: int, k: int, block: tuple[int, int], 
             _close(kernels.linear_add(x, layer, residual.clone()), want)
 
 
-@pytest.mark.parametrize("rows", ROWS[:-1])
-def test_a_decode_gemm_writes_the_next_norms_rows(rows: int) -> None:
-    """A decode batch's o or down projection writes the next norm's FP8 rows from its epilogue
-    (`linear_add_rms_norm_quant`): the residual stream as the plain GEMM sums it, the rows' codes
-    and scales the reference's bits, and the GEMM after them (its row scale applied there) the
-    reference's result, at the 8B's widths on pointer and descriptor loads."""
-    _fp8_gpu()
-    kernels = fp8_kernels_for("cuda")
-    layer, nxt = _Layer(4096, 4096, (1, 4096)), _Layer(6144, 4096, (1, 4096))
-    x = torch.randn(rows, 4096, device="cuda").to(torch.bfloat16)
-    residual = torch.randn(rows, 4096, device="cuda").to(torch.bfloat16)
-    norm_w = (1 + 0.2 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
-    a = kernels.quantize(x, 4096)
-    plain = kernels.linear_add(a, layer, residual.clone())
-    h, normed = kernels.linear_add_rms_norm_quant(a, layer, residual.clone(), norm_w, 1e-5, 4096)
-    _close(h, plain)  # its K split differs from the plain GEMM's: float32 sums in another order
-    want = ref.rms_norm_quant_deferred(h, norm_w, 1e-5, 128)
-    _same_codes("normed rows", normed, want, exact=True)
-    torch.testing.assert_close(normed.sumsq, want.sumsq, rtol=1e-5, atol=0.0)
-    _close(kernels.linear(normed, nxt), ref.gemm(want, nxt.weight, nxt.weight_scale_inv, nxt.block))
-
-
 def _smollm_gpu(quantization: str) -> LoadedModel:
     return load_model(None, dtype=torch.bfloat16, device="cuda", quantization=quantization, progress=False)
 

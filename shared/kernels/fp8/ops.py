@@ -19,15 +19,12 @@ from torch import nn
 from shared.kernels.fp8 import reference
 from shared.kernels.fp8.reference import Fp8Act
 from shared.kernels.ops import Backend, Gemm, ModelKernels, TorchKernels, TritonKernels, kernels_for
-from shared.kernels.skinny_gemm import NormedOut, RowRms, Scales, skinny_gemm
+from shared.kernels.skinny_gemm import Scales, skinny_gemm
 
 # Decode-sized batches go to the skinny GEMM, FP8 operands and all (`--gemm cublas`: to cuBLAS's scaled
 # GEMM instead, where it takes the layer): it reads the weights in one kernel with the residual add
 # and the bias inside, where cuBLAS's FP8 GEMM at these rows needs an add kernel after it.
 _SKINNY_ROWS = 64
-# The scale group of a norm's rows that the GEMM before the norm writes (`linear_add_rms_norm_quant`):
-# one column block of that GEMM, the K tile of the GEMM after.
-NORMED_GROUP = 128
 
 __all__ = ["Fp8Kernels", "Fp8Layer", "Fp8TorchKernels", "Fp8TritonKernels", "check_device", "fp8_kernels_for"]
 
@@ -74,24 +71,6 @@ class Fp8Kernels(ModelKernels):
         """`rms_norm(x, weight, eps)` quantized as `quantize` would, for the FP8 GEMM after the norm."""
         return reference.rms_norm_quant(x, weight, eps, group)
 
-    def linear_add_rms_norm_quant(
-        self, x: Tensor | Fp8Act, layer: nn.Module, residual: Tensor, weight: Tensor, eps: float, group: int
-    ) -> tuple[Tensor, Fp8Act]:  # fmt: skip
-        """`linear_add`, then the norm of its result quantized: the residual stream after a sublayer and
-        the next norm's rows, for the FP8 GEMM after that norm. A decode batch's (`norm_in_gemm`) rows
-        are quantized as the decode GEMM's epilogue writes them (`reference.rms_norm_quant_deferred`),
-        others by `rms_norm_quant`."""
-        h = self.linear_add(x, layer, residual)
-        if self.norm_in_gemm(layer, residual):
-            return h, reference.rms_norm_quant_deferred(h, weight, eps, NORMED_GROUP)
-        return h, self.rms_norm_quant(h, weight, eps, group)
-
-    def norm_in_gemm(self, layer: nn.Module, residual: Tensor) -> bool:
-        """Whether `linear_add_rms_norm_quant` writes the norm's rows from the GEMM's epilogue: an FP8
-        layer, a decode batch (the skinny GEMM's rows), whole 128-column groups."""
-        rows, n = residual.shape
-        return not isinstance(layer, nn.Linear) and rows <= _SKINNY_ROWS and n % NORMED_GROUP == 0
-
     def glu(self, gate_up: Tensor, gelu: bool, before: nn.Module) -> Tensor | Fp8Act:  # type: ignore[override]
         if isinstance(before, nn.Linear):
             return super().glu(gate_up, gelu, before)
@@ -137,37 +116,6 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
     def glu_quant(self, gate_up: Tensor, group: int, gelu: bool) -> Fp8Act:
         return self._glu_quant(gate_up, group, gelu)
 
-    def linear_add_rms_norm_quant(
-        self, x: Tensor | Fp8Act, layer: nn.Module, residual: Tensor, weight: Tensor, eps: float, group: int
-    ) -> tuple[Tensor, Fp8Act]:  # fmt: skip
-        """A decode batch's FP8 GEMM writes the norm's rows itself (`NormedOut`: quantized per 128
-        columns before the norm's row scale, which the GEMM after them applies), so no norm kernel runs
-        between the two GEMMs. Elsewhere, the GEMM and then the norm's kernel."""
-        if not self.norm_in_gemm(layer, residual):
-            return super().linear_add_rms_norm_quant(x, layer, residual, weight, eps, group)
-        a = self._quantized(x, layer)
-        rows, n = residual.shape
-        groups = n // NORMED_GROUP
-        dev = residual.device
-        normed = NormedOut(
-            weight,
-            torch.empty((rows, n), dtype=reference.E4M3, device=dev),
-            torch.empty((groups, rows), dtype=torch.float32, device=dev).t(),  # column-major, as quantizers
-            torch.empty((groups, rows), dtype=torch.float32, device=dev).t(),
-        )
-        scales = Scales(
-            a.scale, a.group, layer.weight_scale_inv, layer.block, a.dtype, layer.bias, self._rms(a)
-        )
-        h = self._skinny_gemm(a.data, layer.weight, add=residual, scales=scales, normed=normed)
-        return h, Fp8Act(normed.data, normed.scale, NORMED_GROUP, a.dtype, normed.sumsq, float(eps))
-
-    @staticmethod
-    def _rms(a: Fp8Act) -> RowRms | None:
-        return None if a.sumsq is None else RowRms(a.sumsq, a.data.shape[1], a.rms_eps)
-
-    def norm_in_gemm(self, layer: nn.Module, residual: Tensor) -> bool:
-        return self.gemm != "cublas" and super().norm_in_gemm(layer, residual)
-
     def _on_cublas(self, layer: Fp8Layer) -> bool:
         """Whether cuBLASLt runs this layer's GEMMs: decided once a layer, by its shapes and (once a
         device) whether `torch._scaled_mm` runs that scaling right there."""
@@ -180,12 +128,8 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
 
     def fp8_gemm(self, a: Fp8Act, layer: Fp8Layer, residual: Tensor | None = None) -> Tensor:
         if a.shape[0] <= _SKINNY_ROWS and self.gemm != "cublas":
-            scales = Scales(
-                a.scale, a.group, layer.weight_scale_inv, layer.block, a.dtype, layer.bias, self._rms(a)
-            )
+            scales = Scales(a.scale, a.group, layer.weight_scale_inv, layer.block, a.dtype, layer.bias)
             return self._skinny_gemm(a.data, layer.weight, add=residual, scales=scales)
-        if a.sumsq is not None:  # the other GEMMs take no row scale: requantized with it
-            a = self.quantize(reference.dequantize_act(a).to(a.dtype), layer.block[1])
         # cuBLAS for 16-bit activations (what `scaled_mm.supported` probes); a float32 model's, Triton
         if a.dtype != torch.float32 and self._on_cublas(layer):
             out = self._scaled_mm.scaled_mm(a, layer.weight, layer.weight_scale_inv, layer.block, layer.bias)

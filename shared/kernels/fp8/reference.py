@@ -25,8 +25,8 @@ import torch
 from shared.kernels import reference
 
 __all__ = [
-    "E4M3", "FP8_MAX", "Fp8Act", "dequantize", "dequantize_act", "gemm", "glu_quant",
-    "quantize", "quantize_weight", "rms_norm_quant", "rms_norm_quant_deferred", "row_rms",
+    "E4M3", "FP8_MAX", "Fp8Act", "dequantize", "dequantize_act", "gemm", "glu_quant", "quantize",
+    "quantize_weight", "rms_norm_quant",
 ]  # fmt: skip
 
 E4M3 = torch.float8_e4m3fn
@@ -39,18 +39,12 @@ AMAX_FLOOR = 1e-12
 class Fp8Act(NamedTuple):
     """An activation quantized for an FP8 GEMM: data [T, K] e4m3 and scale [T, ceil(K / group)] float32
     (column-major from the Triton quantizers, as cuBLAS's 1x128 scaling reads it); `dtype` is the
-    activation's own dtype, the GEMM's output dtype.
-
-    With `sumsq` ([T, G] float32, partial sums of squares), the rows are an RMSNorm's not yet scaled by
-    the norm's row scale: value = e4m3 * scale * rsqrt(sumsq.sum(1) / K + rms_eps) (the GEMM before
-    wrote them, `shared/kernels/skinny_gemm.py` `NormedOut`)."""
+    activation's own dtype, the GEMM's output dtype."""
 
     data: torch.Tensor
     scale: torch.Tensor
     group: int
     dtype: torch.dtype
-    sumsq: torch.Tensor | None = None
-    rms_eps: float = 0.0
 
     @property
     def shape(self) -> torch.Size:
@@ -106,24 +100,7 @@ def quantize(x: torch.Tensor, group: int) -> Fp8Act:
 
 def dequantize_act(a: Fp8Act) -> torch.Tensor:
     """An Fp8Act back to float32 [T, K]."""
-    x = dequantize(a.data, a.scale, (1, a.group))
-    return x if a.sumsq is None else x * row_rms(a)[:, None]
-
-
-def row_rms(a: Fp8Act) -> torch.Tensor:
-    """The norm's row scale an Fp8Act with `sumsq` still carries: rsqrt(mean of squares + eps), [T]."""
-    assert a.sumsq is not None
-    return torch.rsqrt(a.sumsq.sum(1) / a.data.shape[1] + a.rms_eps)
-
-
-def rms_norm_quant_deferred(h: torch.Tensor, weight: torch.Tensor, eps: float, group: int) -> Fp8Act:
-    """h's RMSNorm quantized as a GEMM's epilogue writes it (`shared/kernels/skinny_gemm.py`
-    `NormedOut`): h * weight quantized per `group` columns (K a multiple of it), the norm's row scale
-    left in `sumsq` (each group's sum of squares of h)."""
-    t = h.shape[0]
-    a = quantize(h.float() * weight.float(), group)
-    sumsq = h.float().square().view(t, -1, group).sum(-1)
-    return a._replace(dtype=h.dtype, sumsq=sumsq, rms_eps=float(eps))
+    return dequantize(a.data, a.scale, (1, a.group))
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int) -> Fp8Act:

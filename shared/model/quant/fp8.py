@@ -158,13 +158,6 @@ class Fp8RMSNorm(RMSNorm):
     def forward(self, x: Tensor, kernels: ModelKernels) -> Fp8Act:  # type: ignore[override]
         return kernels.rms_norm_quant(x, self.weight, self.eps, self.group)  # type: ignore[attr-defined]
 
-    def after_add(  # type: ignore[override]
-        self, kernels: ModelKernels, x: Tensor | Fp8Act, layer: nn.Module, residual: Tensor
-    ) -> tuple[Tensor, Fp8Act]:  # fmt: skip
-        """As `RMSNorm.after_add`, in one kernel where the FP8 kernels can (the GEMM writes the norm's
-        rows: `Fp8Kernels.linear_add_rms_norm_quant`)."""
-        return kernels.linear_add_rms_norm_quant(x, layer, residual, self.weight, self.eps, self.group)  # type: ignore[attr-defined]
-
 
 # A layer's projections: (module path in the layer, the checkpoint's parts, the norm before it).
 _PROJECTIONS = (
