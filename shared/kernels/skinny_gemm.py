@@ -307,33 +307,6 @@ def skinny_gemm(
     if cfg.tma:
         xa = TensorDescriptor.from_tensor(x, [block_m, cfg.block_k])
         wa = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
-    import os
-
-    if (
-        os.environ.get("PDSERVE_GLUON") == "1"
-        and cfg.tma
-        and scales is not None
-        and not a_grouped
-        and not w_grouped
-        and split == 1
-        and bias is None
-        and scales.w_block[0] == 1
-        and dtype == torch.bfloat16
-    ):
-        from shared.kernels.fp8.wgmma_gemm import gluon_gemm
-
-        pdl = pdl_launch(x.device, m, True)["PDL"]
-        return gluon_gemm(
-            x,
-            scales.x,
-            w,
-            scales.w,
-            add,
-            block_n=cfg.block_n,
-            block_k=cfg.block_k,
-            stages=cfg.num_stages,
-            pdl=pdl,
-        )
     _skinny_gemm_kernel[(blocks, split)](
         xa, wa, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
         sx, sw, bias if bias is not None else out, sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1),
