@@ -234,7 +234,7 @@ def test_tls_component(overlay: str, role: str, with_cert_manager: bool) -> None
         assert secret_file(objs, role, args.tls_ca) == (TLS_SECRET[role], "ca.crt")
         assert (args.tls_cert, args.tls_key) == (cfg.tls_cert, cfg.tls_key)
         assert args.tls_server_name == f"pdserve-{role}"
-    # The Services no longer announce cleartext HTTP/2.
+    # The Services announce no cleartext HTTP/2.
     for svc in find(objs, "Service"):
         if svc["metadata"]["labels"].get("app.kubernetes.io/name") == "pdserve":
             assert all("appProtocol" not in p for p in svc["spec"]["ports"]), svc["metadata"]["name"]

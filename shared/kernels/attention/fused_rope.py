@@ -10,7 +10,7 @@ the same roundings in the same order.
 The attention loop stays the plain kernel's. Only the rows that hold data are rotated, as a small tile
 of their own (a decode tile of 16 rows holds 2 query rows and 1 key): rotating the whole padded tile
 needs more registers a program, so fewer programs fit on an SM and the 512 programs of a batch-64
-step no longer run in one wave. The rotated query rows go to the program's own output rows and,
+step would not all run in one wave. The rotated query rows go to the program's own output rows and,
 after a barrier, the kernel loads them back as the plain kernel loads its tile. Each column's
 rotation partner is loaded from memory a second time, in the tile's own layout (`decode_rope`).
 
