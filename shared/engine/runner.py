@@ -32,6 +32,7 @@ from shared.kernels.argmax import argmax_rows
 from shared.kernels.attention import AttentionOps, ops_for
 from shared.kernels.attention.fused_rope import RopeInKernel
 from shared.kernels.decode_advance import DecodeRows, advance_rows
+from shared.kernels.kv_quant import FP8_KV_DTYPE
 from shared.kernels.token_table import take_tokens
 from shared.model import gemm_tuning
 from shared.model.layers import RopeArgs
@@ -81,7 +82,8 @@ class BatchAttention:
     W, which its query does not see, so storing it first changes nothing.)
 
     An FP8 cache's layer scales (`KVCache.quant`, None for a cache in the model's dtype) go with every
-    store and every attention call: whichever kernel stores quantizes, attention dequantizes.
+    store and every attention call: whichever kernel stores quantizes, attention dequantizes. For an FP8
+    o projection attention gives its output as e4m3 codes at V's scale (`fp8_out_scale`).
     """
 
     def __init__(
@@ -95,6 +97,9 @@ class BatchAttention:
 
     def takes_rope(self, layer: int) -> bool:
         return self._rope_inside
+
+    def fp8_out_scale(self, layer: int) -> torch.Tensor | None:
+        return self.cache.v_scale_l[layer]
 
     def store_target(self, layer: int) -> KVStore | None:
         target = self._target(layer)
@@ -116,11 +121,13 @@ class BatchAttention:
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None,
-        sinks: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None, fp8_out: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         c, b, i = self.cache, self.batch, self.cache.kind_index[layer]
         quant = c.quant[layer]  # an FP8 cache's scales (None: the model's dtype)
-        extra = {} if sinks is None else {"sinks": sinks}  # gpt-oss's per-head sink logits
+        extra: dict = {} if sinks is None else {"sinks": sinks}  # gpt-oss's per-head sink logits
+        if fp8_out:  # e4m3 codes at V's scale, for an FP8 o projection
+            extra["fp8_out"] = True
         inside = None
         if rope is not None:  # takes_rope: RoPE, the K/V store and attention in one call
             target = self._target(layer)
@@ -161,6 +168,8 @@ class BatchAttention:
             self._rest_cu = b.cu_q[nd:] - nd
         decodes = attend(slice(0, nd), slice(0, nd), b.cu_q[: nd + 1], 1)
         chunks = attend(slice(nd, None), slice(nd, None), self._rest_cu, b.max_q)
+        if decodes.dtype == FP8_KV_DTYPE:  # e4m3 codes (`fp8_out`), joined as bytes
+            return torch.cat([decodes.view(torch.uint8), chunks.view(torch.uint8)]).view(FP8_KV_DTYPE)
         return torch.cat([decodes, chunks])
 
     def store_ring_positions(self) -> None:

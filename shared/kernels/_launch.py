@@ -207,9 +207,10 @@ def softmax_scale(scale: float, quant: KVQuant | None) -> float:
     return float(scale) * LOG2E * quant.k_scale
 
 
-def quant_args(quant: KVQuant | None) -> tuple[float, float, float]:
-    """The attention kernels' (v_scale, inv_k, inv_v): V's scale for the output, and the inverses a
-    store into an FP8 cache quantizes with (1.0, never read, without `quant`)."""
+def quant_args(quant: KVQuant | None, fp8_out: bool = False) -> tuple[float, float, float]:
+    """The attention kernels' (v_scale, inv_k, inv_v): V's scale for the output (1.0 for an e4m3
+    output, which stays in V's codes), and the inverses a store into an FP8 cache quantizes with (1.0,
+    never read, without `quant`)."""
     if quant is None:
         return (1.0, 1.0, 1.0)
-    return (quant.v_scale, quant.inv_k, quant.inv_v)
+    return (1.0 if fp8_out else quant.v_scale, quant.inv_k, quant.inv_v)

@@ -83,3 +83,10 @@ def to_e4m3(x, inv_scale, dtype: tl.constexpr):
     else:
         q = y.to(dtype)
     return q
+
+
+@triton.jit
+def to_output(x, dtype: tl.constexpr):
+    """x (float32) cast to an output's `dtype`; an e4m3 output (codes at scale 1: an attention output in
+    V's codes, `attention/_split_k.py`) saturates and rounds to nearest-even as `to_e4m3` does."""
+    return to_e4m3(x, 1.0, dtype) if dtype == tl.float8e4nv else x.to(dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,15 @@ class ModelKernels(ABC):
     def head(self, x: Tensor, layer: nn.Linear) -> Tensor:
         """The LM head's `layer(x)`: torch's GEMM at every batch size (never the skinny kernel)."""
         return F.linear(x, layer.weight, layer.bias)
+
+    def takes_fp8(self, layer: nn.Module) -> bool:
+        """Whether `layer` is an FP8 projection whose input may come as e4m3 codes (`fp8_codes`)."""
+        return False
+
+    def fp8_codes(self, codes: Tensor, scale: Tensor, dtype: torch.dtype, layer: nn.Module) -> Any:
+        """codes [T, K] e4m3 at one scale (a float32 [1] tensor) as `layer`'s input (an FP8 kernels'
+        `Fp8Act`, shared/kernels/fp8), its output in `dtype`: only for a layer `takes_fp8` holds for."""
+        raise NotImplementedError(f"{self.name} kernels take no FP8 projection")
 
     def takes_cublas(self, rows: int, layer: nn.Linear) -> bool:
         """Whether `linear` hands `rows` rows through `layer` to cuBLAS, where a GEMM tuned for the

@@ -44,12 +44,15 @@ class DenseAttention:
     def takes_rope(self, layer: int) -> bool:
         return False  # the model's RoPE kernel rotates q and k first
 
+    def fp8_out_scale(self, layer: int) -> None:
+        return None  # no FP8 cache: the output is q's dtype
+
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None,
-        sinks: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None, fp8_out: bool = False,
     ) -> torch.Tensor:  # fmt: skip
-        if rope is not None:
-            raise ValueError("DenseAttention takes q and k after RoPE")
+        if rope is not None or fp8_out:
+            raise ValueError("DenseAttention takes q and k after RoPE and gives q's dtype")
         mask = self.sliding_mask if self.cfg.is_sliding(layer) else self.full_mask
         group = q.shape[1] // k.shape[1]
         q, k, v = q.transpose(0, 1), k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

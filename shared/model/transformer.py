@@ -59,8 +59,15 @@ class AttentionFn(Protocol):
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeArgs | None = None,
-        sinks: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None, fp8_out: bool = False,
     ) -> torch.Tensor: ...  # fmt: skip
+
+    def fp8_out_scale(self, layer: int) -> torch.Tensor | None:
+        """The layer's V scale as a float32 [1] tensor on the device where its K/V are stored in FP8,
+        else None. Where it is given, `__call__(fp8_out=True)` returns e4m3 codes at that scale
+        (`shared/kernels/attention/ops.py`): an FP8 o projection's input, with no quantizer before it.
+        Called once per layer."""
+        ...
 
     def takes_rope(self, layer: int) -> bool:
         """Whether the layer's q and k go in before RoPE, with `rope=`: the function applies RoPE and
@@ -115,22 +122,30 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
-        sinks = {} if self.sinks is None else {"sinks": self.sinks.float()}
+        extra: dict = {} if self.sinks is None else {"sinks": self.sinks.float()}
+        # An FP8 cache feeding an FP8 o projection: attention writes its output as e4m3 codes at V's
+        # scale, which bounds them, so no kernel has to find a scale for them.
+        out_scale = attn.fp8_out_scale(self.layer) if kernels.takes_fp8(self.o_proj) else None
+        if out_scale is not None:
+            extra["fp8_out"] = True
         if rope_inside:
             rms = (x, rms_eps) if rms_eps is not None else None
             out = attn(
-                self.layer, q, k, v, rope=rotary.args(positions, qk_norm, rms, self.local_rope), **sinks
+                self.layer, q, k, v, rope=rotary.args(positions, qk_norm, rms, self.local_rope), **extra
             )
         else:
             store = attn.store_target(self.layer)
             q, k = rotary(positions, q, k, kernels, qk_norm, store=store, v=v, local=self.local_rope)
-            out = attn(self.layer, q, k, v, **sinks)
+            out = attn(self.layer, q, k, v, **extra)
+        o = out.reshape(t, self.q_size)
+        if out_scale is not None:
+            o = kernels.fp8_codes(o, out_scale, q.dtype, self.o_proj)
         if self.reduce is not None:  # tensor parallel: this rank's heads' share, summed over the ranks
-            out = self.reduce(kernels.linear(out.reshape(t, self.q_size), self.o_proj))
+            out = self.reduce(kernels.linear(o, self.o_proj))
             return out if residual is None else residual + out
         if residual is not None:
-            return kernels.linear_add(out.reshape(t, self.q_size), self.o_proj, residual)
-        return kernels.linear(out.reshape(t, self.q_size), self.o_proj)
+            return kernels.linear_add(o, self.o_proj, residual)
+        return kernels.linear(o, self.o_proj)
 
 
 class DecoderLayer(nn.Module):

@@ -200,6 +200,70 @@ def test_split_k_over_fp8(num_splits: int) -> None:
     assert_close(ring, want)
 
 
+def assert_codes_of(codes: torch.Tensor, want: torch.Tensor, v_scale: float) -> None:
+    """e4m3 codes at V's scale hold `want` (float64 naive attention) to e4m3's rounding: half a step
+    of 3 mantissa bits (1/16 of the value) plus the float32 sums' slack, or a subnormal's step."""
+    assert codes.dtype == FP8_KV_DTYPE and codes.shape == want.shape
+    got = dequantize(codes.cpu(), v_scale).double()
+    want = want.cpu().double().clamp(-FP8_MAX * v_scale, FP8_MAX * v_scale)
+    torch.testing.assert_close(got, want, rtol=1 / 16 + 1e-3, atol=2.0**-10 * v_scale)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["paged", "ring"])
+@pytest.mark.parametrize("case", ["prefill-mid", "decode-around-W", "mixed"])
+def test_an_fp8_output_is_e4m3_codes_at_vs_scale(backend: str, kind: str, case: str) -> None:
+    """`fp8_out`: attention's output as the FP8 o projection takes it, e4m3 codes at V's scale, on
+    every path (prompt chunks, decodes, mixed batches); the torch path's codes are exactly its float32
+    output quantized at V's scale, and the Triton kernels' codes are the torch path's to one step."""
+    q = QUANTS["calibrated"]
+    b, hist_k, hist_v = fp8_batch(SPECS[case], q, hq=4, hkv=2, d=16, page_size=4, window=5,
+                                  dtype=torch.bfloat16)  # fmt: skip
+    ops = ops_for(DEVICE, backend=backend)
+    call = ops.paged_attention if kind == "paged" else ops.ring_attention
+    args = b.paged_args() if kind == "paged" else b.ring_args()
+    codes = call(*args, max_q=b.max_q, scale=b.scale, window=5, quant=q, fp8_out=True)
+    assert_codes_of(codes, naive(b.q.float(), hist_k, hist_v, b.specs, window=5, scale=b.scale), q.v_scale)
+    if backend == "triton":
+        want = ops_for(DEVICE, backend="torch")
+        want_codes = getattr(want, f"{kind}_attention")(
+            *args, max_q=b.max_q, scale=b.scale, window=5, quant=q, fp8_out=True
+        )
+        steps = (codes.float() - want_codes.float()).abs() / want_codes.float().abs().clamp(min=2.0**-6)
+        assert steps.max() <= 1 / 8  # one e4m3 step at most
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("kind", ["paged", "ring"])
+def test_split_decodes_merge_into_e4m3_codes(kind: str, num_splits: int) -> None:
+    """A split decode leaves V's scale off its partials too, and the merge stores the codes."""
+    q = QUANTS["calibrated"]
+    ops = ops_for(DEVICE, backend="triton")
+    b, hist_k, hist_v = fp8_batch(SPECS["decode-pages"], q, hq=8, hkv=2, window=5, dtype=torch.bfloat16)
+    call = ops._paged if kind == "paged" else ops._ring
+    args = b.paged_args() if kind == "paged" else b.ring_args()
+    codes = call(*args, max_q=1, scale=b.scale, window=5, num_splits=num_splits, quant=q, fp8_out=True)
+    assert_codes_of(codes, naive(b.q.float(), hist_k, hist_v, b.specs, window=5, scale=b.scale), q.v_scale)
+
+
+def test_outputs_past_vs_range_saturate_and_an_fp8_output_needs_an_fp8_cache() -> None:
+    """Codes saturate at +-448 (never NaN); a cache in the model's dtype has no codes to give."""
+    q = KVQuant(1.0, 1.0)
+    b, _, _ = fp8_batch([(3, 1)], q, hq=2, hkv=1, d=16, dtype=torch.float32)
+    b.v_cache = torch.full_like(b.v_cache.float(), 448.0).to(FP8_KV_DTYPE)
+    for backend in BACKENDS:
+        codes = ops_for(DEVICE, backend=backend).paged_attention(
+            *b.paged_args(), max_q=1, scale=b.scale, window=None, quant=q, fp8_out=True
+        )
+        assert codes.float().eq(448.0).all()
+    plain = make_batch([(3, 1)], device=DEVICE)
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match="fp8_out needs an FP8 cache"):
+            ops_for(DEVICE, backend=backend).paged_attention(
+                *plain.paged_args(), max_q=1, scale=plain.scale, window=None, fp8_out=True
+            )
+
+
 ROPE_SPECS = [(6, 1), (7, 1), (8, 1), (3, 1), (16, 1), (33, 1)]
 ROPE_QUANT, ROPE_PAGE, ROPE_D = QUANTS["calibrated"], 4, 16
 

@@ -48,12 +48,18 @@ class QuantizedDense(DenseAttention):
         super().__init__(cache.model, cu_seqlens)
         self.quant = cache.quant
 
-    def __call__(self, layer, q, k, v, rope=None):  # type: ignore[no-untyped-def]
+    def fp8_out_scale(self, layer: int) -> torch.Tensor:
+        qt = self.quant[layer]
+        assert qt is not None
+        return torch.tensor([qt.v_scale])
+
+    def __call__(self, layer, q, k, v, rope=None, fp8_out=False):  # type: ignore[no-untyped-def]
         qt = self.quant[layer]
         assert qt is not None
         k = dequantize(quantize(k, qt.inv_k), qt.k_scale).to(k.dtype)
         v = dequantize(quantize(v, qt.inv_v), qt.v_scale).to(v.dtype)
-        return super().__call__(layer, q, k, v, rope)
+        out = super().__call__(layer, q, k, v, rope)
+        return quantize(out, qt.inv_v) if fp8_out else out  # e4m3 codes at V's scale
 
 
 @torch.inference_mode()
@@ -130,6 +136,38 @@ def test_teacher_forced_logits_are_the_dense_models_over_quantized_kv(
         got.log_softmax(-1), fp32_logits.log_softmax(-1), log_target=True, reduction="batchmean"
     )
     assert spread < 0.25 and kl < 0.15, (float(spread), float(kl))
+
+
+@pytest.mark.parametrize("rope_in_attention", [True, False])
+def test_with_fp8_weights_the_o_projection_takes_attentions_e4m3_codes(rope_in_attention: bool) -> None:
+    """FP8 projections over an FP8 cache: attention hands the o projection its output as e4m3 codes at
+    V's scale, no quantizer between them. Teacher-forced through chunked prefill, mixed steps and
+    decode, the engine computes what the dense oracle computes with its output quantized so (a
+    per-token quantizer in its place moves these logits by far more than the tolerance)."""
+    from shared.model.quant import quantize_model
+
+    model, cache, _ = _runner("SFSF", SCALES, rope_in_attention)
+    model = quantize_model(model, "fp8")
+    runner = ModelRunner(model, cache, rope_in_attention=rope_in_attention)
+    prompts, chunk = [2 * W + 3, 2, W + 1], 4
+    seqs = [Seq(cache, i, random_tokens(n + 12, seed=60 + i)) for i, n in enumerate(prompts)]
+    wants = [quantized_reference(model, cache, s.tokens) for s in seqs]
+    steps = 0
+    while steps < 3 * W:  # prompts in chunks, the finished ones decoding beside them (mixed steps)
+        decoding = [(s, w, 1) for s, w, n in zip(seqs, wants, prompts, strict=True) if s.done >= n]
+        prefilling = [(s, w, min(chunk, n - s.done)) for s, w, n in zip(seqs, wants, prompts, strict=True)
+                      if s.done < n]  # fmt: skip
+        if not prefilling:
+            break
+        live = decoding + prefilling  # decode rows first, as the scheduler lays out a mixed step
+        logits = run(runner, [s.chunk(n) for s, _, n in live], Mode.EXTEND)
+        for row, (s, want, _) in zip(logits, live, strict=True):
+            torch.testing.assert_close(row, want[s.done - 1], **ORACLE)
+        steps += 1
+    for _ in range(3):
+        logits = run(runner, [s.chunk(1) for s in seqs], Mode.DECODE)
+        for row, s, want in zip(logits, seqs, wants, strict=True):
+            torch.testing.assert_close(row, want[s.done - 1], **ORACLE)
 
 
 def _generate(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:

@@ -95,6 +95,12 @@ class KVCache:
         self.slots = UnitAllocator(cfg.max_requests, "window slot")
         # Each layer's FP8 scales (attention's `quant=`), or None for every layer of a model-dtype cache.
         self.quant: tuple[KVQuant | None, ...] = self._quant(model, cfg)
+        # Each layer's V scale as a float32 [1] tensor on the device (None: a model-dtype cache): the
+        # scale of attention's e4m3 output (`BatchAttention.fp8_out_scale`).
+        self.v_scale_l: tuple[torch.Tensor | None, ...] = (None,) * len(self.quant)
+        if cfg.fp8:
+            v_scales = torch.tensor([q.v_scale for q in self.quant if q is not None], device=self.device)
+            self.v_scale_l = tuple(t.view(1) for t in v_scales.unbind(0))
 
     @staticmethod
     def _quant(model: ModelConfig, cfg: KVConfig) -> tuple[KVQuant | None, ...]:

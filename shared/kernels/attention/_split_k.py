@@ -6,6 +6,11 @@ row of the fp32 partials, which `merge` (the `merge_splits` kernel) combines. Ho
 gets is `_launch.choose_splits`. With attention sinks split 0 alone starts from the sink
 (`_online_softmax.softmax_start`): its lse carries the sink's mass even when it reads no key, and the
 merge counts the sink once.
+
+An e4m3 output (`outputs(..., fp8_out=True)`: an FP8 cache's attention feeding an FP8 o projection)
+holds codes at V's scale: the kernels leave V's scale off the sum, so the normalized output is a
+convex combination of V's stored codes, inside +-448, stored saturated and rounded to nearest-even
+(`_round.to_output`) with no scale to compute.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from shared.kernels._round import to_output
 from shared.kernels.attention.merge_splits import merge_splits
+from shared.kernels.kv_quant import FP8_KV_DTYPE as FP8_OUT
 
 
 @triton.jit
@@ -43,7 +50,7 @@ def store_result(
     mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     if num_splits == 1:
         out = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out, to_output(o, out_ptr.dtype.element_ty), mask=mask)
     else:
         # Partials are [num_splits, T, Hq, (D)]; a split that saw no key has lse = -inf and weighs nothing.
         row = (split * num_tokens + tok) * num_q_heads + head
@@ -55,13 +62,16 @@ def store_result(
 _UNUSED: dict[torch.device, torch.Tensor] = {}
 
 
-def outputs(q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, part_o, part_lse): out like q, and with splits the fp32 partials [S, T, Hq, D], [S, T, Hq].
+def outputs(
+    q: torch.Tensor, num_splits: int, fp8_out: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, part_o, part_lse): out like q (e4m3 with `fp8_out`), and with splits the fp32 partials
+    [S, T, Hq, D], [S, T, Hq].
 
     Without splits the kernel never touches the partials; an fp32 stand-in takes their place, so that
     split and unsplit launches share one compiled kernel (Triton compiles per pointer type).
     """
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.empty_like(q, dtype=FP8_OUT if fp8_out else q.dtype, memory_format=torch.contiguous_format)
     if num_splits == 1:
         unused = _UNUSED.get(q.device)
         if unused is None:

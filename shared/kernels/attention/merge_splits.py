@@ -2,7 +2,7 @@
 
 Split s left, for each (token, head), its normalized output o_s and its log2-sum-exp lse_s; the
 exact result is sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). Empty splits carry
-lse = -inf and weigh zero.
+lse = -inf and weigh zero. An e4m3 `out` takes codes (the partials are in V's codes then: `_split_k.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from shared.kernels._launch import MAX_SPLITS, next_pow2
+from shared.kernels._round import to_output
 
 
 # num_tokens and num_splits change with the batch: one compiled kernel for them all (SPLITS_P2 is
@@ -36,7 +37,7 @@ def _merge_splits_kernel(
     total = tl.sum(w, 0)
     merged = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     out = out_ptr + t * stride_ot + h * stride_oh + d
-    tl.store(out, merged.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(out, to_output(merged, out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:

@@ -14,6 +14,9 @@ dequantizes, and a sliding layer's chunk keys are attended as the ring will hold
 `sinks` (gpt-oss's learned attention sinks, float32 [Hq] on q's device): query head h's softmax also
 runs over the logit sinks[h], whose probability is dropped (it has no value), on sliding and full
 layers alike (`reference.py` has the formula). None (the default): no sink, results as always.
+
+`fp8_out` (an FP8 cache only): the output is e4m3 codes at V's scale instead of q's dtype, the input
+an FP8 o projection takes with no quantizer before it (`reference.py` says why no scale is needed).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class AttentionOps(ABC):
         cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
         k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
         rope: RopeInKernel | None = None, quant: KVQuant | None = None, sinks: torch.Tensor | None = None,
+        fp8_out: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         """Causal (optionally windowed) attention over a paged cache that already holds the chunk.
 
@@ -61,6 +65,7 @@ class AttentionOps(ABC):
         v_ring: torch.Tensor, slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int,
         scale: float, window: int, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
         sinks: torch.Tensor | None = None,
+        fp8_out: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         """Sliding-window attention over a ring of the history before the chunk plus the chunk itself.
 
@@ -86,26 +91,30 @@ class TorchOps(AttentionOps):
         *, max_q: int, scale: float, window: int | None, k_new: Tensor | None = None,
         v_new: Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
         sinks: Tensor | None = None,
+        fp8_out: bool = False,
     ) -> Tensor:  # fmt: skip
         reference.check_sinks("paged_attention", sinks, q)  # before RoPE's store
+        reference.check_fp8_out("paged_attention", fp8_out, quant)
         if rope is not None:
             q, _, _ = _rope_and_store("paged_attention", rope, q, k_new, v_new, max_q, quant)
         return reference.paged_attention(
             q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window,
-            quant=quant, sinks=sinks,
+            quant=quant, sinks=sinks, fp8_out=fp8_out,
         )  # fmt: skip
 
     def ring_attention(
         self, q: Tensor, k_new: Tensor, v_new: Tensor, k_ring: Tensor, v_ring: Tensor, slots: Tensor,
         cu_q: Tensor, q_start: Tensor, *, max_q: int, scale: float, window: int,
         rope: RopeInKernel | None = None, quant: KVQuant | None = None, sinks: Tensor | None = None,
+        fp8_out: bool = False,
     ) -> Tensor:  # fmt: skip
         reference.check_sinks("ring_attention", sinks, q)  # before RoPE's store
+        reference.check_fp8_out("ring_attention", fp8_out, quant)
         if rope is not None:
             q, k_new, v_new = _rope_and_store("ring_attention", rope, q, k_new, v_new, max_q, quant)
         return reference.ring_attention(
             q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window,
-            quant=quant, sinks=sinks,
+            quant=quant, sinks=sinks, fp8_out=fp8_out,
         )  # fmt: skip
 
 
@@ -156,20 +165,22 @@ class TritonOps(AttentionOps):
         *, max_q: int, scale: float, window: int | None, k_new: Tensor | None = None,
         v_new: Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
         sinks: Tensor | None = None,
+        fp8_out: bool = False,
     ) -> Tensor:  # fmt: skip
         return self._paged(
             q, k_cache, v_cache, block_table, cu_q, q_start, max_q=max_q, scale=scale, window=window,
-            k_new=k_new, v_new=v_new, rope=rope, quant=quant, sinks=sinks,
+            k_new=k_new, v_new=v_new, rope=rope, quant=quant, sinks=sinks, fp8_out=fp8_out,
         )  # fmt: skip
 
     def ring_attention(
         self, q: Tensor, k_new: Tensor, v_new: Tensor, k_ring: Tensor, v_ring: Tensor, slots: Tensor,
         cu_q: Tensor, q_start: Tensor, *, max_q: int, scale: float, window: int,
         rope: RopeInKernel | None = None, quant: KVQuant | None = None, sinks: Tensor | None = None,
+        fp8_out: bool = False,
     ) -> Tensor:  # fmt: skip
         return self._ring(
             q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q=max_q, scale=scale, window=window,
-            rope=rope, quant=quant, sinks=sinks,
+            rope=rope, quant=quant, sinks=sinks, fp8_out=fp8_out,
         )  # fmt: skip
 
 

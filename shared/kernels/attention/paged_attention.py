@@ -51,7 +51,7 @@ from shared.kernels.attention.fused_rope import (
     kernel_args,
     rms_constexprs,
 )
-from shared.kernels.attention.reference import check_sinks
+from shared.kernels.attention.reference import check_fp8_out, check_sinks
 from shared.kernels.kv_quant import KVQuant
 
 
@@ -185,7 +185,7 @@ def paged_attention(
     cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
     num_splits: int | None = None, tiles: Tiles | None = None, k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None, rope: RopeInKernel | None = None, quant: KVQuant | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, fp8_out: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.paged_attention` (same arguments, same contracts).
 
@@ -203,6 +203,7 @@ def paged_attention(
     op = "paged_attention"
     vl = check_paged(op, q, k_cache, v_cache, block_table, cu_q, q_start, max_q, scale, window, quant)
     check_sinks(op, sinks, q)
+    check_fp8_out(op, fp8_out, quant)
     check_last_dim_contiguous(op, q=q, k_cache=k_cache, v_cache=v_cache)
     if block_table.stride(1) != 1:
         raise ValueError(f"{op}: block_table rows must be contiguous, got strides {block_table.stride()}")
@@ -218,7 +219,7 @@ def paged_attention(
     if window is not None:
         span = min(span, window + tiles.block_q - 1)
     num_splits = choose_splits(op, q.device, num_splits, tiles, max_q, vl.batch * vl.num_kv_heads, span)
-    out, part_o, part_lse = outputs(q, num_splits)
+    out, part_o, part_lse = outputs(q, num_splits, fp8_out)
     grid = (tiles.q_blocks(max_q) * num_splits, vl.batch, vl.num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_table, cu_q, q_start, out, part_o, part_lse,
@@ -227,7 +228,7 @@ def paged_attention(
         out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads, softmax_scale(scale, quant),
         window if window is not None else 0, num_splits,
         kn, vn, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), *kernel_args(rope, q, kn),
-        *quant_args(quant), q if sinks is None else sinks,  # q: unread without sinks
+        *quant_args(quant, fp8_out), q if sinks is None else sinks,  # q: unread without sinks
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim, PAGE_SIZE=page_size,
         HAS_WINDOW=window is not None, F32_DOT=f32_dot(q.dtype), ROPE=rope is not None,

@@ -13,6 +13,12 @@ holds, whichever path computed it.
 With `sinks` (gpt-oss's learned attention sinks, float32 [Hq]) query head h's softmax also runs over
 one extra logit sinks[h] (not scaled by `scale`) whose probability is dropped, as Hugging Face's eager
 gpt-oss does: the outputs shrink by the sink's share, and a row that sees no key gives zeros.
+
+With `fp8_out` (an FP8 cache only) the output is e4m3 codes at V's scale, `quantize(out, 1 / v_scale)`
+of the float32 output: what an FP8 o projection takes (`shared/kernels/fp8/ops.py`). Every value
+attention sums is a stored V code times v_scale, and softmax weights sum to at most 1, so the codes
+stay inside +-448 with no scale of their own to find (e4m3 keeps 3 mantissa bits wherever a value
+lands in its range).
 """
 
 from __future__ import annotations
@@ -70,6 +76,12 @@ def check_sinks(op: str, sinks: torch.Tensor | None, q: torch.Tensor) -> None:
         raise ValueError(f"{op}: sinks must be {want}, got stride {sinks.stride()}")
 
 
+def check_fp8_out(op: str, fp8_out: bool, quant: KVQuant | None) -> None:
+    """An e4m3 output is in V's codes: it needs an FP8 cache's scales."""
+    if fp8_out and quant is None:
+        raise ValueError(f"{op}: fp8_out needs an FP8 cache (quant=KVQuant(...)): its codes are at V's scale")
+
+
 def _gather(cache: torch.Tensor, index: torch.Tensor, scale: float | None) -> torch.Tensor:
     """cache[index]; an FP8 cache's (`scale` given) gathered as bytes and dequantized to float32."""
     if scale is None:
@@ -95,10 +107,11 @@ def _query_grid(
 
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, q_ok: torch.Tensor,
-    slot: torch.Tensor, scale: float, sinks: torch.Tensor | None,
+    slot: torch.Tensor, scale: float, sinks: torch.Tensor | None, inv_out: float | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """q [B, M, Hq, D], k/v [B, K, Hkv, D], visible [B, M, K] -> out [T, Hq, D] gathered by slot;
-    sinks [Hq] (or None) join each row's softmax as one more logit whose probability is dropped."""
+    sinks [Hq] (or None) join each row's softmax as one more logit whose probability is dropped.
+    With `inv_out` the output is e4m3 codes, quantize(out, inv_out), not q's dtype."""
     b, m, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -116,13 +129,14 @@ def _attend(
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     out = probs @ v.float().permute(0, 2, 1, 3)  # [B, Hkv, M*G, D]
     out = out.view(b, hkv, m, g, d).permute(0, 2, 1, 3, 4).reshape(b * m, hq, d)
-    return out.index_select(0, slot).to(q.dtype)
+    out = out.index_select(0, slot)
+    return out.to(q.dtype) if inv_out is None else quantize(out, inv_out)
 
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int | None,
-    quant: KVQuant | None = None, sinks: torch.Tensor | None = None,
+    quant: KVQuant | None = None, sinks: torch.Tensor | None = None, fp8_out: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Causal (optionally sliding-window) attention of varlen queries over a paged KV cache.
 
@@ -134,6 +148,7 @@ def paged_attention(
         "paged_attention", q, k_cache, v_cache, block_table, cu_q, q_start, max_q, scale, window, quant
     )
     check_sinks("paged_attention", sinks, q)
+    check_fp8_out("paged_attention", fp8_out, quant)
     num_pages, page_size, hkv, d = k_cache.shape
     b, max_pages = block_table.shape
     tok, q_ok, qpos, slot = _query_grid(cu_q, q_start, max_q, vl.num_tokens)
@@ -150,7 +165,11 @@ def paged_attention(
     visible = key_ok[:, None, :] & (kpos[None, None, :] <= qpos[:, :, None])
     if window is not None:
         visible &= kpos[None, None, :] > qpos[:, :, None] - window
-    return _attend(q[tok], k, v, visible, q_ok, slot, scale, sinks)
+    return _attend(q[tok], k, v, visible, q_ok, slot, scale, sinks, _inv_out(fp8_out, quant))
+
+
+def _inv_out(fp8_out: bool, quant: KVQuant | None) -> float | None:
+    return quant.inv_v if fp8_out and quant is not None else None
 
 
 def ring_positions(q_start: torch.Tensor, window: int) -> torch.Tensor:
@@ -166,7 +185,7 @@ def ring_positions(q_start: torch.Tensor, window: int) -> torch.Tensor:
 def ring_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
     slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int,
-    quant: KVQuant | None = None, sinks: torch.Tensor | None = None,
+    quant: KVQuant | None = None, sinks: torch.Tensor | None = None, fp8_out: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Sliding-window attention over a ring of the last W positions plus the chunk's own K/V.
 
@@ -177,6 +196,7 @@ def ring_attention(
         "ring_attention", q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q, scale, window, quant
     )
     check_sinks("ring_attention", sinks, q)
+    check_fp8_out("ring_attention", fp8_out, quant)
     tok, q_ok, qpos, slot = _query_grid(cu_q, q_start, max_q, vl.num_tokens)
     ring_pos = ring_positions(q_start, window)
     kpos = torch.cat([ring_pos, qpos], dim=1)  # [B, W + max_q]
@@ -193,4 +213,4 @@ def ring_attention(
     v = torch.where(keep, torch.cat([v_hist, v_chunk], dim=1), 0)
     rel = kpos[:, None, :] - qpos[:, :, None]  # key position minus query position
     visible = key_ok[:, None, :] & (rel <= 0) & (rel > -window)
-    return _attend(q[tok], k, v, visible, q_ok, slot, scale, sinks)
+    return _attend(q[tok], k, v, visible, q_ok, slot, scale, sinks, _inv_out(fp8_out, quant))

@@ -53,7 +53,7 @@ from shared.kernels.attention.fused_rope import (
     kernel_args,
     rms_constexprs,
 )
-from shared.kernels.attention.reference import check_sinks
+from shared.kernels.attention.reference import check_fp8_out, check_sinks
 from shared.kernels.kv_quant import KVQuant
 
 
@@ -209,7 +209,7 @@ def ring_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
     slots: torch.Tensor, cu_q: torch.Tensor, q_start: torch.Tensor, *, max_q: int, scale: float, window: int,
     num_splits: int | None = None, tiles: Tiles | None = None, rope: RopeInKernel | None = None,
-    quant: KVQuant | None = None, sinks: torch.Tensor | None = None,
+    quant: KVQuant | None = None, sinks: torch.Tensor | None = None, fp8_out: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Triton version of `reference.ring_attention` (same arguments, same contracts).
 
@@ -226,6 +226,7 @@ def ring_attention(
     op = "ring_attention"
     vl = check_ring(op, q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q, scale, window, quant)
     check_sinks(op, sinks, q)
+    check_fp8_out(op, fp8_out, quant)
     check_last_dim_contiguous(op, q=q, k_new=k_new, v_new=v_new, k_ring=k_ring, v_ring=v_ring)
     check_triton_device(op, q.device)
     if rope is not None:
@@ -234,15 +235,15 @@ def ring_attention(
     tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q, full, kv_fp8=quant is not None)
     # The ring's W entries are what gets split (the chunk's keys all go to the last split).
     num_splits = choose_splits(op, q.device, num_splits, tiles, max_q, vl.batch * vl.num_kv_heads, window)
-    out, part_o, part_lse = outputs(q, num_splits)
+    out, part_o, part_lse = outputs(q, num_splits, fp8_out)
     grid = (tiles.q_blocks(max_q) * num_splits, vl.batch, vl.num_kv_heads)
     _ring_attention_kernel[grid](
         q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, out, part_o, part_lse,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_ring.stride(0), k_ring.stride(1), k_ring.stride(2), v_ring.stride(0), v_ring.stride(1),
         v_ring.stride(2), out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads,
-        softmax_scale(scale, quant), window, num_splits, *kernel_args(rope, q, k_new), *quant_args(quant),
-        q if sinks is None else sinks,  # q: unread without sinks
+        softmax_scale(scale, quant), window, num_splits, *kernel_args(rope, q, k_new),
+        *quant_args(quant, fp8_out), q if sinks is None else sinks,  # q: unread without sinks
         GROUP=vl.group, GROUP_P2=tiles.group_p2, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim,
         F32_DOT=f32_dot(q.dtype), ROPE=rope is not None, NORM=rope is not None and rope.norm,

@@ -60,6 +60,22 @@ class Fp8Kernels(ModelKernels):
     def takes_cublas(self, rows: int, layer: nn.Linear) -> bool:
         return isinstance(layer, nn.Linear) and super().takes_cublas(rows, layer)
 
+    def takes_fp8(self, layer: nn.Module) -> bool:
+        return not isinstance(layer, nn.Linear)
+
+    def fp8_codes(self, codes: Tensor, scale: Tensor, dtype: torch.dtype, layer: nn.Module) -> Fp8Act:
+        """codes [T, K] e4m3 at one scale (a float32 [1] tensor on their device) as the FP8 `layer`'s
+        input, its output in `dtype`: the scale stands for every token and group. A decode batch's
+        GEMM (the skinny kernel) reads it through zero strides; more rows get the column-major scales
+        a quantizer writes."""
+        rows, size = codes.shape
+        group = min(layer.block[1], size)  # type: ignore[union-attr]
+        groups = -(-size // group)
+        scales = scale.view(1, 1).expand(rows, groups)
+        if rows > _SKINNY_ROWS:
+            scales = scales.t().contiguous().t()
+        return Fp8Act(codes, scales, group, dtype)
+
     def _quantized(self, x: Tensor | Fp8Act, layer: Fp8Layer) -> Fp8Act:
         return x if isinstance(x, Fp8Act) else self.quantize(x, layer.block[1])
 

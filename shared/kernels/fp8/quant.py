@@ -1,8 +1,9 @@
 """Triton per-token activation quantization for the FP8 GEMMs: x [T, K] -> e4m3 [T, K] and one float32
 scale per token and `group` columns (the whole row for per-channel weights, 128 for block-scaled
 ones). Used where no kernel before the GEMM can do it on the way (the o projection reads attention's
-output, the down projection SwiGLU's); the norms before q/k/v and gate/up quantize inside their own
-kernel (`rms_norm_quant.py`).
+output over a cache in the model's dtype, the down projection SwiGLU's); the norms before q/k/v and
+gate/up quantize inside their own kernel (`rms_norm_quant.py`), and attention over an FP8 cache writes
+e4m3 codes at V's scale (`fp8_out`, shared/kernels/attention/ops.py).
 
 A 2-D grid (row, chunk of groups): at decode the rows are few, and a program per row would leave most
 SMs idle on a long row. Scales are written column-major ([G, T] storage viewed as [T, G]), the layout
