@@ -9,7 +9,8 @@ skipped; the step's time is what is measured.
     python bench/decode_ablation.py --model 8b --families quantizers,attention --rounds 3
 
 Families: the FP8 norms' quantizers (`norm_quant`), the SwiGLU's (`glu_quant`), attention output's
-(`quantize`), ring and paged attention, and each projection's skinny GEMM by its weight's shape
+(`quantize`: over a cache in the model's dtype only; over an FP8 cache attention writes e4m3 codes
+and no quantizer runs), ring and paged attention, and each projection's skinny GEMM by its weight's shape
 (`qkv`, `o`, `gate_up`, `down`, `head`: a bf16 model's GEMMs at more than 16 rows run on cuBLAS,
 which this cannot skip). Each row gives the step without the family (every round), what skipping it
 saved against the baseline (best against best), the family's launches a step, and that per launch.
