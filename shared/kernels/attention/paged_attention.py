@@ -122,21 +122,11 @@ def _paged_attention_kernel(
     if WHOLE_TILES:
         tl.static_assert(ROPE)
         k_whole = k_lo + (k_hi - k_lo) // BLOCK_N * BLOCK_N
-        # Without a window the whole tiles start at key 0, so each starts at a page or inside one
-        # where tiles and pages nest (`_paged_run`).
-        STEPPED: tl.constexpr = not HAS_WINDOW and (BLOCK_N % PAGE_SIZE == 0 or PAGE_SIZE % BLOCK_N == 0)
-        if not STEPPED:
-            for n0 in range(k_lo, k_whole, BLOCK_N):
-                acc, m_i, l_i = _paged_tile(
-                    acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kvh, n0, k_hi, qpos, window, qk_scale, stride_kp,
-                    stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, kv_ty, False, BLOCK_N, BLOCK_D,
-                    HEAD_DIM, PAGE_SIZE, F32_DOT, F16, KV_FP8, HAS_WINDOW,
-                )  # fmt: skip
-        else:
-            acc, m_i, l_i = _paged_run(
-                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kvh, k_lo, k_whole, qk_scale, stride_kp, stride_ks,
-                stride_kh, stride_vp, stride_vs, stride_vh, kv_ty, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE,
-                F32_DOT, F16, KV_FP8,
+        for n0 in range(k_lo, k_whole, BLOCK_N):
+            acc, m_i, l_i = _paged_tile(
+                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kvh, n0, k_hi, qpos, window, qk_scale, stride_kp,
+                stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, kv_ty, False, BLOCK_N, BLOCK_D,
+                HEAD_DIM, PAGE_SIZE, F32_DOT, F16, KV_FP8, HAS_WINDOW,
             )  # fmt: skip
         if k_whole < k_hi:
             acc, m_i, l_i = _paged_tile(
@@ -158,31 +148,6 @@ def _paged_attention_kernel(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
         stride_ot, stride_oh, num_splits, BLOCK_D, HEAD_DIM,
     )  # fmt: skip
-
-
-@triton.jit
-def _paged_run(
-    acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kvh, lo, hi, qk_scale, stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh, kv_ty: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, F32_DOT: tl.constexpr, F16: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):  # fmt: skip
-    """The whole tiles of keys [lo, hi), lo a multiple of BLOCK_N, which is a multiple or a divisor of
-    PAGE_SIZE, every key visible: a key's page (counted from its tile's first) and its offset in the
-    page are computed once for all tiles, not for every tile."""
-    r = tl.arange(0, BLOCK_N)
-    d = tl.arange(0, BLOCK_D)
-    in_tile = r // PAGE_SIZE  # the key's page, counted from the tile's first
-    k_in = (r % PAGE_SIZE) * stride_ks + kvh * stride_kh
-    v_in = (r % PAGE_SIZE) * stride_vs + kvh * stride_vh
-    for n0 in range(lo, hi, BLOCK_N):
-        page = tl.load(bt_row + n0 // PAGE_SIZE + in_tile).to(tl.int64)
-        first = n0 % PAGE_SIZE  # 0 unless a page holds several tiles
-        k_at = k_ptr + (page * stride_kp + (k_in + first * stride_ks))[:, None] + d[None, :]
-        v_at = v_ptr + (page * stride_vp + (v_in + first * stride_vs))[:, None] + d[None, :]
-        k, v = load_kv_tile(k_at, v_at, r < BLOCK_N, kv_ty, False, BLOCK_D, HEAD_DIM, KV_FP8)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, True, qk_scale, F32_DOT, F16)
-    return acc, m_i, l_i
 
 
 @triton.jit

@@ -138,25 +138,11 @@ def _ring_attention_kernel(
     if WHOLE_TILES:
         tl.static_assert(ROPE)
         t_whole = t_lo + (t_hi - t_lo) // BLOCK_N * BLOCK_N
-        # The entries run straight from `oldest` to the ring's end, then on from entry 0 (logical
-        # index `wrap`): the whole tiles on either side step their pointers a tile at a time, and
-        # only a tile across the wrap computes each entry's index.
-        wrap = window - oldest
-        t_a = t_lo + tl.maximum(tl.minimum(wrap, t_whole) - t_lo, 0) // BLOCK_N * BLOCK_N
-        t_b = tl.where((t_a < t_whole) & (wrap > t_a), t_a + BLOCK_N, t_a)
-        acc, m_i, l_i = _ring_run(
-            acc, m_i, l_i, q, kr_base, vr_base, stride_kri, stride_vri, oldest + t_lo, t_lo, t_a, qk_scale,
-            kv_ty, BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, F16, KV_FP8,
-        )  # fmt: skip
-        if t_a < t_b:
+        for t0 in range(t_lo, t_whole, BLOCK_N):
             acc, m_i, l_i = _ring_tile(
-                acc, m_i, l_i, q, kr_base, vr_base, stride_kri, stride_vri, oldest, window, t_a, t_hi, first,
+                acc, m_i, l_i, q, kr_base, vr_base, stride_kri, stride_vri, oldest, window, t0, t_hi, first,
                 qpos, qk_scale, kv_ty, False, BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, F16, KV_FP8,
             )  # fmt: skip
-        acc, m_i, l_i = _ring_run(
-            acc, m_i, l_i, q, kr_base, vr_base, stride_kri, stride_vri, t_b - wrap, t_b, t_whole, qk_scale,
-            kv_ty, BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, F16, KV_FP8,
-        )  # fmt: skip
         if t_whole < t_hi:
             acc, m_i, l_i = _ring_tile(
                 acc, m_i, l_i, q, kr_base, vr_base, stride_kri, stride_vri, oldest, window, t_whole, t_hi,
@@ -197,26 +183,6 @@ def _ring_attention_kernel(
         acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
         stride_ot, stride_oh, num_splits, BLOCK_D, HEAD_DIM,
     )  # fmt: skip
-
-
-@triton.jit
-def _ring_run(
-    acc, m_i, l_i, q, kr_base, vr_base, stride_kri, stride_vri, entry, t_lo, t_hi, qk_scale,
-    kv_ty: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    F32_DOT: tl.constexpr, F16: tl.constexpr, KV_FP8: tl.constexpr,
-):  # fmt: skip
-    """Pass 1 over the whole tiles at logical indices [t_lo, t_hi), held in consecutive entries from
-    `entry` on (no wrap among them): every key visible, the pointers stepped a tile at a time."""
-    r = tl.arange(0, BLOCK_N)
-    d = tl.arange(0, BLOCK_D)
-    k_at = kr_base + (entry + r)[:, None] * stride_kri + d[None, :]
-    v_at = vr_base + (entry + r)[:, None] * stride_vri + d[None, :]
-    for _ in range(t_lo, t_hi, BLOCK_N):
-        k, v = load_kv_tile(k_at, v_at, r < BLOCK_N, kv_ty, False, BLOCK_D, HEAD_DIM, KV_FP8)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, True, qk_scale, F32_DOT, F16)
-        k_at += BLOCK_N * stride_kri
-        v_at += BLOCK_N * stride_vri
-    return acc, m_i, l_i
 
 
 @triton.jit
