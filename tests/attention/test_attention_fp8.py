@@ -269,12 +269,12 @@ ROPE_QUANT, ROPE_PAGE, ROPE_D = QUANTS["calibrated"], 4, 16
 
 
 def rope_fp8_case(
-    kind: str, specs: list[tuple[int, int]], w: int, dtype: torch.dtype, seed: int
+    kind: str, specs: list[tuple[int, int]], w: int, dtype: torch.dtype, seed: int, page: int = ROPE_PAGE
 ) -> tuple[Batch, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """A decode batch with RoPE inside over an FP8 cache: the batch (rings of w entries, pages of
-    ROPE_PAGE), its cos/sin table, each row's store index in the ring or pages, and the quantized
+    `page` keys), its cos/sin table, each row's store index in the ring or pages, and the quantized
     K and V caches."""
-    d, page, q = ROPE_D, ROPE_PAGE, ROPE_QUANT
+    d, q = ROPE_D, ROPE_QUANT
     b = make_batch(specs, hq=4, hkv=2, d=d, page_size=page, window=w, dtype=dtype, device=DEVICE, seed=seed)
     positions = max(l0 for l0, _ in specs) + 32
     freqs = torch.arange(positions, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
@@ -330,11 +330,17 @@ def test_rope_inside_attention_stores_fp8_like_the_reference(kind: str, dtype, n
         assert same_fp8(k_got, k_want)
 
 
-@pytest.mark.parametrize(("kind", "window"), [("ring", 64), ("paged", None), ("paged", 24)])
-def test_an_unsplit_fp8_decode_reads_its_whole_tiles_unmasked_as_the_reference(kind, window) -> None:
+# Pages of 4 keys (a 64-key tile reads 16 of them), 128 (two tiles a page) and 24 (tiles and pages
+# not nested).
+@pytest.mark.parametrize(
+    ("kind", "window", "page"),
+    [("ring", 64, 4), ("paged", None, 4), ("paged", None, 128), ("paged", None, 24), ("paged", 24, 4)],
+)
+def test_an_unsplit_fp8_decode_reads_its_whole_tiles_unmasked_as_the_reference(kind, window, page) -> None:
     """An unsplit decode over an FP8 cache with RoPE inside reads its whole key tiles without masks
     (`_launch.whole_tiles`) and only its last, partial tile masked: contexts over several tiles, on
-    tile edges and between them, rings wrapped at several points and not yet full, sliding pages. It
+    tile edges and between them, rings wrapped at several points (a tile's edge among them) and not
+    yet full, pages that nest with the tiles and pages that do not, sliding pages. It
     attends what the torch path attends; a padding row (no key of its own) stays finite and stores
     nothing."""
     from shared.kernels._launch import whole_tiles
@@ -343,9 +349,11 @@ def test_an_unsplit_fp8_decode_reads_its_whole_tiles_unmasked_as_the_reference(k
     assert (
         not whole_tiles(True, True, 2) and not whole_tiles(True, False, 1) and not whole_tiles(False, True, 1)
     )
-    specs = [(70, 1), (100, 1), (127, 1), (40, 1), (63, 1), (5, 1), (16, 1), (64, 1)]
+    # Ring (W = 64, 32-key tiles): wrapped mid-tile (70, 100, 111), on a tile's edge (95), not wrapped
+    # with the ring full (127, 63) or filling (40, 5, 16); the last row pads.
+    specs = [(70, 1), (100, 1), (127, 1), (40, 1), (63, 1), (5, 1), (95, 1), (111, 1), (16, 1), (64, 1)]
     w = window or 64
-    b, cos_sin, dst, caches = rope_fp8_case(kind, specs, w, torch.bfloat16, seed=11)
+    b, cos_sin, dst, caches = rope_fp8_case(kind, specs, w, torch.bfloat16, seed=11, page=page)
     window = w if kind == "ring" else window
     padded_dst = torch.cat([dst[:-1], dst.new_full((1,), -1)])
     want, k_want, v_want = rope_fp8_decode(kind, b, cos_sin, dst, caches, "torch", window, 1)
