@@ -18,8 +18,7 @@ Then where the FP8 decode step's norm and skinny GEMM (descriptor loads, the 8B'
 64 rows) read memory around programmatic dependent launch (`shared/kernels/_pdl.py`): the global
 loads before the wait for the kernel before (what no kernel of the step writes: the weights and their
 scales), and, for the GEMM, after its K loop releases its successor (what stands between the loop's
-end and the store: the o projection's residual addend only, and with the next norm inside
-(`skinny_gemm.NormQuant`) the other programs' sums, read after its barrier).
+end and the store: the o projection's residual addend only).
 
     python bench/kernel_resources.py
 """
@@ -146,16 +145,13 @@ def fp8_decode_rows() -> list[str]:
     rows = [f"fp8 rms_norm_quant         {pdl_loads(_rms_norm_quant_kernel, sig, norm, 8, 1)}"]
     gemm = {"SPLIT_K": 1, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 256, "F32_DOT": False, "SCALED": True,
             "A_GROUPED": False, "W_GROUPED": False, "W_ROWS": 1, "HAS_BIAS": False, "TMA": True,
-            "PDL": True, "PROGRAMS_P2": 128}  # fmt: skip
-    consts = ("ADD", "NORM")
-    sig = {n: "constexpr" if n in gemm or n in consts else "i32" for n in _skinny_gemm_kernel.arg_names}
+            "PDL": True}  # fmt: skip
+    sig = {n: "constexpr" if n in gemm or n == "ADD" else "i32" for n in _skinny_gemm_kernel.arg_names}
     sig.update(x_ptr="tensordesc<fp8e4nv[64, 256]>", w_ptr="tensordesc<fp8e4nv[32, 256]>",
                out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32", as_ptr="*fp32", ws_ptr="*fp32",
-               bias_ptr="*bf16", nw_ptr="*bf16", q_ptr="*fp8e4nv", qs_ptr="*fp32", stats_ptr="*fp32",
-               sync_ptr="*i32", eps="fp32")  # fmt: skip
-    variants = (("q/k/v", False, False), ("o + residual", True, False), ("o + norm", True, True))
-    for label, add, norm in variants:
-        loads = pdl_loads(_skinny_gemm_kernel, sig, {**gemm, "ADD": add, "NORM": norm}, 4, 4)
+               bias_ptr="*bf16")  # fmt: skip
+    for label, add in (("q/k/v", False), ("o + residual", True)):
+        loads = pdl_loads(_skinny_gemm_kernel, sig, {**gemm, "ADD": add}, 4, 4)
         rows.append(f"fp8 skinny_gemm {label:<12s} {loads}")
     return rows
 

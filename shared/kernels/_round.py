@@ -90,17 +90,3 @@ def to_output(x, dtype: tl.constexpr):
     """x (float32) cast to an output's `dtype`; an e4m3 output (codes at scale 1: an attention output in
     V's codes, `attention/_split_k.py`) saturates and rounds to nearest-even as `to_e4m3` does."""
     return to_e4m3(x, 1.0, dtype) if dtype == tl.float8e4nv else x.to(dtype)
-
-
-FP8_MAX = tl.constexpr(448.0)
-AMAX_FLOOR = tl.constexpr(1e-12)  # shared/kernels/fp8/reference.py's AMAX_FLOOR
-
-
-@triton.jit
-def quantize_rows(y, amax):
-    """y [R, C] float32 -> (e4m3 [R, C], scale [R]): row r scaled so that `amax[r]` (its absolute
-    maximum, or a bound on it: what lies above saturates) lands on 448, as
-    `shared/kernels/fp8/reference.py` quantizes. IEEE divisions, as torch's."""
-    scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    return to_e4m3(y, inv[:, None], tl.float8e4nv), scale

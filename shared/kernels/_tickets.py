@@ -1,6 +1,5 @@
 """Zeroed int32 ticket counters for kernels whose last program of a group finishes the group's work
-(the skinny GEMM's split-K reduction, the split argmax) or whose programs wait for each other
-(`_grid_sync.py`): each launch leaves its counters at zero again.
+(the skinny GEMM's split-K reduction, the split argmax): each launch leaves its counters at zero again.
 
 One set per (device, stream): launches on one stream are ordered, two threads' streams get two sets.
 A set that grows keeps its old buffer alive (a CUDA graph captured with it replays into it). Inside a
@@ -12,15 +11,13 @@ from __future__ import annotations
 
 import torch
 
-_sets: dict[tuple[torch.device, int, str], torch.Tensor] = {}
+_sets: dict[tuple[torch.device, int], torch.Tensor] = {}
 _retired: list[torch.Tensor] = []
 
 
-def tickets(device: torch.device, count: int, minimum: int = 1024, use: str = "tickets") -> torch.Tensor:
-    """At least `count` zeroed int32 counters for the current stream of `device`; a `use` of its own
-    gets a set of its own (counters that two kernels of one launch chain must not share)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream, use)
+def tickets(device: torch.device, count: int, minimum: int = 1024) -> torch.Tensor:
+    """At least `count` zeroed int32 counters for the current stream of `device`."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     t = _sets.get(key)
     if t is not None and t.numel() >= count:
         return t

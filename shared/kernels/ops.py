@@ -46,15 +46,6 @@ class ModelKernels(ABC):
         out = torch.addmm(residual, x, layer.weight.t())
         return out if layer.bias is None else out + layer.bias
 
-    def linear_add_norm(
-        self, x: Tensor, layer: nn.Linear, residual: Tensor, norm: nn.Module
-    ) -> tuple[Tensor, Any]:
-        """(`linear_add(x, layer, residual)`, then `norm` of that): a sublayer's last GEMM and the norm
-        that starts the next, whatever that norm returns (an FP8 norm's quantized rows). Kernels that
-        can compute the norm inside the GEMM do (`Fp8TritonKernels`); the result is the same."""
-        out = self.linear_add(x, layer, residual)
-        return out, norm(out, self)
-
     def head(self, x: Tensor, layer: nn.Linear) -> Tensor:
         """The LM head's `layer(x)`: torch's GEMM at every batch size (never the skinny kernel)."""
         return F.linear(x, layer.weight, layer.bias)

@@ -36,14 +36,13 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from shared.kernels._grid_sync import cooperative, counters, fits, grid_sync
 from shared.kernels._launch import f32_dot, interpreting, next_pow2
 from shared.kernels._norm_checks import check_triton_device, fail
 from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
-from shared.kernels._round import quantize_rows, round_to
+from shared.kernels._round import round_to
 from shared.kernels._tickets import tickets
 
-__all__ = ["GemmConfig", "NormQuant", "Scales", "choose_config", "skinny_gemm", "takes_norm", "tma_capable"]
+__all__ = ["GemmConfig", "Scales", "choose_config", "skinny_gemm", "tma_capable"]
 
 
 # M (the batch's rows) changes every step: only masks and the activation scales' stride read it, and
@@ -53,11 +52,10 @@ __all__ = ["GemmConfig", "NormQuant", "Scales", "choose_config", "skinny_gemm", 
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     as_ptr, ws_ptr, bias_ptr, stride_asm, stride_asg, stride_wsn, stride_wsg,
-    nw_ptr, q_ptr, qs_ptr, stats_ptr, sync_ptr, stride_qm, eps,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr, ADD: tl.constexpr, SCALED: tl.constexpr, A_GROUPED: tl.constexpr,
     W_GROUPED: tl.constexpr, W_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
-    PDL: tl.constexpr, NORM: tl.constexpr, PROGRAMS_P2: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -73,8 +71,6 @@ def _skinny_gemm_kernel(
     # them after the loop, which measured faster there (docs/performance.md, "FP8").
     as_rows = as_ptr + rm * stride_asm
     ws_cols = ws_ptr + (rn // W_ROWS) * stride_wsn
-    if NORM:  # the norm's weight: no kernel of the step writes it
-        norm_w = tl.load(nw_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     if TMA:
         w_scale, a_scale, bias = _scales_and_bias(as_rows, ws_cols, bias_ptr + rn, m_ok, n_ok, SCALED,
                                                   A_GROUPED, W_GROUPED, HAS_BIAS, PDL)  # fmt: skip
@@ -131,11 +127,7 @@ def _skinny_gemm_kernel(
             acc += bias[None, :]
         if ADD:
             acc += addend
-        h = round_to(acc, dtype)
-        tl.store(out, h.to(dtype), mask=out_mask)
-        if NORM:
-            _norm_quant(h, norm_w, rm, rn, m_ok, out_mask, N, eps, q_ptr, qs_ptr, stats_ptr, sync_ptr,
-                        stride_qm, dtype, BLOCK_M, PROGRAMS_P2)  # fmt: skip
+        tl.store(out, round_to(acc, dtype).to(dtype), mask=out_mask)
     else:
         tile = rm[:, None] * N + rn[None, :]  # partials: [SPLIT_K, BLOCK_M, N] fp32
         tl.store(part_ptr + pid_k * BLOCK_M * N + tile, acc, mask=out_mask)
@@ -153,38 +145,6 @@ def _skinny_gemm_kernel(
                 total += addend
             tl.store(out, round_to(total, dtype).to(dtype), mask=out_mask)
             tl.atomic_xchg(ticket_ptr + pid_n, 0)  # ready for the next launch
-
-
-@triton.jit
-def _norm_quant(
-    h, w, rm, rn, m_ok, mask, N, eps, q_ptr, qs_ptr, stats_ptr, sync_ptr, stride_qm, dtype: tl.constexpr,
-    BLOCK_M: tl.constexpr, PROGRAMS_P2: tl.constexpr,
-):  # fmt: skip
-    """`rms_norm_quant` of the rows this GEMM wrote (h: its tile, as stored), one scale a row: each
-    program leaves its tile's sums of squares and its bound on the normed row's magnitude (max |h w|)
-    in `stats`, waits for every program (`grid_sync`), reduces all of them in program order (the same
-    bits whichever program finished first), then quantizes its own tile."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    tl.store(stats_ptr + pid * BLOCK_M + rm, tl.sum(h * h, axis=1))
-    tl.store(stats_ptr + (programs + pid) * BLOCK_M + rm, tl.max(tl.abs(h * w[None, :]), axis=1))
-    grid_sync(sync_ptr, programs)
-    squares = tl.zeros([BLOCK_M], tl.float32)
-    bound = tl.zeros([BLOCK_M], tl.float32)
-    chunk: tl.constexpr = min(PROGRAMS_P2, 32)  # [chunk, BLOCK_M] a load: registers stay few
-    for first in tl.static_range(0, PROGRAMS_P2, chunk):
-        p = first + tl.arange(0, chunk)
-        at = stats_ptr + p[:, None] * BLOCK_M + rm[None, :]
-        p_ok = (p < programs)[:, None]
-        squares += tl.sum(tl.load(at, mask=p_ok, other=0.0, cache_modifier=".cg"), axis=0)
-        part = tl.load(at + programs * BLOCK_M, mask=p_ok, other=0.0, cache_modifier=".cg")
-        bound = tl.maximum(bound, tl.max(part, axis=0))
-    rstd = tl.math.rsqrt(squares / N + eps)
-    y = round_to(round_to(h * rstd[:, None], dtype) * w[None, :], dtype)
-    q, scale = quantize_rows(y, bound * rstd)
-    tl.store(q_ptr + rm[:, None] * stride_qm + rn[None, :], q, mask=mask)
-    if pid == 0:
-        tl.store(qs_ptr + rm, scale, mask=m_ok)
 
 
 @triton.jit
@@ -291,29 +251,13 @@ class Scales:
     bias: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
-class NormQuant:
-    """An RMSNorm of what the GEMM writes (the residual stream, `add` + the product), quantized for the
-    FP8 GEMM after it: the norm's `weight` [N] (the output's dtype) and `eps`; the e4m3 `codes` [M, N]
-    and their float32 `scale` [M, 1] (one a row) are written here. Its bits are
-    `shared/kernels/fp8/reference.py`'s `rms_norm_quant` of the stored rows with the row as its group,
-    up to the order of the sums of squares."""
-
-    weight: torch.Tensor
-    eps: float
-    codes: torch.Tensor
-    scale: torch.Tensor
-
-
 def skinny_gemm(
     x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig | None = None, *, add: torch.Tensor | None = None,
-    scales: Scales | None = None, norm: NormQuant | None = None,
+    scales: Scales | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation; M <= 64. With `add` ([M, N],
     x's dtype, rows contiguous): add + x @ w^T, rounded once, written into `add` and returned. With
-    `scales`, x and w are e4m3 and the product is dequantized (+ the bias) in `scales.out_dtype`.
-    With `norm` (and `add` and `scales`; where `takes_norm`), the stored rows' norm is quantized into
-    `norm.codes` and `norm.scale` as well, after a barrier across the grid: no kernel of its own."""
+    `scales`, x and w are e4m3 and the product is dequantized (+ the bias) in `scales.out_dtype`."""
     op = "skinny_gemm"
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         fail(op, f"x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
@@ -328,7 +272,10 @@ def skinny_gemm(
     dtype = x.dtype if scales is None else scales.out_dtype
     a_grouped, w_grouped = _grouping(op, m, n, k, x, scales)
     group = scales.x_group if a_grouped else scales.w_block[1] if w_grouped else None  # type: ignore[union-attr]
-    cfg = cfg or _default_config(x, w, scales, group)
+    if cfg is None:
+        tma = scales is not None and _tma_default(x.device) and tma_capable(x, w)
+        sms = _sms(x.device) if x.device.type == "cuda" else 132
+        cfg = choose_config(m, n, k, itemsize=x.element_size(), group=group, tma=tma, sms=sms)
     if group is not None and cfg.block_k != group:
         fail(op, f"scales per {group}-column group need block_k = {group}, got {cfg.block_k}")
     if cfg.tma and not tma_capable(x, w):
@@ -343,21 +290,16 @@ def skinny_gemm(
         out = add
     else:
         out = torch.empty((m, n), dtype=dtype, device=x.device)
-    block_m = max(16, next_pow2(m))  # the smallest tile a tensor-core dot takes
-    blocks = triton.cdiv(n, cfg.block_n)
-    k_chunk = triton.cdiv(triton.cdiv(max(k, 1), cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_chunk)  # no empty split: each adds its partial and takes its ticket
-    if norm is not None:
-        _check_norm(op, norm, m, n, dtype, x.device, add is not None and scales is not None)
-        if split > 1 or not fits(x.device, blocks):
-            fail(op, f"a norm needs one program a column block, all resident: {blocks} blocks split "
-                     f"{split} ways (`takes_norm`)")  # fmt: skip
     if m == 0 or n == 0:
         return out
     bias = None if scales is None else scales.bias
     if k == 0:  # an empty sum
         out = out if add is not None else out.zero_()
         return out if bias is None else out.add_(bias)
+    block_m = max(16, next_pow2(m))  # the smallest tile a tensor-core dot takes
+    blocks = triton.cdiv(n, cfg.block_n)
+    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_chunk)  # no empty split: each adds its partial and takes its ticket
     part = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     ticket = tickets(x.device, blocks, 4096)
     sx, sw = (out, out) if scales is None else (scales.x, scales.w)
@@ -365,63 +307,16 @@ def skinny_gemm(
     if cfg.tma:
         xa = TensorDescriptor.from_tensor(x, [block_m, cfg.block_k])
         wa = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
-    if norm is not None:  # each program's sums of squares and bound a row, then the barrier's counters
-        nw, q, qs, eps = norm.weight, norm.codes, norm.scale, float(norm.eps)
-        stats, sync = out.new_empty((2, blocks, block_m), dtype=torch.float32), counters(x.device)
-        launch = cooperative()
-    else:
-        nw, q, qs, stats, sync, eps, launch = out, out, out, out, out, 0.0, {}
     _skinny_gemm_kernel[(blocks, split)](
         xa, wa, out, part, ticket, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_chunk,
         sx, sw, bias if bias is not None else out, sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1),
-        nw, q, qs, stats, sync, q.stride(0), eps,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         F32_DOT=f32_dot(x.dtype) or (scales is not None and interpreting()), ADD=add is not None,
         SCALED=scales is not None, A_GROUPED=a_grouped, W_GROUPED=w_grouped,
         W_ROWS=1 if scales is None else scales.w_block[0], HAS_BIAS=bias is not None, TMA=cfg.tma,
-        NORM=norm is not None, PROGRAMS_P2=next_pow2(blocks) if norm is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device, m, scales is not None),
-        **launch,
     )  # fmt: skip
     return out
-
-
-def takes_norm(x: torch.Tensor, w: torch.Tensor, scales: Scales) -> bool:
-    """Whether `skinny_gemm(x, w, add=..., scales=scales, norm=...)` can quantize the norm of its
-    output inside: a CUDA device where its default config's column blocks each take one program, no
-    more of them than SMs (`_grid_sync.fits`)."""
-    m, (n, k) = x.shape[0], w.shape
-    if x.device.type != "cuda" or m > 64 or n == 0 or k == 0:
-        return False
-    a_grouped, w_grouped = scales.x_group < k, scales.w_block[1] < k
-    group = scales.x_group if a_grouped else scales.w_block[1] if w_grouped else None
-    cfg = _default_config(x, w, scales, group)
-    return cfg.split_k == 1 and fits(x.device, triton.cdiv(n, cfg.block_n))
-
-
-def _default_config(x: torch.Tensor, w: torch.Tensor, scales: Scales | None, group: int | None) -> GemmConfig:
-    tma = scales is not None and _tma_default(x.device) and tma_capable(x, w)
-    sms = _sms(x.device) if x.device.type == "cuda" else 132
-    m, (n, k) = x.shape[0], w.shape
-    return choose_config(m, n, k, itemsize=x.element_size(), group=group, tma=tma, sms=sms)
-
-
-def _check_norm(
-    op: str, norm: NormQuant, m: int, n: int, dtype: torch.dtype, device: torch.device, ok: bool
-) -> None:  # fmt: skip
-    if not ok:
-        fail(op, "a norm needs `add` (the residual stream it normalizes) and FP8 `scales`")
-    want = {
-        "norm.weight": (norm.weight, (n,), dtype),
-        "norm.codes": (norm.codes, (m, n), torch.float8_e4m3fn),
-        "norm.scale": (norm.scale, (m, 1), torch.float32),
-    }
-    for name, (t, shape, kind) in want.items():
-        if tuple(t.shape) != shape or t.dtype != kind or t.device != device or t.stride(-1) != 1:
-            fail(op, f"{name} must be {kind} {list(shape)} on {device} with a contiguous last dimension, "
-                     f"got {t.dtype} {list(t.shape)} on {t.device}")  # fmt: skip
-    if not norm.eps >= 0:
-        fail(op, f"norm.eps must be >= 0, got {norm.eps}")
 
 
 def tma_capable(x: torch.Tensor, w: torch.Tensor) -> bool:

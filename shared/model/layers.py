@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -199,19 +198,15 @@ class SwiGLU(nn.Module):
         norm's weight (`Transformer.fold_norms`) and the activation applies each row's
         rsqrt(mean(x^2) + eps), which commutes with the GEMM. With `residual` (which the call
         consumes), residual + the output, the add inside the down projection's GEMM."""
-        act = self.activate(x, kernels, rms_eps)
+        gate_up = kernels.linear(x, self.gate_up_proj)
+        gelu = self.activation == "gelu_tanh"
+        if rms_eps is None:
+            act = kernels.glu(gate_up, gelu, self.down_proj)
+        else:
+            act = (kernels.gelu_tanh_mul_rms if gelu else kernels.silu_mul_rms)(gate_up, x, rms_eps)
         if self.reduce is not None:  # tensor parallel: this rank's slice's share, summed over the ranks
             out = self.reduce(kernels.linear(act, self.down_proj))
             return out if residual is None else residual + out
         if residual is not None:
             return kernels.linear_add(act, self.down_proj, residual)
         return kernels.linear(act, self.down_proj)
-
-    def activate(self, x: torch.Tensor, kernels: ModelKernels = _TORCH, rms_eps: float | None = None) -> Any:
-        """`forward` up to the down projection: its input, act(gate) * up (quantized for an FP8 down
-        projection)."""
-        gate_up = kernels.linear(x, self.gate_up_proj)
-        gelu = self.activation == "gelu_tanh"
-        if rms_eps is None:
-            return kernels.glu(gate_up, gelu, self.down_proj)
-        return (kernels.gelu_tanh_mul_rms if gelu else kernels.silu_mul_rms)(gate_up, x, rms_eps)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -112,20 +112,6 @@ class Attention(nn.Module):
         add inside the GEMM. With `rms_eps`, x is the layer's input itself, not its norm, and qkv's
         weight holds the norm's weight (`Transformer.fold_norms`): q, k and v are scaled by x's rows'
         rsqrt(mean(x^2) + eps), inside attention where it applies RoPE, else by a kernel of its own."""
-        o = self.attend(x, positions, rotary, attn, kernels, rms_eps)
-        if self.reduce is not None:  # tensor parallel: this rank's heads' share, summed over the ranks
-            out = self.reduce(kernels.linear(o, self.o_proj))
-            return out if residual is None else residual + out
-        if residual is not None:
-            return kernels.linear_add(o, self.o_proj, residual)
-        return kernels.linear(o, self.o_proj)
-
-    def attend(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionFn,
-        kernels: ModelKernels, rms_eps: float | None = None,
-    ) -> Any:  # fmt: skip
-        """`forward` up to the o projection: its input, attention's output [T, Hq * D] (e4m3 codes for
-        an FP8 o projection over an FP8 cache)."""
         t = x.shape[0]
         rope_inside = attn.takes_rope(self.layer)
         qkv = kernels.linear(x, self.qkv_proj)
@@ -153,8 +139,13 @@ class Attention(nn.Module):
             out = attn(self.layer, q, k, v, **extra)
         o = out.reshape(t, self.q_size)
         if out_scale is not None:
-            return kernels.fp8_codes(o, out_scale, q.dtype, self.o_proj)
-        return o
+            o = kernels.fp8_codes(o, out_scale, q.dtype, self.o_proj)
+        if self.reduce is not None:  # tensor parallel: this rank's heads' share, summed over the ranks
+            out = self.reduce(kernels.linear(o, self.o_proj))
+            return out if residual is None else residual + out
+        if residual is not None:
+            return kernels.linear_add(o, self.o_proj, residual)
+        return kernels.linear(o, self.o_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -179,16 +170,11 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionFn,
-        kernels: ModelKernels, normed: Any = None, then: nn.Module | None = None,
-    ) -> tuple[torch.Tensor, Any]:  # fmt: skip
+        kernels: ModelKernels,
+    ) -> torch.Tensor:  # fmt: skip
         """x is the residual stream (the embedding, for the first layer); returns the stream after the
         layer: `x = x + attn(norm(x))`, then `x = x + mlp(norm(x))`, each add inside the GEMM that ends
         its sublayer (rounded once, into x's storage on CUDA).
-
-        Each norm after a GEMM's add goes to the kernels with that GEMM (`linear_add_norm`), which an
-        FP8 decode step computes inside it: `normed` is this layer's input norm when the layer before
-        computed it, and `then` the next layer's input norm, whose output comes back with the stream
-        (None where this layer did not compute it).
 
         A norm folded into the GEMM after it (`Transformer.fold_norms`) runs no kernel: that GEMM reads
         the stream itself and the norm's row scale is applied after it (in attention, or a kernel of its
@@ -197,27 +183,17 @@ class DecoderLayer(nn.Module):
         With sandwich norms (Gemma) each sublayer's output is normed first: `x = x + norm(attn(...))`,
         the add after the norm's kernel."""
         attn_eps = self.input_layernorm.eps if self.attn_norm_folded else None
-        h = normed
-        if h is None:
-            h = x if self.attn_norm_folded else self.input_layernorm(x, kernels)
-        mlp_norm = None if self.mlp_norm_folded else self.post_attention_layernorm
-        if self.attn_out_norm is None and self.self_attn.reduce is None and mlp_norm is not None:
-            o = self.self_attn.attend(h, positions, rotary, attn, kernels, rms_eps=attn_eps)
-            x, h = kernels.linear_add_norm(o, self.self_attn.o_proj, x, mlp_norm)
+        h = x if self.attn_norm_folded else self.input_layernorm(x, kernels)
+        if self.attn_out_norm is None:
+            x = self.self_attn(h, positions, rotary, attn, kernels, residual=x, rms_eps=attn_eps)
         else:
-            if self.attn_out_norm is None:
-                x = self.self_attn(h, positions, rotary, attn, kernels, residual=x, rms_eps=attn_eps)
-            else:
-                out = self.self_attn(h, positions, rotary, attn, kernels, rms_eps=attn_eps)
-                x = x + self.attn_out_norm(out, kernels)
-            h = x if mlp_norm is None else mlp_norm(x, kernels)
+            out = self.self_attn(h, positions, rotary, attn, kernels, rms_eps=attn_eps)
+            x = x + self.attn_out_norm(out, kernels)
         mlp_eps = self.post_attention_layernorm.eps if self.mlp_norm_folded else None
-        mlp = self.mlp
-        if self.mlp_out_norm is None and isinstance(mlp, SwiGLU) and mlp.reduce is None and then is not None:
-            return kernels.linear_add_norm(mlp.activate(h, kernels, mlp_eps), mlp.down_proj, x, then)
+        h = x if self.mlp_norm_folded else self.post_attention_layernorm(x, kernels)
         if self.mlp_out_norm is None:
-            return mlp(h, kernels, mlp_eps, residual=x), None
-        return x + self.mlp_out_norm(mlp(h, kernels, mlp_eps), kernels), None
+            return self.mlp(h, kernels, mlp_eps, residual=x)
+        return x + self.mlp_out_norm(self.mlp(h, kernels, mlp_eps), kernels)
 
 
 # Checkpoint (Hugging Face) names -> (our parameter, shard index in a fused parameter or None).
@@ -313,11 +289,8 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
         if self.cfg.scale_embeddings:
             x = x * _embed_scale(self.cfg.hidden_size, x.dtype)
-        normed = None
-        for i, layer in enumerate(self.layers):
-            after = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            then = None if after is None or after.attn_norm_folded else after.input_layernorm
-            x, normed = layer(x, positions, self.rotary, attn, kernels, normed=normed, then=then)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, attn, kernels)
         return self.norm(x, kernels)
 
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:

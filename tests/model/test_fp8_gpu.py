@@ -39,15 +39,11 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert err <= 1e-2 * want.float().abs().max().item() + 1e-3, err
 
 
-def _same_codes(op: str, got: ref.Fp8Act, want: ref.Fp8Act, exact: bool, rsqrt: bool = False) -> None:
+def _same_codes(op: str, got: ref.Fp8Act, want: ref.Fp8Act, exact: bool) -> None:
     """got's scales are want's; its e4m3 codes are too (exact), or, where the kernel's float32 math
     (an exp, a tanh, a sum in another order) may land a value on the other side of a rounding edge,
-    differ by at most one e4m3 step, at no more than 1 in 10^4 elements. A norm's scales (`rsqrt`)
-    carry its rsqrt, whose sum of squares runs in another order: equal to a few float32 ulps."""
-    if rsqrt:
-        torch.testing.assert_close(got.scale, want.scale, rtol=1e-6, atol=0, msg=op)
-    else:
-        assert torch.equal(got.scale, want.scale), op
+    differ by at most one e4m3 step, at no more than 1 in 10^4 elements."""
+    assert torch.equal(got.scale, want.scale), op
     codes, wanted = got.data.view(torch.uint8), want.data.view(torch.uint8)
     if exact:
         assert torch.equal(codes, wanted), op
@@ -72,7 +68,7 @@ def test_quantizers_give_the_reference_bits(size: int, group: int) -> None:
         w = (torch.rand(size, device="cuda") + 0.5).to(torch.bfloat16)
         _same_codes("quantize", quantize(x, group), ref.quantize(x, group), exact=True)
         got, want = rms_norm_quant(x, w, 1e-6, group), ref.rms_norm_quant(x, w, 1e-6, group)
-        _same_codes("rms_norm_quant", got, want, exact=False, rsqrt=True)
+        _same_codes("rms_norm_quant", got, want, exact=False)
         gate_up = torch.cat([x, x.flip(0)], dim=1)
         for gelu in (False, True):
             got, want = glu_quant(gate_up, group, gelu), ref.glu_quant(gate_up, group, gelu)
@@ -120,71 +116,6 @@ def test_gemm_paths_match_the_reference(n: int, k: int, block: tuple[int, int], 
             residual = torch.randn(rows, n, device="cuda").to(torch.bfloat16)
             want = ref.gemm(a, layer.weight, layer.weight_scale_inv, block, layer.bias, residual)
             _close(kernels.linear_add(x, layer, residual.clone()), want)
-
-
-@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 14336), (576, 1536), (200, 96)])
-def test_a_decode_gemm_norms_its_output_inside(n: int, k: int) -> None:
-    """An FP8 decode GEMM that adds into the residual stream quantizes the stream's next norm in its
-    epilogue (`linear_add_norm`, after a barrier across its programs): the stream's bits are the GEMM's
-    alone, and the normed codes those of the norm's own kernel and of the reference, up to the order
-    of the sums of squares."""
-    _fp8_gpu()
-    from shared.kernels.fp8.rms_norm_quant import rms_norm_quant
-    from shared.model.layers import RMSNorm
-    from shared.model.quant import Fp8RMSNorm
-
-    kernels = fp8_kernels_for("cuda")
-    layer = _Layer(n, k, (1, k))
-    norm = Fp8RMSNorm.of(RMSNorm(n, 1e-6).to("cuda", torch.bfloat16), n)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(n, device="cuda") + 0.5)
-    for rows in (1, 7, 24, 40, 64):
-        a = kernels.quantize(torch.randn(rows, k, device="cuda").to(torch.bfloat16), k)
-        residual = (torch.randn(rows, n, device="cuda") * 4).to(torch.bfloat16)
-        assert kernels._fuses_norm(a, layer, residual, norm.group), rows
-        stream, normed = kernels.linear_add_norm(a, layer, residual.clone(), norm)
-        want = kernels.linear_add(a, layer, residual.clone())
-        assert torch.equal(stream, want), rows
-        for against in (rms_norm_quant, ref.rms_norm_quant):
-            _same_codes(f"fused norm, {rows} rows", normed, against(want, norm.weight, 1e-6, n), False, True)
-
-
-def test_fused_norms_replay_from_a_graph_as_they_ran_eagerly() -> None:
-    """Chained GEMMs that each norm their output (each the next one's input), captured once and
-    replayed 40 times under programmatic dependent launch: the barrier's counters carry from launch
-    to launch and replay to replay, and every step gives the eager steps' bits."""
-    _fp8_gpu()
-    from shared.model.layers import RMSNorm
-    from shared.model.quant import Fp8RMSNorm
-
-    kernels = fp8_kernels_for("cuda")
-    layers = [_Layer(1024, 1024, (1, 1024)) for _ in range(3)]
-    norm = Fp8RMSNorm.of(RMSNorm(1024, 1e-6).to("cuda", torch.bfloat16), 1024)
-
-    def step(a: ref.Fp8Act, stream: torch.Tensor) -> ref.Fp8Act:
-        for layer in layers:
-            stream, a = kernels.linear_add_norm(a, layer, stream, norm)
-        return a
-
-    x = torch.randn(64, 1024, device="cuda").to(torch.bfloat16)
-    stream = torch.zeros(64, 1024, device="cuda", dtype=torch.bfloat16)
-    eager_stream, a = stream.clone(), kernels.quantize(x, 1024)
-    for _ in range(40):
-        a = step(a, eager_stream)
-    graph_stream, first = stream.clone(), kernels.quantize(x, 1024)
-    a_in = ref.Fp8Act(first.data.clone(), first.scale.clone(), first.group, first.dtype)
-    step(ref.Fp8Act(a_in.data.clone(), a_in.scale.clone(), 1024, a_in.dtype), stream.clone())  # compiled
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(a_in, graph_stream)
-    for _ in range(40):
-        graph.replay()
-        a_in.data.copy_(out.data)
-        a_in.scale.copy_(out.scale)
-    torch.cuda.synchronize()
-    assert torch.equal(graph_stream, eager_stream)
-    assert torch.equal(out.data.view(torch.uint8), a.data.view(torch.uint8))
-    assert torch.equal(out.scale, a.scale)
 
 
 def _smollm_gpu(quantization: str) -> LoadedModel:

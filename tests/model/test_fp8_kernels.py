@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import nn
 
-from shared.kernels import reference
 from shared.kernels.fp8 import E4M3, FP8_MAX, Fp8Act, fp8_kernels_for
 from shared.kernels.fp8 import reference as ref
 
@@ -92,22 +91,11 @@ def test_rms_norm_quant_kernel_is_the_reference(dtype: torch.dtype, size: int, g
     x = (torch.randn(6, size, generator=g) * 3).to(dtype)
     w = (torch.rand(size, generator=g) + 0.5).to(dtype)
     got, want = rms_norm_quant(x, w, 1e-5, group), ref.rms_norm_quant(x, w, 1e-5, group)
-    # The scales carry the row's rsqrt, whose float32 sum of squares runs in another order
-    torch.testing.assert_close(got.scale, want.scale, rtol=1e-6, atol=0)
-    torch.testing.assert_close(ref.dequantize_act(got), ref.dequantize_act(want), rtol=0.07, atol=1e-6)
-
-
-def test_rms_norm_quant_scales_bound_the_normed_rows() -> None:
-    """A group's scale comes from rsqrt(mean(x^2) + eps) * max |x w| over it: within two bf16
-    roundings of the normed values' own maximum, and what lies above it saturates at 448."""
-    g = torch.Generator().manual_seed(1)
-    x = (torch.randn(8, 512, generator=g) * 3).to(torch.bfloat16)
-    w = (torch.rand(512, generator=g) + 0.5).to(torch.bfloat16)
-    got = ref.rms_norm_quant(x, w, 1e-6, 128)
-    normed = reference.rms_norm(x, w, 1e-6).float().view(8, 4, 128).abs().amax(-1)
-    bound = got.scale * ref.FP8_MAX
-    assert ((normed <= bound * (1 + 2**-7)) & (normed >= bound * (1 - 2**-7))).all()
-    assert got.data.float().abs().max() <= ref.FP8_MAX
+    if dtype == torch.bfloat16:  # the normed row is rounded to bf16 first: the float32 sum order vanishes
+        assert torch.equal(got.scale, want.scale) and torch.equal(_bits(got.data), _bits(want.data))
+    else:
+        torch.testing.assert_close(got.scale, want.scale, rtol=1e-6, atol=0)
+        torch.testing.assert_close(ref.dequantize_act(got), ref.dequantize_act(want), rtol=0.07, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -94,30 +94,6 @@ def test_bad_operands_are_refused_by_name() -> None:
         skinny_gemm(x.float(), w)
 
 
-def test_a_norm_inside_is_refused_where_its_programs_cannot_wait_for_each_other() -> None:
-    """The norm inside the GEMM (`NormQuant`) waits at a barrier across the GEMM's programs: a split K
-    and the interpreter (which runs programs one after another) refuse it by name, as `takes_norm`
-    tells beforehand, and so does a norm with nothing to add into or unscaled operands."""
-    m, n, k = 4, 64, 128
-    x = torch.randn(m, k).to(DEVICE, torch.float8_e4m3fn)
-    w = torch.randn(n, k).to(DEVICE, torch.float8_e4m3fn)
-    ones = torch.ones(1, device=DEVICE)
-    scales = sg.Scales(ones.expand(m, 1), k, ones.expand(n, 1), (1, k), torch.bfloat16)
-    norm = sg.NormQuant(
-        torch.ones(n, device=DEVICE, dtype=torch.bfloat16), 1e-6,
-        torch.empty(m, n, device=DEVICE, dtype=torch.float8_e4m3fn), torch.empty(m, 1, device=DEVICE),
-    )  # fmt: skip
-    add = torch.zeros(m, n, device=DEVICE, dtype=torch.bfloat16)
-    assert sg.takes_norm(x, w, scales) == (DEVICE == "cuda")
-    with pytest.raises(ValueError, match="one program a column block, all resident"):
-        skinny_gemm(x, w, GemmConfig(block_k=64, split_k=2), add=add, scales=scales, norm=norm)
-    with pytest.raises(ValueError, match="a norm needs `add`"):
-        skinny_gemm(x, w, scales=scales, norm=norm)
-    with pytest.raises(ValueError, match=r"norm.codes must be"):
-        narrow = sg.NormQuant(norm.weight, 1e-6, norm.codes[:, :8], norm.scale)
-        skinny_gemm(x, w, add=add, scales=scales, norm=narrow)
-
-
 def test_the_default_config_is_the_sweeps_best_at_the_decode_shapes() -> None:
     # bench/gemm_decode.py on an H200, M = 64: narrow outputs take 16-column blocks (o_proj) or split a
     # deep K (down_proj); wide ones neither.

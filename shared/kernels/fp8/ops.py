@@ -11,7 +11,7 @@ groups (`reference.quantize`), by the norm before it (`rms_norm_quant`) or by `q
 from __future__ import annotations
 
 import functools
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from torch import nn
 from shared.kernels.fp8 import reference
 from shared.kernels.fp8.reference import Fp8Act
 from shared.kernels.ops import Backend, Gemm, ModelKernels, TorchKernels, TritonKernels, kernels_for
-from shared.kernels.skinny_gemm import NormQuant, Scales, skinny_gemm, takes_norm
+from shared.kernels.skinny_gemm import Scales, skinny_gemm
 
 # Decode-sized batches go to the skinny GEMM, FP8 operands and all (`--gemm cublas`: to cuBLAS's scaled
 # GEMM instead, where it takes the layer): it reads the weights in one kernel with the residual add
@@ -141,33 +141,6 @@ class Fp8TritonKernels(Fp8Kernels, TritonKernels):
             use = mm.takes(w, block) and mm.supported(w.device, mm.kind_of(block, w.shape[1]))
             layer.fp8_cublas = use  # type: ignore[attr-defined]
         return use
-
-    def linear_add_norm(
-        self, x: Tensor | Fp8Act, layer: nn.Module, residual: Tensor, norm: nn.Module
-    ) -> tuple[Tensor, Any]:
-        # An FP8 norm with one scale a row after an FP8 GEMM of a decode batch: inside the GEMM
-        a = None if isinstance(layer, nn.Linear) else self._quantized(x, layer)  # type: ignore[arg-type]
-        group = getattr(norm, "group", 0)
-        if a is None or not self._fuses_norm(a, layer, residual, group):  # type: ignore[arg-type]
-            return super().linear_add_norm(x, layer, residual, norm)  # type: ignore[arg-type]
-        rows, size = residual.shape
-        codes = torch.empty((rows, size), dtype=reference.E4M3, device=residual.device)
-        scale = torch.empty((rows, 1), dtype=torch.float32, device=residual.device)
-        fused = NormQuant(norm.weight, norm.eps, codes, scale)  # type: ignore[arg-type]
-        scales = Scales(a.scale, a.group, layer.weight_scale_inv, layer.block, a.dtype, layer.bias)  # type: ignore[arg-type]
-        out = self._skinny_gemm(a.data, layer.weight, add=residual, scales=scales, norm=fused)  # type: ignore[arg-type]
-        return out, Fp8Act(codes, scale, size, a.dtype)
-
-    def _fuses_norm(self, a: Fp8Act, layer: Fp8Layer, residual: Tensor, group: int) -> bool:
-        """The skinny GEMM takes this call and can norm its output inside (`takes_norm`): a decode
-        batch, the norm's scale one a row (its group the whole row), rows of the residual contiguous."""
-        rows, size = residual.shape
-        return (
-            0 < rows <= _SKINNY_ROWS and self.gemm != "cublas" and group >= size
-            and residual.is_contiguous() and residual.dtype == a.dtype
-            and takes_norm(a.data, layer.weight, Scales(a.scale, a.group, layer.weight_scale_inv, layer.block,
-                                                        a.dtype))
-        )  # fmt: skip
 
     def fp8_gemm(self, a: Fp8Act, layer: Fp8Layer, residual: Tensor | None = None) -> Tensor:
         if a.shape[0] <= _SKINNY_ROWS and self.gemm != "cublas":

@@ -104,20 +104,8 @@ def dequantize_act(a: Fp8Act) -> torch.Tensor:
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int) -> Fp8Act:
-    """`reference.rms_norm` (rounded to x's dtype, as a layer's norm gives it), quantized as `quantize`
-    does but for each group's scale: a bound on the normed group's magnitude, rsqrt(mean(x^2) + eps)
-    * max |x * weight| over the group, rather than its absolute maximum. The two differ by the normed
-    values' two roundings to x's dtype at most (what lies above the bound saturates, as e4m3's own
-    rounding would take it), and the bound needs no pass over the normed row: a GEMM that writes x
-    computes it in its epilogue before the row's norm is known (`skinny_gemm`'s `NormQuant`)."""
-    t, k = x.shape
-    group = max(min(group, k) if k else group, 1)
-    h = x.float()
-    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    bound = _groups(h * weight.float(), 1, group).abs().amax(dim=(1, 3)) * rstd
-    scale = _scale_of(bound)
-    q = _to_e4m3(_groups(reference.rms_norm(x, weight, eps), 1, group), scale[:, None, :, None])
-    return Fp8Act(q.view(t, -1)[:, :k].contiguous(), scale, group, x.dtype)
+    """`reference.rms_norm` (rounded to x's dtype, as a layer's norm gives it), then `quantize`."""
+    return quantize(reference.rms_norm(x, weight, eps), group)
 
 
 def glu_quant(gate_up: torch.Tensor, group: int, gelu: bool = False) -> Fp8Act:

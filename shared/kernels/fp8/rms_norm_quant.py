@@ -4,8 +4,7 @@ q/k/v and the post-attention norm before gate/up, in a model whose projections a
 The norm kernel already holds the whole row (`rms_norm.py`: one program a row), so taking each group's
 absolute maximum and writing e4m3 plus the scales costs the norm's own pass: the GEMM's activation
 quantization is free. Rounding follows `reference.rms_norm_quant`: the normed row rounded to the
-activation dtype as the layer's norm would give it, then quantized at the scale of its bound (the one
-the skinny GEMM's fused norm computes, `skinny_gemm.NormQuant`).
+activation dtype as the layer's norm would give it, then quantized.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import triton.language as tl
 
 from shared.kernels._norm_checks import check_rms_norm, fail
 from shared.kernels._pdl import pdl_launch, release_next, wait_for_inputs
-from shared.kernels._round import quantize_rows, round_to
-from shared.kernels.fp8._tile import group_offsets
+from shared.kernels._round import round_to
+from shared.kernels.fp8._tile import group_offsets, quantize_groups
 from shared.kernels.fp8.quant import group_tiles, scale_buffer, warps
 from shared.kernels.fp8.reference import E4M3, Fp8Act
 
@@ -37,9 +36,8 @@ def _rms_norm_quant_kernel(
     dtype = x_ptr.dtype.element_ty
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(tl.sum(h * h, axis=1), axis=0) / size + eps)
-    bound = tl.max(tl.abs(h * w), axis=1) * rstd  # each group's scale: the reference's bound
     h = round_to(h * rstd, dtype)  # Hugging Face rounds the normed row before the weight multiplies it
-    q, scale = quantize_rows(round_to(h * w, dtype), bound)
+    q, scale = quantize_groups(round_to(h * w, dtype))
     tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
     tl.store(s_ptr + row + g * stride_sg, scale, mask=g < tl.cdiv(size, group))
 

@@ -13,9 +13,8 @@ Which scales (`block`, (bn, bk) weight rows x columns a scale):
 
 Norms before FP8 projections are not folded into them (`Transformer.fold_norms` leaves them): the
 norm's kernel already reads the whole row, so it writes the GEMM's input quantized (`Fp8RMSNorm`,
-`rms_norm_quant`; in a decode step the GEMM before the norm does, `ModelKernels.linear_add_norm`),
-where a folded norm would leave the GEMM reading the residual stream, which no kernel of ours writes
-quantized, and its quantization would cost a kernel of its own; and a checkpoint's FP8
+`rms_norm_quant`), where a folded norm would leave the GEMM reading the residual stream, which no
+kernel of ours writes, and its quantization would cost a kernel of its own; and a checkpoint's FP8
 weights keep their bits (folding would dequantize, scale and requantize every block: a second
 rounding) and their calibration (the activation scales of the normed rows the checkpoint was made for).
 """
