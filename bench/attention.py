@@ -97,14 +97,44 @@ ENGINE_BATCH, ENGINE_CTX, ENGINE_WINDOW = 64, 528, 1024  # the decode step of be
 DecodeCall = Callable[[int | None, Tiles | None], torch.Tensor]  # (num_splits, tiles) -> output
 
 
+def _cos_sin() -> torch.Tensor:
+    """RoPE's cos | sin table [8192, D] (base 10000), as the engine passes it to RoPE inside attention."""
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda").float() / D)
+    angles = torch.arange(8192, device="cuda").float()[:, None] * inv[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=1)
+
+
+def _rope_inside(
+    op: str, a: dict[str, torch.Tensor], ctx: int, window: int, cos_sin: torch.Tensor
+) -> RopeInKernel:
+    """RoPE inside a decode call over `op`'s inputs `a` (`_ring_inputs` / `_paged_inputs`, every
+    sequence's new token at position ctx - 1): each token's K/V stored into its ring entry or page row,
+    as the engine's decode step does. Paged inputs get the chunk's k_new and v_new here."""
+    batch = a["q_start"].shape[0]
+    positions = a["q_start"].long()
+    if op == "ring":
+        names = ("k_ring", "v_ring")
+        index = torch.arange(batch, device="cuda") * window + (ctx - 1) % window
+    else:
+        names = ("k_cache", "v_cache")
+        index = a["block_table"][:, (ctx - 1) // PAGE].long() * PAGE + (ctx - 1) % PAGE
+        heads = a["k_cache"].shape[2]
+        a["k_new"] = torch.randn(batch, heads, D, device="cuda", dtype=a["q"].dtype)
+        a["v_new"] = torch.randn_like(a["k_new"])
+    k_dst, v_dst = (a[name].view(-1, a[name].shape[-2], D) for name in names)
+    return RopeInKernel(positions, cos_sin, k_dst, v_dst, index)
+
+
 def engine_decode_calls(
-    hq: int = HQ, hkv: int = HKV, fp8: bool = False
+    hq: int = HQ, hkv: int = HKV, fp8: bool = False, rope: bool = False
 ) -> tuple[dict[str, DecodeCall], dict[str, int], int]:
     """Each layer's decode attention in bench/engine.py, on fresh inputs: {"ring"/"paged": call}.
 
     Also each op's key span as the split rule sees it, and the K/V bytes one call must read
     (64 x 528 x 8 x 128 x 2 x 2 = 138 MB). bench/attention_tune.py sweeps the same calls. `hq`/`hkv`:
-    other heads (`bench/engine.py --model 8b`: 32/8); `fp8`: an FP8 cache (half the bytes).
+    other heads (`bench/engine.py --model 8b`: 32/8); `fp8`: an FP8 cache (half the bytes); `rope`:
+    RoPE inside attention, which also stores the token's K/V, as the engine's decode step calls it
+    (over an FP8 cache, unsplit calls then read whole key tiles unmasked: `_launch.whole_tiles`).
     """
     dtype, scale, batch, ctx, window = torch.bfloat16, D**-0.5, ENGINE_BATCH, ENGINE_CTX, ENGINE_WINDOW
     l0, n = [ctx - 1] * batch, [1] * batch
@@ -114,12 +144,19 @@ def engine_decode_calls(
     if fp8:
         ring.update({name: quantize(ring[name], 1.0) for name in ("k_ring", "v_ring")})
         paged.update({name: quantize(paged[name], 1.0) for name in ("k_cache", "v_cache")})
+    inside: dict[str, dict] = {"ring": {}, "paged": {}}
+    if rope:
+        cos_sin = _cos_sin()
+        inside = {
+            op: {"rope": _rope_inside(op, a, ctx, window, cos_sin)}
+            for op, a in (("ring", ring), ("paged", paged))
+        }
     calls: dict[str, DecodeCall] = {
         "ring": lambda s, t=None: ring_attention(
-            **ring, max_q=1, scale=scale, window=window, num_splits=s, tiles=t, quant=quant
+            **ring, max_q=1, scale=scale, window=window, num_splits=s, tiles=t, quant=quant, **inside["ring"]
         ),
         "paged": lambda s, t=None: paged_attention(
-            **paged, max_q=1, scale=scale, window=None, num_splits=s, tiles=t, quant=quant
+            **paged, max_q=1, scale=scale, window=None, num_splits=s, tiles=t, quant=quant, **inside["paged"]
         ),
     }
     span = {"ring": window, "paged": paged["block_table"].shape[1] * PAGE}
@@ -212,9 +249,7 @@ def engine_decode_rope() -> list[dict]:
     dtype, scale, batch, ctx, window = torch.bfloat16, D**-0.5, ENGINE_BATCH, ENGINE_CTX, ENGINE_WINDOW
     l0, n = [ctx - 1] * batch, [1] * batch
     positions = torch.tensor(l0, dtype=torch.int64, device="cuda")
-    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda").float() / D)
-    angles = torch.arange(8192, device="cuda").float()[:, None] * inv[None, :]
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    cos_sin = _cos_sin()
     ring = _ring_inputs(l0, n, window, dtype)
     paged = _paged_inputs(l0, n, dtype)
     paged["k_new"] = torch.randn_like(ring["k_new"])
@@ -265,9 +300,7 @@ def engine_decode_by_context(contexts: list[int]) -> list[dict]:
     each from a CUDA graph over three input copies (so K/V come from HBM): what a call costs beyond
     reading its K/V shows as the intercept."""
     dtype, scale, batch, window = torch.bfloat16, D**-0.5, ENGINE_BATCH, ENGINE_WINDOW
-    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda").float() / D)
-    angles = torch.arange(8192, device="cuda").float()[:, None] * inv[None, :]
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    cos_sin = _cos_sin()
     rows = []
     for ctx in contexts:
         l0, n = [ctx - 1] * batch, [1] * batch
@@ -304,30 +337,20 @@ def engine_decode_fp8(contexts: list[int]) -> list[dict]:
     an FP8 one (`--kv-cache-dtype fp8_e4m3`: half the bytes to read, a conversion per element), each
     from a CUDA graph over three input copies, as `engine_decode_by_context` times it."""
     dtype, scale, batch, window = torch.bfloat16, D**-0.5, ENGINE_BATCH, ENGINE_WINDOW
-    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda").float() / D)
-    angles = torch.arange(8192, device="cuda").float()[:, None] * inv[None, :]
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    cos_sin = _cos_sin()
     rows = []
     for ctx, op, quant in itertools.product(contexts, ("ring", "paged"), (None, KVQuant())):
         l0, n = [ctx - 1] * batch, [1] * batch
-        positions = torch.tensor(l0, dtype=torch.int64, device="cuda")
         calls = []
         for _ in range(3):
-            if op == "ring":
-                a, names = _ring_inputs(l0, n, window, dtype), ("k_ring", "v_ring")
-                index = torch.arange(batch, device="cuda") * window + (ctx - 1) % window
-                kw = {"window": window}
-            else:
-                a, names = _paged_inputs(l0, n, dtype), ("k_cache", "v_cache")
-                index = a["block_table"][:, (ctx - 1) // PAGE].long() * PAGE + (ctx - 1) % PAGE
-                a["k_new"] = torch.randn(batch, HKV, D, device="cuda", dtype=dtype)
-                a["v_new"] = torch.randn_like(a["k_new"])
-                kw = {"window": None}
+            a = _ring_inputs(l0, n, window, dtype) if op == "ring" else _paged_inputs(l0, n, dtype)
             if quant is not None:
+                names = ("k_ring", "v_ring") if op == "ring" else ("k_cache", "v_cache")
                 a.update({name: quantize(a[name], 1.0) for name in names})
-            kw["rope"] = RopeInKernel(
-                positions, cos_sin, *(a[name].view(-1, HKV, D) for name in names), index
-            )
+            kw = {
+                "window": window if op == "ring" else None,
+                "rope": _rope_inside(op, a, ctx, window, cos_sin),
+            }
             attend = ring_attention if op == "ring" else paged_attention
             calls.append(lambda f=attend, a=a, k=kw, q=quant: f(**a, **k, max_q=1, scale=scale, quant=q))
         ms = do_bench_cudagraph(lambda c=calls: [f() for f in c], rep=200, return_mode="median") / 3

@@ -1,7 +1,8 @@
 """Sweep of launch configurations for ring and paged decode attention at the engine's decode shape (one GPU).
 
 The shape is bench/engine.py's decode step (batch 64, context 528, W=1024, Hq=16, Hkv=8, D=128, bf16;
-`bench.attention.engine_decode_calls`). Every (block_n, num_warps, num_stages, splits) is timed from a
+`bench.attention.engine_decode_calls`; `--rope`: with RoPE inside, as the engine calls it). Every
+(block_n, num_warps, num_stages, splits, max_registers) is timed from a
 CUDA graph, as `bench/attention.py --engine-only` times it, against a copy of the same 138 MB of K/V
 timed the same way in the same run (the floor). The current default (`choose_tiles` and the split
 rule, through the wrappers' default path) goes first; a config that fails to compile or launch (out of
@@ -16,6 +17,12 @@ stops the sweep early (the rest reported as not reached) should that take longer
     PYTHONPATH=. python bench/attention_tune.py --quick   # 2 x 24 configs, ~35 s
     PYTHONPATH=. python bench/attention_tune.py --json tune.json  # the rows and the summary as JSON too
     PYTHONPATH=. python bench/attention_tune.py --heads 32,8 --kv-fp8  # the ~8B's heads, an FP8 cache
+    PYTHONPATH=. python bench/attention_tune.py --heads 32,8 --kv-fp8 --rope --splits 1,2 \
+        --max-registers 0,128  # the 8B's FP8 decode path; a register cap (0: the compiler's count)
+
+A register cap (Triton's maxnreg, `Tiles.max_registers`) trades spills for programs an SM: at batch
+64 the 8B's 512 (sequence, kv head) programs fill an SM four deep, so a cap pays only beside a split
+that gives the SMs more programs to hold.
 """
 
 from __future__ import annotations
@@ -37,8 +44,14 @@ from triton.testing import do_bench_cudagraph
 from bench.attention import ENGINE_BATCH, HKV, HQ, D, copy_rate, engine_decode_calls
 from shared.kernels._launch import Tiles, choose_tiles, fills_gpu, sm_count, split_count
 
-FULL = {"block_n": "32,64,128", "warps": "2,4,8", "stages": "1,2,3,4", "splits": "1,2,4"}
-QUICK = {"block_n": "32,64,128", "warps": "4,8", "stages": "2,3", "splits": "2,4"}
+FULL = {
+    "block_n": "32,64,128",
+    "warps": "2,4,8",
+    "stages": "1,2,3,4",
+    "splits": "1,2,4",
+    "max_registers": "0",
+}
+QUICK = {"block_n": "32,64,128", "warps": "4,8", "stages": "2,3", "splits": "2,4", "max_registers": "0"}
 ATOL = 3e-2  # bf16 (tests/attention/attn_testutil.py): any config must agree with the default this well
 
 
@@ -49,17 +62,20 @@ class Config:
     num_warps: int
     num_stages: int
     splits: int
+    max_registers: int | None = None  # None: the compiler's count
     group: int = HQ // HKV  # query heads per KV head
     kv_fp8: bool = False
 
     def label(self) -> str:
-        return f"bn={self.block_n} warps={self.num_warps} stages={self.num_stages} splits={self.splits}"
+        regs = "" if self.max_registers is None else f" regs<={self.max_registers}"
+        return f"bn={self.block_n} warps={self.num_warps} stages={self.num_stages} splits={self.splits}{regs}"
 
     def tiles(self) -> Tiles:
         base = choose_tiles(self.group, D, 1, kv_fp8=self.kv_fp8)
         return dataclasses.replace(
-            base, block_n=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages
-        )
+            base, block_n=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages,
+            max_registers=self.max_registers,
+        )  # fmt: skip
 
 
 def default_configs(span: dict[str, int], hq: int, hkv: int, kv_fp8: bool) -> dict[str, Config]:
@@ -70,39 +86,49 @@ def default_configs(span: dict[str, int], hq: int, hkv: int, kv_fp8: bool) -> di
         full = fills_gpu(torch.device("cuda"), ENGINE_BATCH * hkv)
         tiles = choose_tiles(hq // hkv, D, 1, f"{op}_attention", full, kv_fp8=kv_fp8)
         splits = split_count(ENGINE_BATCH * hkv, key_span, tiles.block_n, sms)
-        configs[op] = Config(op, tiles.block_n, tiles.num_warps, tiles.num_stages, splits, hq // hkv, kv_fp8)
+        configs[op] = Config(
+            op,
+            tiles.block_n,
+            tiles.num_warps,
+            tiles.num_stages,
+            splits,
+            tiles.max_registers,
+            hq // hkv,
+            kv_fp8,
+        )
     return configs
 
 
 def sweep_order(defaults: dict[str, Config], grid: dict[str, list[int]]) -> list[Config]:
     """The defaults first, then every grid point, the ops interleaved (a cut-short sweep covers both)."""
-    points = list(itertools.product(grid["block_n"], grid["warps"], grid["stages"], grid["splits"]))
+    caps = [cap or None for cap in grid["max_registers"]]  # 0: the compiler's count
+    points = list(itertools.product(grid["block_n"], grid["warps"], grid["stages"], grid["splits"], caps))
     per_op = [[Config(op, *p, d.group, d.kv_fp8) for p in points] for op, d in defaults.items()]
     return list(dict.fromkeys([*defaults.values(), *itertools.chain(*zip(*per_op, strict=True))]))
 
 
 @functools.cache
-def _worker_calls(hq: int, hkv: int, kv_fp8: bool) -> dict:
-    return engine_decode_calls(hq, hkv, kv_fp8)[0]
+def _worker_calls(hq: int, hkv: int, kv_fp8: bool, rope: bool) -> dict:
+    return engine_decode_calls(hq, hkv, kv_fp8, rope)[0]
 
 
-def _compile(cfg: Config, hkv: int) -> None:
+def _compile(cfg: Config, hkv: int, rope: bool) -> None:
     """In a pool process: run `cfg` once so that its kernels land in Triton's on-disk cache."""
     try:
-        _worker_calls(cfg.group * hkv, hkv, cfg.kv_fp8)[cfg.op](cfg.splits, cfg.tiles())
+        _worker_calls(cfg.group * hkv, hkv, cfg.kv_fp8, rope)[cfg.op](cfg.splits, cfg.tiles())
         torch.cuda.synchronize()
     except Exception:
         pass  # the timing loop meets the same failure and reports it
 
 
-def precompile(configs: list[Config], hkv: int, jobs: int, timeout_s: float) -> None:
+def precompile(configs: list[Config], hkv: int, rope: bool, jobs: int, timeout_s: float) -> None:
     if jobs < 1:
         return
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     pool = ProcessPoolExecutor(jobs, mp_context=ctx)
     # The slowest compiles first (big key tiles on few warps, deep pipelines), so no worker ends alone.
     slowest_first = sorted(configs, key=lambda c: c.block_n * c.num_stages / c.num_warps, reverse=True)
-    futures = [pool.submit(_compile, c, hkv) for c in slowest_first]
+    futures = [pool.submit(_compile, c, hkv, rope) for c in slowest_first]
     _, pending = wait(futures, timeout=timeout_s)
     if pending:
         print(f"precompile: {len(pending)} of {len(configs)} configs not compiled within {timeout_s:.0f} s")
@@ -134,6 +160,10 @@ def main() -> None:
     parser.add_argument("--warps", help=f"num_warps values (default {FULL['warps']})")
     parser.add_argument("--stages", help=f"num_stages values (default {FULL['stages']})")
     parser.add_argument("--splits", help=f"split-K factors (default {FULL['splits']})")
+    parser.add_argument(
+        "--max-registers", help=f"register caps a thread, 0 for none (default {FULL['max_registers']})"
+    )
+    parser.add_argument("--rope", action="store_true", help="RoPE inside attention, as the engine's decode")
     parser.add_argument("--ops", default="ring,paged", help="which decode ops to sweep")
     parser.add_argument("--rep", type=int, default=20, help="ms of kernels per timing in the sweep")
     parser.add_argument("--jobs", type=int, default=min(16, max(1, (os.cpu_count() or 2) - 1)),
@@ -148,16 +178,16 @@ def main() -> None:
     base = QUICK if opts.quick else FULL
     grid = {
         k: [int(x) for x in (getattr(opts, k) or base[k]).split(",") if x]
-        for k in ("block_n", "warps", "stages", "splits")
+        for k in ("block_n", "warps", "stages", "splits", "max_registers")
     }
     ops = [op for op in opts.ops.split(",") if op]
 
-    calls, span, kv_bytes = engine_decode_calls(hq, hkv, opts.kv_fp8)
+    calls, span, kv_bytes = engine_decode_calls(hq, hkv, opts.kv_fp8, opts.rope)
     calls = {op: calls[op] for op in ops}
     defaults = default_configs({op: span[op] for op in ops}, hq, hkv, opts.kv_fp8)
     configs = sweep_order(defaults, grid)
     print(f"{len(configs)} configs; compiling with {opts.jobs} processes")
-    precompile(configs, hkv, opts.jobs, timeout_s=opts.budget_s / 2)
+    precompile(configs, hkv, opts.rope, opts.jobs, timeout_s=opts.budget_s / 2)
     rate = copy_rate(kv_bytes)
     floor_us = kv_bytes / rate * 1e6
     print(f"copy floor: {kv_bytes / 1e6:.0f} MB in {floor_us:.1f} us ({rate / 1e12:.2f} TB/s); "
@@ -191,7 +221,7 @@ def main() -> None:
             continue
         best = min(timed, key=lambda r: r["us"])
         best_cfg = Config(op, best["block_n"], best["num_warps"], best["num_stages"], best["splits"],
-                          hq // hkv, opts.kv_fp8)  # fmt: skip
+                          best["max_registers"], hq // hkv, opts.kv_fp8)  # fmt: skip
         again = {}  # the default and the best timed again, longer, one after the other
         for name, forced in (("default", (None, None)), ("best", (best_cfg.splits, best_cfg.tiles()))):
             again[name] = stats(measure(calls[op], *forced, ref=None, rep=200)["us"])

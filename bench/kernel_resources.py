@@ -10,8 +10,10 @@ launch gives it (every pointer and int divisible by 16 but those the kernel keep
 without them its loads compile to 16-bit ones, and nothing here would say what the GPU runs).
 `cuobjdump` and `nvdisasm` (shipped with Triton) read the cubin: its registers, and of its SASS the
 instructions a warp runs before the key loop's first asynchronous copy (the prologue, which every
-program of a batch-64 step runs at once: a decode call's fixed cost), the
-barriers among them, and the instructions of one pass of the key loop. The local Triton may not be
+program of a batch-64 step runs at once: a decode call's fixed cost), the barriers among them, and
+the instructions of one pass of the key loop. Then the 8B's FP8 decode attention as the engine
+launches it (GQA 4, an FP8 cache's tiles, e4m3 output), with the compiler's registers and capped at
+128 (`Tiles.max_registers`: spills, against programs an SM). The local Triton may not be
 the device's: compare variants within one run, not against the device's numbers.
 
 Then where the FP8 decode step's norm and skinny GEMM (descriptor loads, the 8B's q/k/v and o tiles at
@@ -54,13 +56,13 @@ FP8_POINTERS = ("k_ptr", "v_ptr", "kr_ptr", "vr_ptr", "kd_ptr", "vd_ptr")
 FLOATS = ("qk_scale", "eps", "rms_eps", "v_scale", "inv_k", "inv_v")
 
 
-def signature(fn, consts: dict) -> dict[str, str]:
+def signature(fn, consts: dict, fp8_out: bool = False) -> dict[str, str]:
     sig = {}
     for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            fp8 = consts.get("KV_FP8") and name in FP8_POINTERS
+            fp8 = consts.get("KV_FP8") and (name in FP8_POINTERS or (fp8_out and name == "out_ptr"))
             sig[name] = "*fp8e4nv" if fp8 else POINTERS.get(name, "*bf16")
         else:
             sig[name] = "fp32" if name in FLOATS else "i32"
@@ -105,10 +107,14 @@ def sass_counts(cubin: bytes) -> str:
     return f"prologue {first_copy:>5} instr  {barriers:>3} barriers  loop {loop:>4} instr"
 
 
-def resources(fn, consts: dict, warps: int, stages: int) -> str:
-    sig = signature(fn, consts)
+def resources(
+    fn, consts: dict, warps: int, stages: int, max_registers: int | None = None, fp8_out: bool = False
+) -> str:
+    sig = signature(fn, consts, fp8_out)
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=launch_hints(fn, sig))
     options = {"num_warps": warps, "num_stages": stages, **rounding_options(torch.bfloat16)}
+    if max_registers is not None:
+        options["maxnreg"] = max_registers
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -156,6 +162,23 @@ def fp8_decode_rows() -> list[str]:
     return rows
 
 
+def fp8_8b_attention_rows() -> list[str]:
+    """The 8B's FP8 decode attention as the engine launches it at batch 64 (GQA 4, RoPE inside, whole
+    key tiles, e4m3 output; `_launch.choose_tiles(kv_fp8=True)`: ring 32 keys on 2 warps in 3 stages,
+    paged 64 on 2 in 2), with the compiler's register count and under a cap (`Tiles.max_registers`)."""
+    rows = []
+    for name, fn, extra, warps, stages in (
+        ("ring", _ring_attention_kernel, {"BLOCK_N": 32}, 2, 3),
+        ("paged", _paged_attention_kernel, {"BLOCK_N": 64, "PAGE_SIZE": 16, "HAS_WINDOW": False}, 2, 2),
+    ):
+        consts = {**DECODE, "GROUP": 4, "GROUP_P2": 4, **extra, "ROPE": True, "NORM": False, "RMS": False}
+        consts |= {"KV_FP8": True, "WHOLE_TILES": True}
+        for cap in (None, 128):
+            label = f"8B FP8 decode, {'no cap' if cap is None else f'cap {cap}'}"
+            rows.append(f"{name:6s} {label:26s} {resources(fn, consts, warps, stages, cap, fp8_out=True)}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args()
@@ -178,6 +201,8 @@ def main() -> None:
             consts = {**DECODE, **extra, "ROPE": rope, "NORM": norm, "RMS": rms, "KV_FP8": fp8}
             consts["WHOLE_TILES"] = rope and fp8  # the engine's unsplit decode (`_launch.whole_tiles`)
             print(f"{name:6s} {label:26s} {resources(fn, consts, warps, stages)}")
+    for row in fp8_8b_attention_rows():
+        print(row)
     for row in fp8_decode_rows():
         print(row)
 

@@ -52,6 +52,17 @@ class Tiles:
     block_d: int  # head dim rounded up to a power of two
     num_warps: int
     num_stages: int
+    # A cap on each thread's registers (Triton's `maxnreg`), so that more programs share an SM and
+    # hide each other's latency, at the price of spills; None leaves the count to the compiler.
+    # choose_tiles sets none; bench/attention_tune.py sweeps it.
+    max_registers: int | None = None
+
+    def launch_options(self) -> dict[str, int]:
+        """The compile options a launch passes with these tiles."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.max_registers is not None:
+            options["maxnreg"] = self.max_registers
+        return options
 
     def q_blocks(self, max_q: int) -> int:
         return math.ceil(max_q / self.block_q)
@@ -99,8 +110,9 @@ def resolve_tiles(
 ) -> Tiles:
     """`choose_tiles` for the shape, or the caller's `tiles` checked (bench/attention_tune.py forces them).
 
-    A forced Tiles may differ only in block_n, num_warps and num_stages: the row layout (group_p2,
-    block_q, block_m, block_d) is what the kernels' query rows and key ranges assume for the shape.
+    A forced Tiles may differ only in block_n, num_warps, num_stages and max_registers: the row layout
+    (group_p2, block_q, block_m, block_d) is what the kernels' query rows and key ranges assume for the
+    shape.
     """
     chosen = choose_tiles(group, head_dim, max_q, op, fills_gpu, kv_fp8=kv_fp8)
     if tiles is None:
@@ -121,7 +133,18 @@ def resolve_tiles(
         raise ValueError(f"{op}: tiles.num_warps must be one of 1, 2, 4, 8, 16, got {tiles.num_warps!r}")
     if not _is_int(tiles.num_stages) or tiles.num_stages < 1:
         raise ValueError(f"{op}: tiles.num_stages must be an int >= 1, got {tiles.num_stages!r}")
+    cap = tiles.max_registers
+    if cap is not None and (not _is_int(cap) or not MIN_REGISTERS <= cap <= MAX_REGISTERS):
+        raise ValueError(
+            f"{op}: tiles.max_registers must be None or an int in [{MIN_REGISTERS}, {MAX_REGISTERS}], "
+            f"got {cap!r}"
+        )
     return tiles
+
+
+# The register caps a forced Tiles may ask for: 255 is the most a thread holds, and fewer than 32 leave
+# no room for a tensor-core tile's operands (ptxas refuses the ring kernel below 28).
+MIN_REGISTERS, MAX_REGISTERS = 32, 255
 
 
 def _is_int(x: object) -> bool:

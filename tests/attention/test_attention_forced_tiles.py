@@ -39,7 +39,12 @@ def run(op: str, b, tiles: Tiles | None, num_splits: int | None = None) -> torch
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 @pytest.mark.parametrize(
-    "change", [{"block_n": 32, "num_warps": 2}, {"block_n": 64, "num_warps": 8, "num_stages": 3}]
+    "change",
+    [
+        {"block_n": 32, "num_warps": 2},
+        {"block_n": 64, "num_warps": 8, "num_stages": 3},
+        {"block_n": 32, "num_warps": 2, "max_registers": 128},
+    ],
 )
 @pytest.mark.parametrize("op", ["ring", "paged"])
 def test_forced_tiles_match_default(op: str, change: dict, num_splits: int | None) -> None:
@@ -79,6 +84,10 @@ BAD: list[tuple[dict, str]] = [
     ({"block_q": 2}, "tiles.block_q"),
     ({"block_d": 32}, "tiles.block_d"),
     ({"group_p2": 4}, "tiles.group_p2"),
+    ({"max_registers": 24}, "tiles.max_registers"),
+    ({"max_registers": 256}, "tiles.max_registers"),
+    ({"max_registers": 128.0}, "tiles.max_registers"),
+    ({"max_registers": False}, "tiles.max_registers"),
 ]
 
 
@@ -88,6 +97,15 @@ def test_bad_tiles_name_the_field(op: str, change: dict, field: str) -> None:
     b = make_batch([(5, 1), (9, 1)], hq=HQ, hkv=HKV, d=D, page_size=4, window=8, device=DEVICE)
     with pytest.raises(ValueError, match=rf"{op}_attention: {field} must"):
         run(op, b, forced(1, **change))
+
+
+def test_a_register_cap_reaches_the_compiler_only_when_set() -> None:
+    """choose_tiles leaves registers to the compiler; a forced cap is passed on as Triton's maxnreg."""
+    chosen = choose_tiles(HQ // HKV, D, 1)
+    assert chosen.max_registers is None
+    assert chosen.launch_options() == {"num_warps": chosen.num_warps, "num_stages": chosen.num_stages}
+    capped = forced(1, max_registers=128).launch_options()
+    assert capped == {"num_warps": chosen.num_warps, "num_stages": chosen.num_stages, "maxnreg": 128}
 
 
 def test_tiles_must_be_tiles() -> None:
@@ -103,5 +121,5 @@ def test_tune_bench_help_without_cuda() -> None:
         text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    for flag in ("--quick", "--json", "--budget-s"):
+    for flag in ("--quick", "--json", "--budget-s", "--max-registers", "--rope"):
         assert flag in proc.stdout

@@ -197,8 +197,8 @@ def paged_attention(
     split 0's online softmax (`_online_softmax.softmax_start`).
 
     `num_splits` forces the split-K factor (any positive int; None picks one from host sizes). `tiles`
-    forces block_n, num_warps and num_stages (`_launch.resolve_tiles` checks it; None is `choose_tiles`):
-    for tuning sweeps.
+    forces block_n, num_warps, num_stages and max_registers (`_launch.resolve_tiles` checks it; None is
+    `choose_tiles`): for tuning sweeps.
     """
     op = "paged_attention"
     vl = check_paged(op, q, k_cache, v_cache, block_table, cu_q, q_start, max_q, scale, window, quant)
@@ -233,7 +233,7 @@ def paged_attention(
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim, PAGE_SIZE=page_size,
         HAS_WINDOW=window is not None, F32_DOT=f32_dot(q.dtype), ROPE=rope is not None,
         NORM=rope is not None and rope.norm, **rms_constexprs(rope), KV_FP8=quant is not None,
-        SINKS=sinks is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        SINKS=sinks is not None, **tiles.launch_options(),
         **rounding_options(q.dtype),
         **pdl_launch(q.device, vl.num_tokens, max_q == 1),  # decode calls (shared/kernels/_pdl.py)
         WHOLE_TILES=whole_tiles(rope is not None, quant is not None, num_splits),

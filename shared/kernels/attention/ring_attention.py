@@ -220,8 +220,9 @@ def ring_attention(
     split 0's online softmax (`_online_softmax.softmax_start`).
 
     `num_splits` forces the split-K factor over the ring (any positive int; None picks one from host
-    sizes: more than one only for decode-shaped calls on CUDA). `tiles` forces block_n, num_warps and
-    num_stages (`_launch.resolve_tiles` checks it; None is `choose_tiles`): for tuning sweeps.
+    sizes: more than one only for decode-shaped calls on CUDA). `tiles` forces block_n, num_warps,
+    num_stages and max_registers (`_launch.resolve_tiles` checks it; None is `choose_tiles`): for
+    tuning sweeps.
     """
     op = "ring_attention"
     vl = check_ring(op, q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, max_q, scale, window, quant)
@@ -248,7 +249,7 @@ def ring_attention(
         BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, HEAD_DIM=vl.head_dim,
         F32_DOT=f32_dot(q.dtype), ROPE=rope is not None, NORM=rope is not None and rope.norm,
         **rms_constexprs(rope), KV_FP8=quant is not None, SINKS=sinks is not None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **rounding_options(q.dtype),
+        **tiles.launch_options(), **rounding_options(q.dtype),
         **pdl_launch(q.device, vl.num_tokens, max_q == 1),  # decode calls (shared/kernels/_pdl.py)
         WHOLE_TILES=whole_tiles(rope is not None, quant is not None, num_splits),
     )  # fmt: skip
