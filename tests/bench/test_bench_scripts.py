@@ -163,3 +163,20 @@ def test_the_decode_ablation_skips_only_the_families_it_is_asked_to() -> None:
     torch.testing.assert_close(restored, x @ w_o.T)
     kernel = sys.modules["shared.kernels.skinny_gemm"]._skinny_gemm_kernel
     assert "run" not in vars(kernel)  # its class's method again, as instrumentation patching it expects
+
+
+def test_the_fp8_accuracy_bench_scores_every_variant_against_the_unquantized_model(tmp_path: Path) -> None:
+    """bench/fp8_accuracy.py on the embedded SmolLM2, a few prompts of Python's language reference:
+    the unquantized row is the reference itself, and every FP8 variant diverges from it."""
+    out_json = tmp_path / "acc.json"
+    out = _run(
+        "bench/fp8_accuracy.py", "--tokens", "48", "--chunk", "24", "--json", str(out_json), timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out_json.read_text())
+    assert result["tokens"] == 46  # two prompts of 24, each scoring its 23 next tokens
+    rows = {row["variant"]: row for row in result["rows"]}
+    assert list(rows) == ["unquantized", "fp8 weights", "fp8 cache", "fp8 weights + fp8 cache"]
+    assert rows["unquantized"]["change_percent"] == 0 and rows["unquantized"]["mean_kl"] == 0
+    assert 0 < rows["fp8 cache"]["mean_kl"] < rows["fp8 weights"]["mean_kl"], rows
+    assert all(5 < row["perplexity"] < 500 for row in rows.values()), rows  # the model reads English

@@ -27,11 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.engine.batch import ChunkItem, ForwardBatch, Mode
-from shared.engine.kv.cache import KVCache, KVConfig
-from shared.engine.kv.window import RequestWindow
-from shared.engine.runner import BatchAttention
-from shared.kernels.attention import ops_for
+from shared.engine.scoring import prompt_log_probs
 from shared.kernels.kv_quant import FP8_KV_DTYPE
 
 pytestmark = pytest.mark.slow
@@ -39,23 +35,12 @@ pytestmark = pytest.mark.slow
 TEXT = Path(__file__).resolve().parents[1] / "model" / "data" / "perplexity.txt"
 
 
-@torch.inference_mode()
 def log_probs(loaded, kv_dtype: torch.dtype, device: str, model=None) -> tuple[torch.Tensor, list[int]]:  # type: ignore[no-untyped-def]
     """`model`'s (default: the loaded one's) next-token log-probabilities over the text, float32
     [T, V], its KV cache in `kv_dtype`; and the text's tokens."""
     ids = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     assert len(ids) > 300
-    model = model or loaded.model
-    kv = KVConfig(
-        page_size=16, num_pages=-(-len(ids) // 16) + 1, max_requests=1, dtype=kv_dtype, device=device
-    )
-    cache = KVCache(loaded.config, kv)
-    window = RequestWindow(cache, 0)
-    pages = cache.pages.alloc(0, cache.pages_needed(len(ids)))
-    batch = ForwardBatch.build([ChunkItem(window.slot, 0, ids, pages)], Mode.EXTEND, cache)
-    attn = BatchAttention(cache, batch, ops_for(cache.device), loaded.config.head_dim**-0.5)
-    logits = model.compute_logits(model(batch.input_ids, batch.positions, attn))
-    return logits.float().log_softmax(-1), ids
+    return prompt_log_probs(loaded.config, model or loaded.model, ids, kv_dtype, device), ids
 
 
 def perplexity(loaded, kv_dtype: torch.dtype, device: str, model=None) -> float:  # type: ignore[no-untyped-def]
