@@ -11,14 +11,9 @@ divergence of the next-token distributions from the unquantized model's.
 The default text is Python's own language reference (`pydoc_data.topics`, shipped with every
 CPython), read in topic order: technical English with code. `--text FILE` scores a file instead.
 
-`--bias-correction` adds the FP8 weights with their rounding's mean shift corrected
-(`shared/model/quant/bias_correction.py`), the means measured on `--calibration-tokens` of the
-language reference from token 16384 on, past what is scored.
-
     PYTHONPATH=. python bench/fp8_accuracy.py                       # 4096 tokens, float32, CPU
     PYTHONPATH=. python bench/fp8_accuracy.py --dtype bfloat16 --tokens 8192
     PYTHONPATH=. python bench/fp8_accuracy.py --device cuda         # the GPU kernels
-    PYTHONPATH=. python bench/fp8_accuracy.py --bias-correction
 """
 
 from __future__ import annotations
@@ -36,7 +31,6 @@ from shared.engine.scoring import prompt_log_probs
 from shared.kernels.kv_quant import FP8_KV_DTYPE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-CALIBRATION_START = 16384  # the language reference's token where calibration prompts begin
 
 
 def python_reference() -> str:
@@ -49,7 +43,6 @@ def python_reference() -> str:
 def main() -> None:
     from shared.model import load_model
     from shared.model.quant import quantize_model
-    from shared.model.quant.bias_correction import correct_biases, input_means
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096, help="tokens scored, from the text's start")
@@ -58,18 +51,10 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["fp8", "fp8-block"], default="fp8", help="the weights' scales")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--text", type=Path, help="a UTF-8 file to score (default: Python's language reference)")
-    ap.add_argument("--bias-correction", action="store_true", help="also the FP8 weights bias-corrected")
-    ap.add_argument(
-        "--calibration-tokens", type=int, default=4096, help="tokens the bias correction averages"
-    )
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     if args.tokens < 2 or args.chunk < 2:
         ap.error("--tokens and --chunk must be at least 2")
-    if args.bias_correction and args.text is None and args.tokens > CALIBRATION_START:
-        ap.error(
-            f"--tokens: at most {CALIBRATION_START} with --bias-correction (its calibration starts there)"
-        )
     dtype = DTYPES[args.dtype]
     loaded = load_model(dtype=dtype, device=args.device)
     fp8 = quantize_model(copy.deepcopy(loaded.model), args.quantization)
@@ -81,17 +66,6 @@ def main() -> None:
         "fp8 cache": (loaded.model, FP8_KV_DTYPE),
         f"{args.quantization} weights + fp8 cache": (fp8, FP8_KV_DTYPE),
     }
-    if args.bias_correction:
-        reference = loaded.tokenizer.encode(python_reference(), add_special_tokens=False)
-        calibration = reference[CALIBRATION_START : CALIBRATION_START + args.calibration_tokens]
-        means = input_means(
-            loaded.model, [calibration[i : i + args.chunk] for i in range(0, len(calibration), args.chunk)]
-        )
-        corrected = correct_biases(
-            quantize_model(copy.deepcopy(loaded.model), args.quantization), loaded.model, means
-        )
-        variants[f"{args.quantization} weights, bias-corrected"] = (corrected, dtype)
-        variants[f"{args.quantization} weights, bias-corrected + fp8 cache"] = (corrected, FP8_KV_DTYPE)
     nll: dict[str, list[torch.Tensor]] = {name: [] for name in variants}
     kl: dict[str, list[torch.Tensor]] = {name: [] for name in variants}
     for start in range(0, len(ids), args.chunk):
