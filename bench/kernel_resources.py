@@ -12,10 +12,9 @@ without them its loads compile to 16-bit ones, and nothing here would say what t
 instructions a warp runs before the key loop's first asynchronous copy (the prologue, which every
 program of a batch-64 step runs at once: a decode call's fixed cost), the barriers among them, and
 the instructions of one pass of the key loop. Then the 8B's FP8 decode attention as the engine
-launches it (GQA 4, an FP8 cache's tiles, e4m3 output), unsplit and split (masked tiles, and the
-merge of its splits in each query tile's last program), with the compiler's registers and capped at
-128 (`Tiles.max_registers`: spills, against programs an SM). The local Triton may not be the
-device's: compare variants within one run, not against the device's numbers.
+launches it (GQA 4, an FP8 cache's tiles, e4m3 output), with the compiler's registers and capped at
+128 (`Tiles.max_registers`: spills, against programs an SM). The local Triton may not be
+the device's: compare variants within one run, not against the device's numbers.
 
 Then where the FP8 decode step's norm and skinny GEMM (descriptor loads, the 8B's q/k/v and o tiles at
 64 rows) read memory around programmatic dependent launch (`shared/kernels/_pdl.py`): the global
@@ -48,11 +47,10 @@ from shared.kernels.skinny_gemm import _skinny_gemm_kernel
 POINTERS = {
     "pos_ptr": "*i64", "cs_ptr": "*fp32", "idx_ptr": "*i64", "slots_ptr": "*i32", "cu_q_ptr": "*i32",
     "q_start_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "bt_ptr": "*i32",
-    "sinks_ptr": "*fp32", "tickets_ptr": "*i32",
+    "sinks_ptr": "*fp32",
 }  # fmt: skip
 DECODE = {"GROUP": 2, "GROUP_P2": 2, "BLOCK_Q": 1, "BLOCK_M": 16, "BLOCK_D": 128, "HEAD_DIM": 128,
-          "F32_DOT": False, "BLOCK_H": 2048, "SINKS": False, "PDL": False, "WHOLE_TILES": False,
-          "SPLIT": False}  # fmt: skip
+          "F32_DOT": False, "BLOCK_H": 2048, "SINKS": False, "PDL": False, "WHOLE_TILES": False}  # fmt: skip
 # An FP8 cache's tensors (`--kv-cache-dtype fp8_e4m3`): pages or rings, and RoPE's store into them.
 FP8_POINTERS = ("k_ptr", "v_ptr", "kr_ptr", "vr_ptr", "kd_ptr", "vd_ptr")
 FLOATS = ("qk_scale", "eps", "rms_eps", "v_scale", "inv_k", "inv_v")
@@ -174,13 +172,10 @@ def fp8_8b_attention_rows() -> list[str]:
         ("paged", _paged_attention_kernel, {"BLOCK_N": 64, "PAGE_SIZE": 16, "HAS_WINDOW": False}, 2, 2),
     ):
         consts = {**DECODE, "GROUP": 4, "GROUP_P2": 4, **extra, "ROPE": True, "NORM": False, "RMS": False}
-        for split in (False, True):  # a split decode masks its tiles and merges its splits itself
-            consts |= {"KV_FP8": True, "WHOLE_TILES": not split, "SPLIT": split}
-            for cap in (None, 128):
-                cut = "no cap" if cap is None else f"cap {cap}"
-                label = f"8B FP8 decode, {'split, ' if split else ''}{cut}"
-                used = resources(fn, consts, warps, stages, cap, fp8_out=True)
-                rows.append(f"{name:6s} {label:33s} {used}")
+        consts |= {"KV_FP8": True, "WHOLE_TILES": True}
+        for cap in (None, 128):
+            label = f"8B FP8 decode, {'no cap' if cap is None else f'cap {cap}'}"
+            rows.append(f"{name:6s} {label:26s} {resources(fn, consts, warps, stages, cap, fp8_out=True)}")
     return rows
 
 

@@ -13,7 +13,6 @@ from cases import SPECS
 
 from shared.kernels import _launch
 from shared.kernels._launch import choose_splits, choose_tiles, interpreting, split_count
-from shared.kernels.attention import _split_k
 from shared.kernels.attention.paged_attention import paged_attention
 from shared.kernels.attention.ring_attention import ring_attention
 
@@ -123,23 +122,3 @@ def test_ring_decode_with_the_rule_matches_naive() -> None:
     for s in (1, splits):
         out = ring_attention(*b.ring_args(), max_q=1, scale=b.scale, window=150, num_splits=s)
         assert_close(out, expected)
-
-
-@pytest.mark.parametrize("kind", ["ring", "paged"])
-def test_a_split_call_merges_its_splits_and_leaves_its_tickets_at_zero(kind: str) -> None:
-    """A split call is one launch: each query tile's last split to finish merges the partials, then
-    sets the tile's ticket back to zero, so the next launch (a CUDA graph's replay too) starts afresh
-    and gives the same output. With more splits than tiles, the empty splits still take their
-    tickets."""
-    b = make_batch(
-        [(300, 1), (129, 1), (5, 1), (0, 1)], hq=4, hkv=2, d=16, page_size=4, window=40, device=DEVICE
-    )
-    expected = naive_attention(b)
-    tickets = _split_k.tickets(torch.device(DEVICE), 1)
-    for splits in (2, 3, 16, 3):
-        if kind == "ring":
-            out = ring_attention(*b.ring_args(), max_q=1, scale=b.scale, window=40, num_splits=splits)
-        else:
-            out = paged_attention(*b.paged_args(), max_q=1, scale=b.scale, window=40, num_splits=splits)
-        assert_close(out, expected)
-        assert int(tickets.count_nonzero()) == 0

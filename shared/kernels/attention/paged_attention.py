@@ -4,7 +4,7 @@ One program owns one tile of (query, head) rows of one sequence and one kv head,
 it can see in blocks of BLOCK_N positions, gathering each key's page through the block table (so
 any page size works and a block may straddle pages). With num_splits > 1 (decode-shaped calls
 with few programs, see `_launch.choose_splits`) each program takes one slice of the key range and
-writes a partial result, which the tile's last split to finish merges (`_split_k.py`).
+writes a partial result that `merge_splits` combines (`_split_k.py`).
 
 All loop bounds are read on the device from cu_q / q_start, so the launch depends on host sizes
 only and the whole call can be captured in a CUDA graph.
@@ -44,7 +44,7 @@ from shared.kernels.attention._online_softmax import (
     softmax_start,
     tile_queries,
 )
-from shared.kernels.attention._split_k import outputs, split_range, store_result
+from shared.kernels.attention._split_k import merge, outputs, split_range, store_result
 from shared.kernels.attention.fused_rope import (
     RopeInKernel,
     check_rope_in_kernel,
@@ -59,13 +59,13 @@ from shared.kernels.kv_quant import KVQuant
 # on them (== 1, % 16) would compile a new kernel mid-traffic. So would the alignment of the block
 # table and the per-sequence int32 fields, views into one packed buffer at offsets that move with the
 # batch (read a few values at a time), or of the sinks (a slice of a layer's heads, read once). One
-# compiled kernel per query tile, split (SPLIT: it merges its splits itself, `_split_k.py`) or not.
+# compiled kernel per query tile.
 @triton.jit(
     do_not_specialize=["stride_bt", "num_tokens", "num_splits"],
     do_not_specialize_on_alignment=["bt_ptr", "cu_q_ptr", "q_start_ptr", "sinks_ptr"],
 )
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, q_start_ptr, out_ptr, part_o_ptr, part_lse_ptr, tickets_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, q_start_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
     kn_ptr, vn_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
@@ -75,7 +75,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
     RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
-    PDL: tl.constexpr, WHOLE_TILES: tl.constexpr, SPLIT: tl.constexpr,
+    PDL: tl.constexpr, WHOLE_TILES: tl.constexpr,
 ):  # fmt: skip
     release_next(PDL)
     wait_for_inputs(PDL)
@@ -113,7 +113,7 @@ def _paged_attention_kernel(
     hi = tl.where(live, hi, lo)
     k_lo, k_hi = split_range(lo, hi, split, num_splits, BLOCK_N)
 
-    # A sink is counted once per row: by split 0, whatever keys it gets (the merge adds the rest).
+    # A sink is counted once per row: by split 0, whatever keys it gets (`merge_splits` adds the rest).
     acc, m_i, l_i = softmax_start(sinks_ptr, head, row_ok, split == 0, BLOCK_M, BLOCK_D, SINKS)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     # A decode (ROPE) query is the newest position, and its range holds only keys it sees. WHOLE_TILES
@@ -145,8 +145,8 @@ def _paged_attention_kernel(
         acc = acc * v_scale
 
     store_result(
-        acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tickets_ptr, tok, head, row_ok, split, num_tokens,
-        num_q_heads, stride_ot, stride_oh, num_splits, BLOCK_M, BLOCK_D, HEAD_DIM, SPLIT,
+        acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
+        stride_ot, stride_oh, num_splits, BLOCK_D, HEAD_DIM,
     )  # fmt: skip
 
 
@@ -219,10 +219,10 @@ def paged_attention(
     if window is not None:
         span = min(span, window + tiles.block_q - 1)
     num_splits = choose_splits(op, q.device, num_splits, tiles, max_q, vl.batch * vl.num_kv_heads, span)
+    out, part_o, part_lse = outputs(q, num_splits, fp8_out)
     grid = (tiles.q_blocks(max_q) * num_splits, vl.batch, vl.num_kv_heads)
-    out, part_o, part_lse, tix = outputs(q, num_splits, grid[0] // num_splits * grid[1] * grid[2], fp8_out)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, block_table, cu_q, q_start, out, part_o, part_lse, tix,
+        q, k_cache, v_cache, block_table, cu_q, q_start, out, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads, softmax_scale(scale, quant),
@@ -236,6 +236,6 @@ def paged_attention(
         SINKS=sinks is not None, **tiles.launch_options(),
         **rounding_options(q.dtype),
         **pdl_launch(q.device, vl.num_tokens, max_q == 1),  # decode calls (shared/kernels/_pdl.py)
-        WHOLE_TILES=whole_tiles(rope is not None, quant is not None, num_splits), SPLIT=num_splits > 1,
+        WHOLE_TILES=whole_tiles(rope is not None, quant is not None, num_splits),
     )  # fmt: skip
-    return out
+    return merge(out, part_o, part_lse, num_splits)

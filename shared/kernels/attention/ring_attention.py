@@ -10,8 +10,7 @@ the ring holds it too, as its newest entry: pass 1 reads it last, and there is n
 
 Decode-shaped calls (see `_launch.choose_splits`) split pass 1 over num_splits programs per query
 tile, each taking a run of whole key tiles of the filled entries; pass 2 belongs to the last split,
-and the tile's last split to finish merges the partial results (`_split_k.py`, shared with paged
-attention).
+and `merge_splits` combines the partial results (`_split_k.py`, shared with paged attention).
 
 An FP8 ring (`quant`, KV_FP8) is read as paged attention reads FP8 pages (converted to float16 for
 float16 dots, K's scale in the softmax scale, V's on the output); pass 2's chunk keys, read from
@@ -47,7 +46,7 @@ from shared.kernels.attention._online_softmax import (
     softmax_start,
     tile_queries,
 )
-from shared.kernels.attention._split_k import outputs, split_range, store_result
+from shared.kernels.attention._split_k import merge, outputs, split_range, store_result
 from shared.kernels.attention.fused_rope import (
     RopeInKernel,
     check_rope_in_kernel,
@@ -62,14 +61,14 @@ from shared.kernels.kv_quant import KVQuant
 # would compile a new kernel mid-traffic. So would the alignment of the per-sequence int32 fields,
 # views into one packed buffer at offsets that move with the batch (read a value at a time, they
 # gain nothing from it), nor would the sinks' (a slice of a layer's heads). One compiled kernel per
-# query tile, split (SPLIT: it merges its splits itself, `_split_k.py`) or not.
+# query tile.
 @triton.jit(
     do_not_specialize=["num_tokens", "num_splits"],
     do_not_specialize_on_alignment=["slots_ptr", "cu_q_ptr", "q_start_ptr", "sinks_ptr"],
 )
 def _ring_attention_kernel(
     q_ptr, kn_ptr, vn_ptr, kr_ptr, vr_ptr, slots_ptr, cu_q_ptr, q_start_ptr, out_ptr, part_o_ptr,
-    part_lse_ptr, tickets_ptr, stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    part_lse_ptr, stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_krs, stride_kri, stride_krh, stride_vrs, stride_vri, stride_vrh,
     stride_ot, stride_oh, num_tokens, num_q_heads, qk_scale, window, num_splits,
     pos_ptr, cs_ptr, qw_ptr, kw_ptr, idx_ptr, kd_ptr, vd_ptr, stride_cs, stride_kds, stride_kdh, stride_vds,
@@ -78,7 +77,7 @@ def _ring_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
     ROPE: tl.constexpr, NORM: tl.constexpr,
     RMS: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
-    PDL: tl.constexpr, WHOLE_TILES: tl.constexpr, SPLIT: tl.constexpr,
+    PDL: tl.constexpr, WHOLE_TILES: tl.constexpr,
 ):  # fmt: skip
     release_next(PDL)
     wait_for_inputs(PDL)
@@ -130,7 +129,7 @@ def _ring_attention_kernel(
 
     d = tl.arange(0, BLOCK_D)
     d_ok = (d < HEAD_DIM)[None, :]
-    # A sink is counted once per row: by split 0, whatever keys it gets (the merge adds the rest).
+    # A sink is counted once per row: by split 0, whatever keys it gets (`merge_splits` adds the rest).
     acc, m_i, l_i = softmax_start(sinks_ptr, head, row_ok, split == 0, BLOCK_M, BLOCK_D, SINKS)
     first = held - n  # the position at logical index 0
     # A decode (ROPE) sees every ring entry (at most W of them, the newest its own). WHOLE_TILES (an
@@ -181,8 +180,8 @@ def _ring_attention_kernel(
         acc = acc * v_scale
 
     store_result(
-        acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tickets_ptr, tok, head, row_ok, split, num_tokens,
-        num_q_heads, stride_ot, stride_oh, num_splits, BLOCK_M, BLOCK_D, HEAD_DIM, SPLIT,
+        acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, tok, head, row_ok, split, num_tokens, num_q_heads,
+        stride_ot, stride_oh, num_splits, BLOCK_D, HEAD_DIM,
     )  # fmt: skip
 
 
@@ -237,10 +236,10 @@ def ring_attention(
     tiles = resolve_tiles(op, tiles, vl.group, vl.head_dim, max_q, full, kv_fp8=quant is not None)
     # The ring's W entries are what gets split (the chunk's keys all go to the last split).
     num_splits = choose_splits(op, q.device, num_splits, tiles, max_q, vl.batch * vl.num_kv_heads, window)
+    out, part_o, part_lse = outputs(q, num_splits, fp8_out)
     grid = (tiles.q_blocks(max_q) * num_splits, vl.batch, vl.num_kv_heads)
-    out, part_o, part_lse, tix = outputs(q, num_splits, grid[0] // num_splits * grid[1] * grid[2], fp8_out)
     _ring_attention_kernel[grid](
-        q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, out, part_o, part_lse, tix,
+        q, k_new, v_new, k_ring, v_ring, slots, cu_q, q_start, out, part_o, part_lse,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_ring.stride(0), k_ring.stride(1), k_ring.stride(2), v_ring.stride(0), v_ring.stride(1),
         v_ring.stride(2), out.stride(0), out.stride(1), vl.num_tokens, vl.num_q_heads,
@@ -252,6 +251,6 @@ def ring_attention(
         **rms_constexprs(rope), KV_FP8=quant is not None, SINKS=sinks is not None,
         **tiles.launch_options(), **rounding_options(q.dtype),
         **pdl_launch(q.device, vl.num_tokens, max_q == 1),  # decode calls (shared/kernels/_pdl.py)
-        WHOLE_TILES=whole_tiles(rope is not None, quant is not None, num_splits), SPLIT=num_splits > 1,
+        WHOLE_TILES=whole_tiles(rope is not None, quant is not None, num_splits),
     )  # fmt: skip
-    return out
+    return merge(out, part_o, part_lse, num_splits)
